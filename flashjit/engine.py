@@ -1,0 +1,140 @@
+"""Engine: the one place that composes spec -> render -> compile -> cache -> Kernel.
+
+get_kernel looks in memory, then on disk, then renders and compiles (under a per-key file lock so
+concurrent processes compile once). Every compile logs one INFO line on the 'flashjit' logger.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+from . import __version__
+from .cache import KernelCache, cache_key
+from .compile import compile_options, compile_source, nvrtc_version
+from .errors import KernelNotPrewarmed
+from .kernel import Kernel
+from .registry import masks
+from .render import render
+from .spec import DecodeSpec
+from .tiling import decode_tiling
+
+log = logging.getLogger("flashjit")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrewarmResult:
+    spec: DecodeSpec
+    source: str      # "memory", "disk" or "compiled"
+    seconds: float
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _capturing() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class Engine:
+    """Compiles, caches and hands out decode kernels.
+
+    cache_dir: where compiled kernels live (else FLASHJIT_CACHE_DIR, else the user cache dir).
+    template_dirs: folders of extra mask templates (NAME.cuh.j2), registered on construction.
+    allow_compile: False makes a cache miss raise KernelNotPrewarmed (else FLASHJIT_NO_COMPILE).
+    """
+
+    def __init__(self, cache_dir=None, template_dirs=(), allow_compile: bool | None = None):
+        self.cache = KernelCache(cache_dir)
+        for folder in template_dirs:
+            masks.add_template_dir(folder)
+        self.allow_compile = (not _env_flag("FLASHJIT_NO_COMPILE")) if allow_compile is None else allow_compile
+        self._kernels: dict[DecodeSpec, Kernel] = {}
+        self._sources: dict[DecodeSpec, str] = {}
+        self._key_locks: dict[DecodeSpec, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def get_kernel(self, spec: DecodeSpec) -> Kernel:
+        kernel = self._kernels.get(spec)
+        if kernel is not None:
+            return kernel
+        return self._resolve(spec)[0]
+
+    def source(self, spec: DecodeSpec) -> str:
+        """The rendered CUDA source of a spec (what `flashjit show` prints)."""
+        return render(spec)
+
+    def _resolve(self, spec: DecodeSpec) -> tuple[Kernel, str]:
+        with self._lock:
+            key_lock = self._key_locks.setdefault(spec, threading.Lock())
+        with key_lock:
+            kernel = self._kernels.get(spec)
+            if kernel is not None:
+                return kernel, "memory"
+            mask = masks.get(spec.mask)
+            source = render(spec, mask)
+            options = compile_options(spec.arch)
+            key = cache_key(source, spec.arch, options, nvrtc_version(), __version__)
+            hit = self.cache.load(key)
+            origin = "disk"
+            if hit is None:
+                with self.cache.compile_lock(key):
+                    hit = self.cache.load(key)  # another process may have compiled it meanwhile
+                    if hit is None:
+                        hit = (self._compile(spec, source, key), None)
+                        origin = "compiled"
+            kernel = Kernel(spec, decode_tiling(spec), mask, hit[0], key, source)
+            self._kernels[spec] = kernel
+            return kernel, origin
+
+    def _compile(self, spec: DecodeSpec, source: str, key: str) -> bytes:
+        if not self.allow_compile:
+            raise KernelNotPrewarmed(
+                f"{spec.name} is not in the kernel cache at {self.cache.root} and compiling is disabled "
+                f"(FLASHJIT_NO_COMPILE or allow_compile=False); build it with: {prewarm_command(spec, self.cache.root)}")
+        if _capturing():
+            raise KernelNotPrewarmed(
+                f"{spec.name} would be compiled during CUDA-graph capture; prewarm first "
+                f"(engine.get_kernel(spec) before capture, or: {prewarm_command(spec, self.cache.root)})")
+        log.info("compiling %s for %s (cache miss)", spec.name, spec.arch)
+        start = time.perf_counter()
+        compiled = compile_source(source, spec.arch, spec.name, failed_source_dir=self.cache.base / "failed")
+        seconds = time.perf_counter() - start
+        self.cache.store(key, compiled.cubin, source, {
+            "spec": spec.to_dict(), "name": spec.name, "arch": spec.arch, "nvrtc": list(nvrtc_version()),
+            "flashjit": __version__, "options": list(compile_options(spec.arch)), "compile_seconds": round(seconds, 4),
+            "created": time.time(), "nvrtc_log": compiled.log,
+        })
+        return compiled.cubin
+
+    def prewarm(self, specs, jobs: int | None = None, on_done=None) -> list[PrewarmResult]:
+        """Compile (or load from disk) every spec in parallel; NVRTC releases the GIL.
+
+        on_done(result) is called as each spec finishes (the CLI's progress bar).
+        """
+        specs = list(dict.fromkeys(specs))
+        jobs = max(1, jobs or os.cpu_count() or 1)
+
+        def one(spec):
+            start = time.perf_counter()
+            _, origin = self._resolve(spec)
+            result = PrewarmResult(spec, origin, time.perf_counter() - start)
+            if on_done:
+                on_done(result)
+            return result
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(one, specs))
+
+
+def prewarm_command(spec: DecodeSpec, cache_dir) -> str:
+    return f"flashjit prewarm --spec {spec.name} --cache-dir {cache_dir}"

@@ -1,0 +1,145 @@
+"""A compiled decode specialization: its cubin, lazy per-device loading, and a lean launcher.
+
+Modules are loaded with CuPy on first use, on the tensor's device, and pinned for the process
+lifetime, so CUDA-graph replays never see an unloaded module. Launches go straight to the driver's
+cuLaunchKernel through ctypes with argument structs built once and patched per call: the cheapest
+host path from Python (see PERFORMANCE.md), and captured correctly by torch.cuda.graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+
+from .errors import KernelNotPrewarmed
+from .registry import MaskDef
+from .spec import DecodeSpec
+from .tiling import DecodeTiling
+
+DECODE_ENTRY = "flashjit_decode"
+MERGE_ENTRY = "flashjit_merge"
+
+
+class DecodeArgs(ctypes.Structure):
+    """Mirror of decode::Args in templates/include/decode.cuh (same order, natural alignment)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_stride", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("page_stride", ctypes.c_int64), ("slot_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
+        ("page_indices", ctypes.c_void_p),
+        ("work_request", ctypes.c_void_p), ("work_begin", ctypes.c_void_p), ("work_end", ctypes.c_void_p),
+        ("num_work", ctypes.c_void_p),
+        ("req_kv_len", ctypes.c_void_p), ("req_page_begin", ctypes.c_void_p),
+        ("req_qo_indptr", ctypes.c_void_p), ("req_work_indptr", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
+        ("num_qo_heads", ctypes.c_int), ("sm_scale_log2", ctypes.c_float),
+    ]
+
+
+class MergeArgs(ctypes.Structure):
+    """Mirror of merge::Args in templates/include/merge.cuh."""
+
+    _fields_ = [
+        ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
+        ("token_request", ctypes.c_void_p), ("req_qo_indptr", ctypes.c_void_p),
+        ("req_work_indptr", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int),
+    ]
+
+
+MASK_PARAM_CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "int_tensor": ctypes.c_void_p}
+
+_driver = None
+_driver_lock = threading.Lock()
+
+
+def driver():
+    """libcuda through ctypes (loaded on first launch; a GPU-less host never needs it)."""
+    global _driver
+    with _driver_lock:
+        if _driver is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            lib.cuLaunchKernel.restype = ctypes.c_int
+            lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [
+                ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+            lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+            _driver = lib
+    return _driver
+
+
+def check(status: int, what: str):
+    if status != 0:
+        text = ctypes.c_char_p()
+        driver().cuGetErrorString(status, ctypes.byref(text))
+        raise RuntimeError(f"{what} failed: CUDA error {status} ({(text.value or b'?').decode()})")
+
+
+@dataclasses.dataclass
+class LoadedKernel:
+    """Driver handles of one spec's entry points on one device."""
+
+    module: object  # the CuPy Module, kept alive for the process lifetime
+    decode: int
+    merge: int
+    ctas_per_sm: int
+    num_sms: int
+
+
+class Kernel:
+    """One compiled specialization. Cheap to create; loads on first use per device."""
+
+    def __init__(self, spec: DecodeSpec, tiling: DecodeTiling, mask: MaskDef, cubin: bytes, key: str, source: str | None = None):
+        self.spec, self.tiling, self.mask, self.cubin, self.key = spec, tiling, mask, cubin, key
+        self._source = source
+        self._loaded: dict[int, LoadedKernel] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return f"Kernel({self.spec.name}, key={self.key[:12]})"
+
+    def loaded(self, device_index: int) -> LoadedKernel:
+        found = self._loaded.get(device_index)
+        return found if found is not None else self._load(device_index)
+
+    def _load(self, device_index: int) -> LoadedKernel:
+        import cupy
+        import torch
+
+        with self._lock:
+            if device_index in self._loaded:
+                return self._loaded[device_index]
+            if torch.cuda.is_current_stream_capturing():
+                raise KernelNotPrewarmed(
+                    f"{self.spec.name} is not loaded on cuda:{device_index} and modules cannot be loaded during "
+                    "CUDA-graph capture; run one plan()/run() (or engine.get_kernel(spec).loaded(device)) before capturing")
+            major, minor = torch.cuda.get_device_capability(device_index)
+            device_arch = f"sm_{major}{minor}"
+            if self.spec.arch.rstrip("a") != device_arch:
+                raise KernelNotPrewarmed(f"{self.spec.name} was compiled for {self.spec.arch} but cuda:{device_index} "
+                                         f"is {device_arch}; build the spec with arch={device_arch!r}")
+            with cupy.cuda.Device(device_index):
+                module = cupy.cuda.function.Module()
+                module.load(self.cubin)
+                decode = module.get_function(DECODE_ENTRY).ptr
+                merge = module.get_function(MERGE_ENTRY).ptr
+            occupancy = ctypes.c_int(0)
+            check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                ctypes.byref(occupancy), decode, self.tiling.threads, 0), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+            loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms)
+            self._loaded[device_index] = loaded
+            return loaded
+
+
+def launch(function: int, grid, block, params, stream: int):
+    """cuLaunchKernel with a prebuilt void*[] of argument addresses."""
+    status = driver().cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0,
+                                     stream, params, None)
+    if status:
+        check(status, "cuLaunchKernel")

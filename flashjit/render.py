@@ -1,0 +1,73 @@
+"""Render a DecodeSpec to one self-contained CUDA source with Jinja2.
+
+Headers are inlined by `{% include %}`, so the rendered text alone determines the compiled code
+(and so the cache key). Templates render in a sandboxed environment with StrictUndefined: user
+mask templates cannot reach Python internals, and a typo is an error naming file and line.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+from jinja2.sandbox import SandboxedEnvironment
+
+from . import __version__
+from .errors import TemplateError
+from .registry import MaskDef, masks
+from .spec import DecodeSpec
+from .tiling import decode_tiling
+
+ENTRY_TEMPLATE = "decode/paged.cu.j2"
+STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t"}
+
+
+def template_root() -> Path:
+    """templates/ inside the installed package, else the source checkout's top-level folder."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates", here.parent / "templates"):
+        if (candidate / ENTRY_TEMPLATE).is_file():
+            return candidate
+    raise TemplateError(f"flashjit templates not found next to {here}; reinstall flashjit")
+
+
+def _load_absolute(name: str):
+    """Loader for user mask templates registered by absolute path."""
+    if not os.path.isabs(name) or not os.path.isfile(name):
+        return None
+    path = Path(name)
+    mtime = path.stat().st_mtime
+    return path.read_text(), str(path), lambda: path.exists() and path.stat().st_mtime == mtime
+
+
+@lru_cache(maxsize=1)
+def environment() -> SandboxedEnvironment:
+    loader = jinja2.ChoiceLoader([jinja2.FileSystemLoader(str(template_root())), jinja2.FunctionLoader(_load_absolute)])
+    return SandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                                autoescape=False)
+
+
+def _template_location(exc: BaseException) -> str:
+    """'file:line' of the innermost template frame of a Jinja2 error."""
+    if isinstance(exc, jinja2.TemplateSyntaxError):
+        return f"{exc.filename or exc.name}:{exc.lineno}"
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename.endswith((".j2", ".cuh", ".cu")):
+            return f"{frame.filename}:{frame.lineno}"
+    return "<unknown template>"
+
+
+def render(spec: DecodeSpec, mask: MaskDef | None = None) -> str:
+    """The CUDA source of one specialization."""
+    mask = mask or masks.get(spec.mask)
+    context = dict(spec=spec, tiling=decode_tiling(spec), mask=mask, ctype=STORAGE_TYPES, version=__version__)
+    try:
+        return environment().get_template(ENTRY_TEMPLATE).render(**context)
+    except jinja2.TemplateNotFound as exc:
+        raise TemplateError(f"template {exc.name!r} not found (rendering {spec.name}; mask {mask.name!r} "
+                            f"uses {mask.template!r})") from exc
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"{_template_location(exc)}: {exc.message or exc} (rendering {spec.name})") from exc

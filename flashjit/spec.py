@@ -1,0 +1,139 @@
+"""DecodeSpec: everything that changes the generated code, and nothing else.
+
+Runtime values (batch, lengths, window size, sm_scale, the page table) are launch
+arguments, never spec fields, so one compiled kernel serves every batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+
+from .errors import SpecError
+
+HEAD_DIMS = (64, 96, 128, 256)
+QUERY_DTYPES = ("float16", "bfloat16")
+KV_DTYPES = ("float16", "bfloat16")
+KV_LAYOUTS = ("NHD", "HND")
+ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
+MAX_PAGE_SIZE = 256
+MAX_GROUP_SIZE = 64
+MAX_Q_LEN = 16
+
+_DTYPE_ALIASES = {
+    "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+_SHORT = {"float16": "f16", "bfloat16": "bf16"}
+_NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)"
+                           r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)")
+
+
+def normalize_dtype(value, field: str = "dtype", accepted=QUERY_DTYPES) -> str:
+    """Map 'bf16', 'torch.bfloat16' or a torch dtype to its canonical name."""
+    text = str(value).lower().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(text)
+    if name not in accepted:
+        raise SpecError(field, value, ", ".join(accepted) + " (or short names such as 'bf16', or torch dtypes)")
+    return name
+
+
+def current_arch() -> str | None:
+    """The arch of torch's current GPU, or None on a machine without one."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def _check_int(field: str, value, low: int, high: int, allowed=None) -> int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if ok and allowed is not None:
+        ok = value in allowed
+    elif ok:
+        ok = low <= value <= high
+    if not ok:
+        raise SpecError(field, value, ", ".join(map(str, allowed)) if allowed else f"integers {low}..{high}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """One kernel specialization. Frozen, hashable, picklable; validated on construction."""
+
+    head_dim: int
+    dtype: str = "bfloat16"
+    kv_dtype: str | None = None
+    mask: str = "none"
+    page_size: int = 16
+    group_size: int = 1
+    max_q_len: int = 1
+    kv_layout: str = "NHD"
+    arch: str | None = None
+
+    def __post_init__(self):
+        set_ = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen dataclass)
+        _check_int("head_dim", self.head_dim, 0, 0, HEAD_DIMS)
+        set_("dtype", normalize_dtype(self.dtype, "dtype", QUERY_DTYPES))
+        set_("kv_dtype", normalize_dtype(self.dtype if self.kv_dtype is None else self.kv_dtype, "kv_dtype", KV_DTYPES))
+        _check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        _check_int("group_size", self.group_size, 1, MAX_GROUP_SIZE)
+        _check_int("max_q_len", self.max_q_len, 1, MAX_Q_LEN)
+        layout = str(self.kv_layout).upper()
+        if layout not in KV_LAYOUTS:
+            raise SpecError("kv_layout", self.kv_layout, ", ".join(KV_LAYOUTS))
+        set_("kv_layout", layout)
+        set_("arch", _normalize_arch(self.arch))
+        from .registry import masks  # late import: the registry imports nothing from here
+
+        if self.mask not in masks:
+            raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)")
+
+    @property
+    def name(self) -> str:
+        """A readable, unique name, e.g. decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90."""
+        return (
+            f"decode_d{self.head_dim}_{_SHORT[self.dtype]}_kv{_SHORT[self.kv_dtype]}_{self.mask}"
+            f"_p{self.page_size}_g{self.group_size}_q{self.max_q_len}_{self.kv_layout.lower()}"
+            f"_{self.arch.replace('_', '')}"
+        )
+
+    @property
+    def digest(self) -> str:
+        """Content digest of the fields (not of the generated code; the cache key covers that)."""
+        return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_name(cls, name: str) -> "DecodeSpec":
+        """Inverse of .name, so specs can be named on the command line."""
+        match = _NAME_PATTERN.fullmatch(name.strip())
+        if not match:
+            raise SpecError("name", name, "names like decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90")
+        g = match.groupdict()
+        return cls(head_dim=int(g["d"]), dtype=g["dtype"], kv_dtype=g["kv"], mask=g["mask"], page_size=int(g["p"]),
+                   group_size=int(g["g"]), max_q_len=int(g["q"]), kv_layout=g["layout"], arch="sm_" + g["arch"])
+
+    def replace(self, **changes) -> "DecodeSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _normalize_arch(arch) -> str:
+    if arch is None:
+        arch = current_arch()
+        if arch is None:
+            raise SpecError("arch", None, "one of " + ", ".join(ARCHS) + " (required on a machine with no GPU)")
+    text = str(arch).lower()
+    if re.fullmatch(r"\d{2,3}a?", text):  # "90" or "90a"
+        text = "sm_" + text
+    text = text.replace("sm", "sm_", 1).replace("sm__", "sm_") if not text.startswith("sm_") else text
+    if text not in ARCHS:
+        raise SpecError("arch", arch, ", ".join(ARCHS))
+    return text

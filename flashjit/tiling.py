@@ -1,0 +1,62 @@
+"""Thread-block shape of the decode kernel, derived from a spec.
+
+Python is the single source of these numbers: the template receives them as constants
+(and static_asserts their invariants) and the launcher uses them for the grid and block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .spec import DecodeSpec
+
+MAX_ROWS_PER_CTA = 8  # query rows (group heads x query tokens) one CTA serves on CUDA cores
+TARGET_THREADS = 128
+STAGES = 4
+MERGE_COLS_PER_THREAD = 4
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(x)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTiling:
+    vec: int            # 16-bit elements per 16-byte load
+    chunks_per_row: int  # 16-byte chunks in one K/V row
+    bdx: int            # lanes sharing one row (power of two, for the xor-shuffle)
+    rows: int           # query rows per CTA
+    rows_pad: int       # rows rounded up so a block is whole warps
+    bdz: int            # token-parallel slices
+    row_tiles: int      # CTAs along the rows of one KV head
+    tile_tokens: int    # tokens per pipeline stage
+    stages: int
+    merge_threads: int
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.bdx, self.rows_pad, self.bdz)
+
+    @property
+    def threads(self) -> int:
+        return self.bdx * self.rows_pad * self.bdz
+
+
+def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
+    vec = 8
+    chunks = spec.head_dim // vec
+    bdx = _pow2_ceil(chunks)
+    rows_total = spec.group_size * spec.max_q_len
+    rows = min(rows_total, MAX_ROWS_PER_CTA)
+    align = max(1, 32 // bdx)
+    rows_pad = -(-rows // align) * align
+    bdz = max(1, TARGET_THREADS // (bdx * rows_pad))
+    row_bytes = spec.head_dim * 2
+    tile = max(bdz, min(32, 4096 // row_bytes))
+    tile = 1 << int(math.log2(tile))  # power of two, a multiple of bdz
+    return DecodeTiling(
+        vec=vec, chunks_per_row=chunks, bdx=bdx, rows=rows, rows_pad=rows_pad, bdz=bdz,
+        row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES,
+        merge_threads=spec.head_dim // MERGE_COLS_PER_THREAD,
+    )

@@ -1,0 +1,236 @@
+// Paged-KV decode attention on CUDA cores, one CTA per (work item, KV head, row tile).
+//
+// Expects from the including template:
+//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN VEC CHUNKS_PER_ROW BDX ROWS
+//                  ROWS_PAD BDZ TILE_TOKENS STAGES
+//   types q_t kv_t out_t (fj::half_t or fj::bfloat16_t)
+//   MaskParams, mask_kv_position(), mask_visible() from the mask template.
+//
+// A work item is (request, [v_begin, v_end)) over the span the planner chose for the request.
+// A request with one work item writes its output directly; otherwise each item writes a
+// normalized fp32 partial output and a base-2 LSE that flashjit_merge combines.
+// Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
+
+namespace decode {
+using namespace fj;
+
+constexpr int D = cfg::HEAD_DIM;
+constexpr int VEC = cfg::VEC;
+constexpr int CPR = cfg::CHUNKS_PER_ROW;
+constexpr int BDX = cfg::BDX;
+constexpr int ROWS = cfg::ROWS;
+constexpr int ROWS_PAD = cfg::ROWS_PAD;
+constexpr int BDZ = cfg::BDZ;
+constexpr int NT = BDX * ROWS_PAD * BDZ;
+constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
+constexpr int TILE = cfg::TILE_TOKENS;
+constexpr int TPZ = TILE / BDZ;  // tokens each z-slice scores per stage
+constexpr int STAGES = cfg::STAGES;
+constexpr int CHUNKS = TILE * CPR;
+constexpr int LOADS_PER_THREAD = ceil_div(CHUNKS, NT);
+constexpr int SMEM_ELEMS = STAGES * TILE * D;
+
+static_assert(VEC * CPR == D, "a K/V row is a whole number of 16-byte chunks");
+static_assert(BDX >= CPR && (BDX & (BDX - 1)) == 0 && BDX <= 32, "row lanes: a power of two within a warp");
+static_assert(NT % 32 == 0, "whole warps, so full-mask shuffles are defined");
+static_assert(TILE % BDZ == 0, "every z-slice scores the same number of tokens");
+static_assert(BDZ == 1 || BDZ * ROWS_PAD * D * 4 <= 2 * SMEM_ELEMS * 2, "reduction scratch fits in the K/V ring");
+
+struct Args {
+  const q_t* __restrict__ q; i64 q_stride;            // [tokens, qo_heads, D], token stride in elements
+  const kv_t* __restrict__ k; const kv_t* __restrict__ v;
+  i64 page_stride, slot_stride, head_stride;           // element strides of the paged cache
+  const int* __restrict__ page_indices;
+  const int* __restrict__ work_request; const int* __restrict__ work_begin; const int* __restrict__ work_end;
+  const int* __restrict__ num_work;                     // device scalar: items past it are padding
+  const int* __restrict__ req_kv_len; const int* __restrict__ req_page_begin;
+  const int* __restrict__ req_qo_indptr; const int* __restrict__ req_work_indptr;
+  out_t* __restrict__ out; i64 out_stride;
+  float* __restrict__ lse;                              // natural-log LSE [tokens, qo_heads] or null
+  float* __restrict__ tmp_o; float* __restrict__ tmp_lse;
+  int num_qo_heads;
+  float sm_scale_log2;                                  // sm_scale * log2(e)
+};
+
+FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
+  return (i64)page * a.page_stride + (i64)slot * a.slot_stride;
+}
+
+FJ_INLINE void attend(const Args& a, const MaskParams& params) {
+  __shared__ __align__(16) u16 k_smem[SMEM_ELEMS];
+  __shared__ __align__(16) u16 v_smem[SMEM_ELEMS];
+  __shared__ float red_m[BDZ * ROWS_PAD], red_d[BDZ * ROWS_PAD];
+
+  const int w = blockIdx.x;
+  if (w >= __ldg(a.num_work)) return;
+  const int kv_head = blockIdx.y;
+  const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
+  const int tid = (tz * ROWS_PAD + ty) * BDX + tx;
+
+  const int request = __ldg(a.work_request + w);
+  const int v_begin = __ldg(a.work_begin + w), v_end = __ldg(a.work_end + w);
+  const int kv_len = __ldg(a.req_kv_len + request);
+  const int page_begin = __ldg(a.req_page_begin + request);
+  const int q_begin = __ldg(a.req_qo_indptr + request);
+  const int q_len = __ldg(a.req_qo_indptr + request + 1) - q_begin;
+  const bool direct = __ldg(a.req_work_indptr + request + 1) - __ldg(a.req_work_indptr + request) == 1;
+
+  // This thread's query row: rows are (token, head-in-group), heads fastest.
+  const int row = blockIdx.z * ROWS + ty;
+  const int q_tok = row / cfg::GROUP_SIZE;
+  const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+  const bool row_valid = ty < ROWS && row < ROWS_TOTAL && q_tok < q_len;
+  const int q_pos = kv_len - q_len + q_tok;
+
+  float q[VEC];
+  if (row_valid && tx < CPR) {
+    uint4 raw = *reinterpret_cast<const uint4*>(a.q + (i64)(q_begin + q_tok) * a.q_stride + qo_head * D + tx * VEC);
+    unpack8<q_t>(raw, q);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) q[i] *= a.sm_scale_log2;
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) q[i] = 0.f;
+  }
+
+  const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
+  const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
+
+  // Issue one stage: TILE tokens x CPR chunks of K and of V, zero-filled past the span.
+  auto load_tile = [&](int stage, int tile_v0) {
+#pragma unroll
+    for (int i = 0; i < LOADS_PER_THREAD; ++i) {
+      const int c = tid + i * NT;
+      if (CHUNKS % NT != 0 && c >= CHUNKS) break;
+      const int tok = c / CPR, col = c % CPR;
+      const int vpos = tile_v0 + tok;
+      bool pred = vpos < v_end;
+      i64 offset = 0;
+      if (pred) {
+        const int pos = mask_kv_position(params, request, vpos);
+        pred = pos >= 0 && pos < kv_len;
+        if (pred) {
+          const int page = __ldg(a.page_indices + page_begin + pos / cfg::PAGE_SIZE);
+          offset = token_offset(a, page, pos % cfg::PAGE_SIZE) + col * VEC;
+        }
+      }
+      const int dst = (stage * TILE + tok) * D + col * VEC;
+      cp_async_16(k_smem + dst, k_head + offset, pred);
+      cp_async_16(v_smem + dst, v_head + offset, pred);
+    }
+  };
+
+  float m = FJ_NEG_INF, dsum = 0.f, o[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) o[i] = 0.f;
+
+  const int num_tiles = ceil_div(v_end - v_begin, TILE);
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) load_tile(s, v_begin + s * TILE);
+    cp_async_commit();
+  }
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int ahead = t + STAGES - 1;
+    if (ahead < num_tiles) load_tile(ahead % STAGES, v_begin + ahead * TILE);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+
+    const int stage = t % STAGES;
+    float s[TPZ];
+    float tile_max = FJ_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < TPZ; ++j) {
+      const int tok = tz * TPZ + j;
+      float dot = 0.f;
+      if (tx < CPR) {
+        float kf[VEC];
+        unpack8<kv_t>(*reinterpret_cast<const uint4*>(k_smem + (stage * TILE + tok) * D + tx * VEC), kf);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) dot = fmaf(q[i], kf[i], dot);
+      }
+#pragma unroll
+      for (int off = BDX / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+      const int vpos = v_begin + t * TILE + tok;
+      bool visible = row_valid && vpos < v_end;
+      if (visible) {
+        const int pos = mask_kv_position(params, request, vpos);
+        visible = pos >= 0 && pos < kv_len && mask_visible(params, request, q_pos, pos, kv_len);
+      }
+      s[j] = visible ? dot : FJ_NEG_INF;
+      tile_max = fmaxf(tile_max, s[j]);
+    }
+
+    // Online softmax in the log2 domain; a finite reference keeps all-masked tiles NaN-free.
+    const float m_new = fmaxf(m, tile_max);
+    const float m_ref = m_new == FJ_NEG_INF ? 0.f : m_new;
+    const float rescale = exp2_approx(m - m_ref);
+    dsum *= rescale;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] *= rescale;
+#pragma unroll
+    for (int j = 0; j < TPZ; ++j) {
+      const float p = exp2_approx(s[j] - m_ref);
+      dsum += p;
+      if (tx < CPR) {
+        float vf[VEC];
+        unpack8<kv_t>(*reinterpret_cast<const uint4*>(v_smem + (stage * TILE + tz * TPZ + j) * D + tx * VEC), vf);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) o[i] = fmaf(p, vf[i], o[i]);
+      }
+    }
+    m = m_new;
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  if (BDZ > 1) {  // merge the z-slices' states through shared memory
+    __syncthreads();
+    float* red_o = reinterpret_cast<float*>(k_smem);
+    if (tx == 0) { red_m[tz * ROWS_PAD + ty] = m; red_d[tz * ROWS_PAD + ty] = dsum; }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) red_o[tid * VEC + i] = o[i];
+    __syncthreads();
+    if (tz != 0) return;
+    float m_all = FJ_NEG_INF;
+#pragma unroll
+    for (int z = 0; z < BDZ; ++z) m_all = fmaxf(m_all, red_m[z * ROWS_PAD + ty]);
+    const float m_ref = m_all == FJ_NEG_INF ? 0.f : m_all;
+    dsum = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o[i] = 0.f;
+#pragma unroll
+    for (int z = 0; z < BDZ; ++z) {
+      const float weight = exp2_approx(red_m[z * ROWS_PAD + ty] - m_ref);
+      dsum += weight * red_d[z * ROWS_PAD + ty];
+      const int src = ((z * ROWS_PAD + ty) * BDX + tx) * VEC;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) o[i] += weight * red_o[src + i];
+    }
+    m = m_all;
+  }
+
+  if (!row_valid) return;
+  const float inv = dsum > 0.f ? 1.f / dsum : 0.f;
+  const float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) o[i] *= inv;
+  const int token = q_begin + q_tok;
+  if (direct) {
+    if (tx < CPR)
+      *reinterpret_cast<uint4*>(a.out + (i64)token * a.out_stride + qo_head * D + tx * VEC) = pack8<out_t>(o);
+    if (a.lse != nullptr && tx == 0) a.lse[(i64)token * a.num_qo_heads + qo_head] = lse2 * FJ_LN2;
+  } else {
+    const i64 slot = ((i64)w * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
+    if (tx < CPR) {
+      float4* dst = reinterpret_cast<float4*>(a.tmp_o + slot * D + tx * VEC);
+      dst[0] = make_float4(o[0], o[1], o[2], o[3]);
+      dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+    }
+    if (tx == 0) a.tmp_lse[slot] = lse2;
+  }
+}
+
+}  // namespace decode

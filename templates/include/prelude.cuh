@@ -1,0 +1,73 @@
+// flashjit prelude: self-contained, no CUDA or C++ headers, so NVRTC 12 and 13 parse it
+// identically and fast. Fixed-width types, 16-bit float conversions, cp.async, math helpers.
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define FJ_INLINE __device__ __forceinline__
+#define FJ_NEG_INF __int_as_float(0xff800000u)
+#define FJ_LN2 0.69314718055994530942f
+
+namespace fj {
+
+// 16-bit float storage types. Values are moved as raw bits and converted in registers.
+struct half_t { u16 bits; };
+struct bfloat16_t { u16 bits; };
+
+template <typename T> struct Convert;
+
+template <> struct Convert<half_t> {
+  FJ_INLINE static float to_float(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+  FJ_INLINE static u16 from_float(float f) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+  // Two packed values (low half first) to floats.
+  FJ_INLINE static void unpack2(u32 w, float& lo, float& hi) {
+    lo = to_float((u16)(w & 0xffffu)); hi = to_float((u16)(w >> 16));
+  }
+};
+
+template <> struct Convert<bfloat16_t> {
+  FJ_INLINE static float to_float(u16 b) { return __uint_as_float(((u32)b) << 16); }
+  FJ_INLINE static u16 from_float(float f) { u16 b; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f)); return b; }
+  FJ_INLINE static void unpack2(u32 w, float& lo, float& hi) {
+    lo = __uint_as_float(w << 16); hi = __uint_as_float(w & 0xffff0000u);
+  }
+};
+
+// Eight 16-bit values (one 16-byte vector) to floats.
+template <typename T>
+FJ_INLINE void unpack8(const uint4& v, float* out) {
+  Convert<T>::unpack2(v.x, out[0], out[1]);
+  Convert<T>::unpack2(v.y, out[2], out[3]);
+  Convert<T>::unpack2(v.z, out[4], out[5]);
+  Convert<T>::unpack2(v.w, out[6], out[7]);
+}
+
+template <typename T>
+FJ_INLINE uint4 pack8(const float* in) {
+  uint4 v;
+  v.x = (u32)Convert<T>::from_float(in[0]) | ((u32)Convert<T>::from_float(in[1]) << 16);
+  v.y = (u32)Convert<T>::from_float(in[2]) | ((u32)Convert<T>::from_float(in[3]) << 16);
+  v.z = (u32)Convert<T>::from_float(in[4]) | ((u32)Convert<T>::from_float(in[5]) << 16);
+  v.w = (u32)Convert<T>::from_float(in[6]) | ((u32)Convert<T>::from_float(in[7]) << 16);
+  return v;
+}
+
+FJ_INLINE float exp2_approx(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+FJ_INLINE float log2_approx(float x) { float y; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+
+// 16-byte global->shared copy that bypasses L1. src_bytes == 0 writes zeros and reads nothing.
+FJ_INLINE void cp_async_16(void* smem, const void* gmem, bool pred) {
+  u32 dst = (u32)__cvta_generic_to_shared(smem);
+  int src_bytes = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(gmem), "r"(src_bytes));
+}
+FJ_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> FJ_INLINE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+template <int A, int B> struct Max { static constexpr int value = A > B ? A : B; };
+template <int A, int B> struct Min { static constexpr int value = A < B ? A : B; };
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int pow2_ceil(int x) { return x <= 1 ? 1 : 2 * pow2_ceil((x + 1) / 2); }
+
+}  // namespace fj
