@@ -1,0 +1,162 @@
+"""flashjit decode kernels against the float32 torch reference on random paged batches (H200)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+import flashjit
+from flashjit.reference import decode_reference
+
+from .batches import make_batch, rel_error
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+MASKS = ["none", "causal", "sliding_window", "block_sparse"]
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128, 256]
+GROUPS = [1, 4, 7, 8]
+PAGE_SIZES = [1, 16, 64]
+Q_LENS = [1, 4]
+NUM_KV_HEADS = 2
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory):
+    engine = flashjit.Engine(cache_dir=tmp_path_factory.mktemp("kernels"))
+    arch = "sm_%d%d" % torch.cuda.get_device_capability()
+    specs = [flashjit.DecodeSpec(d, dtype=dt, mask=m, page_size=p, group_size=g, max_q_len=q, arch=arch)
+             for m, dt, d, g, p, q in itertools.product(MASKS, DTYPES, HEAD_DIMS, GROUPS, PAGE_SIZES, Q_LENS)]
+    engine.prewarm(specs, jobs=16)
+    return engine
+
+
+def batch_lengths(rng: random.Random, page_size: int) -> list[int]:
+    """Zero, one, page multiples and not, and a long request beside short ones."""
+    lengths = [0, 1, page_size, 3 * page_size + 1, rng.randint(2, 300), rng.randint(1500, 5000)]
+    rng.shuffle(lengths)
+    return lengths
+
+
+def mask_params(mask: str, rng: random.Random, kv_lens, page_size: int):
+    if mask == "sliding_window":
+        return {"window_left": rng.choice([0, 37, 300])}
+    if mask == "block_sparse":
+        block_size = page_size * (2 if page_size < 64 else 1)
+        indptr, ids = [0], []
+        for n in kv_lens:
+            blocks = list(range(-(-n // block_size)))
+            chosen = sorted(rng.sample(blocks, k=max(0, len(blocks) // 2))) if blocks else []
+            if blocks and blocks[-1] not in chosen:
+                chosen.append(blocks[-1])
+            ids += chosen
+            indptr.append(len(ids))
+        return {"block_size": block_size,
+                "block_indptr": torch.tensor(indptr, dtype=torch.int32, device="cuda"),
+                "block_indices": torch.tensor(ids or [0], dtype=torch.int32, device="cuda")}
+    return {}
+
+
+SPLITS = ["auto", "one", "two", "many"]
+
+
+def plan_and_run(engine, batch, mask, params, num_qo_heads, head_dim, dtype, split):
+    decoder = flashjit.BatchDecode(engine)
+    spans = batch.kv_lens
+    options = {"auto": {}, "one": {"disable_split_kv": True},
+               "two": {"chunk_tokens": max(1, -(-max(spans) // 2))}, "many": {"chunk_tokens": 16}}[split]
+    decoder.plan(batch.indptr, batch.indices, batch.last_page_len, num_qo_heads, NUM_KV_HEADS, head_dim,
+                 batch.page_size, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, q_dtype=dtype,
+                 kv_layout=batch.kv_layout, **options)
+    out = torch.full_like(batch.q, float("nan"))
+    lse = torch.full(batch.q.shape[:2], float("nan"), device="cuda")
+    decoder.run(batch.q, (batch.k_cache, batch.v_cache), out=out, lse=lse)
+    return out, lse, decoder
+
+
+@pytest.mark.parametrize("q_len", Q_LENS)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
+@pytest.mark.parametrize("mask", MASKS)
+def test_matches_reference(engine, mask, dtype, head_dim, group, q_len):
+    rng = random.Random(hash((mask, str(dtype), head_dim, group, q_len)) & 0xFFFF)
+    for page_size in PAGE_SIZES:
+        kv_lens = batch_lengths(rng, page_size)
+        q_lens = [min(q_len, n) for n in kv_lens]
+        num_qo_heads = NUM_KV_HEADS * group
+        batch = make_batch(kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
+                           page_size=page_size, dtype=dtype, q_lens=q_lens, seed=rng.randint(0, 1 << 30))
+        params = mask_params(mask, rng, kv_lens, page_size)
+        ref, ref_lse = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
+                                        batch.last_page_len, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params)
+        outputs = []
+        for split in SPLITS:
+            out, lse, decoder = plan_and_run(engine, batch, mask, params, num_qo_heads, head_dim, dtype, split)
+            where = f"page_size={page_size} split={split} kv_lens={kv_lens} q_lens={q_lens} params={params}"
+            assert not out.isnan().any(), f"NaN in output ({where})"
+            assert not lse.isnan().any(), f"NaN in lse ({where})"
+            assert rel_error(out, ref) <= TOLERANCE[dtype], f"rel error {rel_error(out, ref):.2e} ({where})"
+            finite = ref_lse.isfinite()
+            assert torch.equal(lse.isfinite(), finite), f"lse -inf pattern differs ({where})"
+            assert torch.allclose(lse[finite], ref_lse[finite], atol=2e-2, rtol=1e-3), f"lse differs ({where})"
+            assert (out[~finite] == 0).all(), f"fully masked rows must be 0 ({where})"
+            outputs.append(out)
+        for other in outputs[1:]:
+            assert rel_error(other, outputs[0].float()) <= TOLERANCE[dtype], "split counts disagree"
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("combined", [False, True], ids=["k_v", "kv"])
+def test_layouts_and_combined_cache(engine, layout, combined):
+    kv_lens = [17, 500, 3000]
+    batch = make_batch(kv_lens, num_qo_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=128, page_size=16,
+                       kv_layout=layout, seed=3)
+    ref, _ = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
+                              batch.last_page_len, kv_layout=layout)
+    cache = torch.stack([batch.k_cache, batch.v_cache], dim=1) if combined else (batch.k_cache, batch.v_cache)
+    decoder = flashjit.BatchDecode(engine)
+    decoder.plan(batch.indptr, batch.indices, batch.last_page_len, 8, NUM_KV_HEADS, 128, 16, kv_layout=layout)
+    out = decoder.run(batch.q, cache)
+    assert rel_error(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [96])
+@pytest.mark.parametrize("group", [3, 5, 6, 16])
+def test_other_groups_and_head_dims(engine, head_dim, group):
+    kv_lens = [0, 5, 700, 4100]
+    batch = make_batch(kv_lens, num_qo_heads=2 * group, num_kv_heads=2, head_dim=head_dim, page_size=128, seed=group)
+    ref, _ = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices, batch.last_page_len)
+    out = flashjit.decode(batch.q, (batch.k_cache, batch.v_cache), batch.indptr, batch.indices,
+                          batch.last_page_len, engine=engine)
+    assert not out.isnan().any()
+    assert rel_error(out, ref) <= 1e-2
+
+
+def test_run_rejects_bad_tensors(engine):
+    batch = make_batch([40, 90], num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16, seed=1)
+    decoder = flashjit.BatchDecode(engine)
+    decoder.plan(batch.indptr, batch.indices, batch.last_page_len, 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="q: expected dtype torch.bfloat16"):
+        decoder.run(batch.q.half(), (batch.k_cache, batch.v_cache))
+    with pytest.raises(ValueError, match="q: expected shape"):
+        decoder.run(batch.q[:1], (batch.k_cache, batch.v_cache))
+    with pytest.raises(ValueError, match="kv_cache: expected more than"):
+        decoder.run(batch.q, (batch.k_cache[:2], batch.v_cache[:2]))
+    with pytest.raises(ValueError, match="q: expected a tensor on cuda"):
+        decoder.run(batch.q.cpu(), (batch.k_cache, batch.v_cache))
+
+
+def test_plan_rejects_bad_page_table(engine):
+    batch = make_batch([40, 90], num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16, seed=1)
+    decoder = flashjit.BatchDecode(engine)
+    with pytest.raises(ValueError, match="indptr: expected non-decreasing"):
+        decoder.plan(torch.tensor([0, 5, 3]), batch.indices, batch.last_page_len, 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="last_page_len"):
+        decoder.plan(batch.indptr, batch.indices, torch.tensor([17, 3]), 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="indices: expected page ids >= 0"):
+        decoder.plan(batch.indptr, batch.indices - 100, batch.last_page_len, 8, 2, 128, 16)
+    with pytest.raises(ValueError, match="indices: expected at least"):
+        decoder.plan(batch.indptr, batch.indices[:2], batch.last_page_len, 8, 2, 128, 16)
