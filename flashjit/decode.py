@@ -97,11 +97,7 @@ class BatchDecode:
             if not isinstance(n, int) or n < 1:
                 checks.fail("q_len", "a positive int", q_len)
             qo_h = np.arange(batch + 1, dtype=np.int64) * n
-        q_lens = np.diff(qo_h)
-        if np.any(q_lens > kv_lens):
-            bad = int(np.argmax(q_lens > kv_lens))
-            checks.fail("qo_indptr", "at most kv_len query tokens per request (queries are the newest keys)",
-                        f"request {bad}: {q_lens[bad]} query tokens, kv_len {kv_lens[bad]}")
+        q_lens = np.diff(qo_h)  # the query tokens are the request's newest positions (kv_len - q_len + i)
 
         checks.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
         if len(indices) < indptr_h[-1]:

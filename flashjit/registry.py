@@ -19,7 +19,7 @@ from .errors import SpecError
 
 PARAM_CTYPES = {"int": "int", "float": "float", "int_tensor": "const int* __restrict__"}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_HEADER = re.compile(r"\{#-?\s*params:(?P<params>[^#]*)-?#\}")
+_HEADER = re.compile(r"\{#-?\s*params:(?P<params>[^#]*?)-?#\}")  # lazy: '-#}' is not a param
 
 
 @dataclasses.dataclass(frozen=True)
