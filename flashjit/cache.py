@@ -6,7 +6,11 @@ Key invariants (see cache_key):
   * no absolute paths, mtimes or host names go in, so a cache built on one host serves another.
 
 Layout under the root:  v{SCHEMA}/entries/<key>/{kernel.cubin, source.cu, meta.json}
+                        v{SCHEMA}/index/<spec key>         (spec + template contents -> entry key)
                         v{SCHEMA}/locks/<key>.lock        (outside the entries)
+The index lets a fresh process find a kernel without rendering it or loading NVRTC (~100 ms);
+its key hashes the spec, every template file's contents and the flashjit version, so editing a
+template or upgrading flashjit misses it and falls back to the full key.
 meta.json is written last and holds the cubin's SHA-256: an entry without it, or whose cubin does
 not match it, is a miss and is rebuilt. Every file is written to a temp file, fsynced and
 os.replace()d. Locks only stop two processes compiling the same key; correctness never depends on
@@ -81,7 +85,7 @@ class KernelCache:
         try:
             if self.root.exists() and not self.root.is_dir():
                 raise CacheError(f"{self.root} exists and is not a folder")
-            for sub in ("entries", "locks"):
+            for sub in ("entries", "locks", "index"):
                 (self.base / sub).mkdir(parents=True, exist_ok=True)
             probe = self.base / "entries" / f".probe-{os.getpid()}-{threading.get_ident()}"
             probe.write_bytes(b"")
@@ -129,6 +133,20 @@ class KernelCache:
         except OSError as exc:
             self._degrade(f"could not write kernel cache entry {folder} ({exc})")
             return False
+
+    def lookup_index(self, spec_key: str) -> str | None:
+        try:
+            key = (self.base / "index" / spec_key).read_text().strip()
+        except OSError:
+            return None
+        return key if len(key) == 64 else None
+
+    def store_index(self, spec_key: str, key: str):
+        if self.writable:
+            try:
+                _atomic_write(self.base / "index" / spec_key, key.encode())
+            except OSError as exc:
+                self._degrade(f"could not write kernel cache index ({exc})")
 
     @contextlib.contextmanager
     def compile_lock(self, key: str):

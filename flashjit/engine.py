@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -19,7 +20,7 @@ from .compile import compile_options, compile_source, nvrtc_version
 from .errors import KernelNotPrewarmed
 from .kernel import Kernel
 from .registry import masks
-from .render import render
+from .render import render, templates_digest
 from .spec import DecodeSpec
 from .tiling import decode_tiling
 
@@ -81,18 +82,22 @@ class Engine:
             if kernel is not None:
                 return kernel, "memory"
             mask = masks.get(spec.mask)
-            source = render(spec, mask)
-            options = compile_options(spec.arch)
-            key = cache_key(source, spec.arch, options, nvrtc_version(), __version__)
-            hit = self.cache.load(key)
+            spec_key = _spec_key(spec, mask)
+            key = self.cache.lookup_index(spec_key)
+            hit = self.cache.load(key) if key else None
             origin = "disk"
             if hit is None:
-                with self.cache.compile_lock(key):
-                    hit = self.cache.load(key)  # another process may have compiled it meanwhile
-                    if hit is None:
-                        hit = (self._compile(spec, source, key), None)
-                        origin = "compiled"
-            kernel = Kernel(spec, decode_tiling(spec), mask, hit[0], key, source)
+                source = render(spec, mask)
+                key = cache_key(source, spec.arch, compile_options(spec.arch), nvrtc_version(), __version__)
+                hit = self.cache.load(key)
+                if hit is None:
+                    with self.cache.compile_lock(key):
+                        hit = self.cache.load(key)  # another process may have compiled it meanwhile
+                        if hit is None:
+                            hit = (self._compile(spec, source, key), None)
+                            origin = "compiled"
+                self.cache.store_index(spec_key, key)
+            kernel = Kernel(spec, decode_tiling(spec), mask, hit[0], key)
             self._kernels[spec] = kernel
             return kernel, origin
 
@@ -134,6 +139,13 @@ class Engine:
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
             return list(pool.map(one, specs))
+
+
+def _spec_key(spec: DecodeSpec, mask) -> str:
+    """Index key: what determines the rendered source, hashed without rendering it."""
+    text = repr((spec, mask.name, mask.template, mask.params, templates_digest(mask), __version__,
+                 compile_options(spec.arch)))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def prewarm_command(spec: DecodeSpec, cache_dir) -> str:

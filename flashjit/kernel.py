@@ -94,9 +94,8 @@ class LoadedKernel:
 class Kernel:
     """One compiled specialization. Cheap to create; loads on first use per device."""
 
-    def __init__(self, spec: DecodeSpec, tiling: DecodeTiling, mask: MaskDef, cubin: bytes, key: str, source: str | None = None):
+    def __init__(self, spec: DecodeSpec, tiling: DecodeTiling, mask: MaskDef, cubin: bytes, key: str):
         self.spec, self.tiling, self.mask, self.cubin, self.key = spec, tiling, mask, cubin, key
-        self._source = source
         self._loaded: dict[int, LoadedKernel] = {}
         self._lock = threading.Lock()
 

@@ -7,6 +7,7 @@ mask templates cannot reach Python internals, and a typo is an error naming file
 
 from __future__ import annotations
 
+import hashlib
 import os
 import traceback
 from functools import lru_cache
@@ -58,6 +59,32 @@ def _template_location(exc: BaseException) -> str:
         if frame.filename.endswith((".j2", ".cuh", ".cu")):
             return f"{frame.filename}:{frame.lineno}"
     return "<unknown template>"
+
+
+_file_digests: dict = {}
+
+
+def _file_digest(path: Path) -> str:
+    stat = path.stat()
+    memo = (str(path), stat.st_mtime_ns, stat.st_size)
+    if memo not in _file_digests:
+        _file_digests[memo] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _file_digests[memo]
+
+
+def templates_digest(mask: MaskDef) -> str:
+    """Digest of every template file a spec can render from (package templates + a user mask file).
+
+    Lets the cache find a compiled kernel without rendering; any template edit changes it.
+    """
+    root = template_root()
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.suffix in (".j2", ".cuh", ".cu"):
+            h.update(str(path.relative_to(root)).encode() + b"\0" + _file_digest(path).encode())
+    if os.path.isabs(mask.template):
+        h.update(b"mask\0" + _file_digest(Path(mask.template)).encode())
+    return h.hexdigest()
 
 
 def render(spec: DecodeSpec, mask: MaskDef | None = None) -> str:

@@ -1,0 +1,338 @@
+"""flashjit decode benchmark: flashjit against torch SDPA (cuDNN) and FlashInfer on PERFORMANCE.md's shapes.
+
+    python benchmarks/decode.py [--quick] [--json out.json]      # GPU: kernel times
+    python benchmarks/decode.py compile [--json out.json]        # compile, cache and host costs (CPU ok)
+
+Method: random inputs, shuffled page tables, the L2 flushed (256 MB write) before every timed call,
+CUDA events around the call alone, warm-up first, the median of --iters calls. Every implementation
+is checked against flashjit.reference (float32) before it is timed; a wrong one is reported, not timed.
+Bandwidth counts the K/V bytes attended (a window counts only the window) plus q and out, and is
+compared with a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+HEADS_QO, HEADS_KV, PAGE = 32, 8, 16
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    batch: int
+    kv_len: int | None          # None: log-uniform lengths 128..32768
+    head_dim: int = 128
+    window: int | None = None   # sliding window (window_left)
+    quick: bool = False
+
+
+CASES = [
+    Case("b1 L2048", 1, 2048, quick=True),
+    Case("b1 L32768", 1, 32768),
+    Case("b1 L131072", 1, 131072, quick=True),
+    Case("b16 L8192", 16, 8192, quick=True),
+    Case("b64 L2048", 64, 2048),
+    Case("b64 L8192", 64, 8192, quick=True),
+    Case("b256 L2048", 256, 2048),
+    Case("64 req log-uniform 128..32768", 64, None, quick=True),
+    Case("b16 L32768 window 4096", 16, 32768, window=4096, quick=True),
+    Case("b16 L8192 d64", 16, 8192, head_dim=64),
+    Case("b16 L8192 d256", 16, 8192, head_dim=256),
+]
+
+
+# ---- timing helpers ---------------------------------------------------------------------------
+
+class Timer:
+    def __init__(self, torch, iters: int):
+        self.torch, self.iters = torch, iters
+        self.scratch = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+
+    def median_us(self, fn, flush: bool = True) -> float:
+        torch = self.torch
+        for _ in range(3):
+            fn()
+        times = []
+        for i in range(self.iters):
+            if flush:
+                self.scratch.fill_(i & 0xFF)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+    def graph_us(self, fn) -> float:
+        """Median per-call time of a CUDA graph replaying fn (launch gaps removed); L2 flushed."""
+        torch = self.torch
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.median_us(graph.replay)
+
+
+def copy_ceiling_gbs(torch) -> float:
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    timer = Timer(torch, 10)
+    us = timer.median_us(lambda: dst.copy_(src), flush=False)
+    return 2 * src.numel() / us / 1e3
+
+
+# ---- implementations --------------------------------------------------------------------------
+
+def build_inputs(torch, case: Case, seed: int = 0):
+    from tests.gpu.batches import make_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    if case.kv_len is None:
+        lengths = torch.exp(torch.empty(case.batch).uniform_(math.log(128), math.log(32768), generator=gen)).long().tolist()
+    else:
+        lengths = [case.kv_len] * case.batch
+    return make_batch(lengths, num_qo_heads=HEADS_QO, num_kv_heads=HEADS_KV, head_dim=case.head_dim,
+                      page_size=PAGE, seed=seed, spare_pages=0)
+
+
+def flashjit_impl(torch, batch, case, engine):
+    import flashjit
+
+    decoder = flashjit.BatchDecode(engine)
+    options = {"mask": "sliding_window", "window_left": case.window} if case.window else {}
+    decoder.plan(batch.indptr, batch.indices, batch.last_page_len, HEADS_QO, HEADS_KV, case.head_dim, PAGE, **options)
+    out = torch.empty_like(batch.q)
+    cache = (batch.k_cache, batch.v_cache)
+    return lambda: decoder.run(batch.q, cache, out=out), out, decoder
+
+
+def sdpa_impl(torch, batch, case):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from flashjit.reference import gather_request_kv
+
+    lengths = batch.kv_lens
+    if len(set(lengths)) != 1:
+        return None  # padded varlen needs a mask cuDNN does not take: reported as n/a
+    length = lengths[0]
+    start = max(0, length - 1 - case.window) if case.window else 0
+    ks, vs = [], []
+    for b in range(len(lengths)):
+        ids = batch.indices[int(batch.indptr[b]):int(batch.indptr[b + 1])]
+        ks.append(gather_request_kv(batch.k_cache, ids, length)[start:].transpose(0, 1))
+        vs.append(gather_request_kv(batch.v_cache, ids, length)[start:].transpose(0, 1))
+    k, v = torch.stack(ks), torch.stack(vs)
+    q = batch.q[:, :, None, :].contiguous()
+    out = torch.empty_like(q)
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out.copy_(torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+    return run, out[:, :, 0, :]
+
+
+def flashinfer_impls(torch, batch, case):
+    try:
+        import flashinfer
+    except Exception as exc:  # noqa: BLE001 - any import failure means "absent"
+        return {}, f"FlashInfer not importable ({type(exc).__name__}: {exc})"
+    impls = {}
+    for tc in (False, True):
+        workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
+        wrapper.plan(batch.indptr.cuda(), batch.indices, batch.last_page_len.cuda(), HEADS_QO, HEADS_KV,
+                     case.head_dim, PAGE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                     window_left=case.window if case.window else -1)
+        out = torch.empty_like(batch.q)
+        cache = (batch.k_cache, batch.v_cache)
+        impls["flashinfer-tc" if tc else "flashinfer"] = (
+            lambda w=wrapper, o=out: w.run(batch.q, cache, out=o), out)
+    return impls, None
+
+
+def attended_bytes(batch, case) -> int:
+    tokens = sum(min(n, case.window + 1) if case.window else n for n in batch.kv_lens)
+    kv = 2 * tokens * HEADS_KV * case.head_dim * 2
+    return kv + 2 * batch.q.numel() * 2
+
+
+# ---- modes ------------------------------------------------------------------------------------
+
+def bench_kernels(args) -> dict:
+    import torch
+
+    import flashjit
+    from flashjit.reference import decode_reference
+    from tests.gpu.batches import rel_error
+
+    engine = flashjit.Engine(cache_dir=args.cache_dir)
+    timer = Timer(torch, args.iters)
+    ceiling = copy_ceiling_gbs(torch)
+    print(f"# {torch.cuda.get_device_name()}  copy ceiling {ceiling:.0f} GB/s  torch {torch.__version__}")
+    rows = []
+    notes = set()
+    for case in [c for c in CASES if c.quick or not args.quick]:
+        batch = build_inputs(torch, case)
+        params = {"window_left": case.window} if case.window else {}
+        ref, _ = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
+                                  batch.last_page_len, mask="sliding_window" if case.window else "none", mask_params=params)
+        impls = {}
+        run, out, decoder = flashjit_impl(torch, batch, case, engine)
+        impls["flashjit"] = (run, out)
+        sdpa = sdpa_impl(torch, batch, case)
+        if sdpa:
+            impls["sdpa-cudnn"] = sdpa
+        fi, note = flashinfer_impls(torch, batch, case)
+        impls.update(fi)
+        if note:
+            notes.add(note)
+        row = {"case": case.name, "bytes": attended_bytes(batch, case), "splits": decoder.work.max_splits,
+               "work_items": decoder.work.num_work}
+        for name, (fn, out) in impls.items():
+            try:
+                fn()
+                torch.cuda.synchronize()
+                err = rel_error(out, ref)
+            except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
+                row[name] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+                continue
+            if not err <= 1e-2:
+                row[name] = {"error": f"rel error {err:.2e}"}
+                continue
+            entry = {"us": timer.median_us(fn), "rel_error": err}
+            if name == "flashjit" and (row["bytes"] < 64 * 2**20):
+                entry["graph_us"] = timer.graph_us(fn)
+            row[name] = entry
+        peers = [row[n]["us"] for n in row if n not in ("flashjit",) and isinstance(row.get(n), dict) and "us" in row[n]]
+        row["best_peer_us"] = min(peers) if peers else None
+        rows.append(row)
+        print_row(row, ceiling)
+        del batch, impls, ref
+        torch.cuda.empty_cache()
+    return {"device": torch.cuda.get_device_name(), "copy_ceiling_gbs": ceiling, "rows": rows, "notes": sorted(notes)}
+
+
+def print_row(row, ceiling):
+    fj = row.get("flashjit", {})
+    us = fj.get("us")
+    gbs = row["bytes"] / us / 1e3 if us else float("nan")
+    peer = row["best_peer_us"]
+    ratio = f"{peer / us:5.2f}x" if us and peer else "  n/a"
+    others = "  ".join(f"{n} {row[n]['us']:.1f}" if "us" in row[n] else f"{n} ERR({row[n]['error'][:40]})"
+                       for n in row if n in ("sdpa-cudnn", "flashinfer", "flashinfer-tc"))
+    graph = f" graph {fj['graph_us']:.1f}" if "graph_us" in fj else ""
+    fj_text = f"{us:8.1f} us{graph}" if us else f"ERR {fj.get('error', '')}"
+    print(f"{row['case']:32s} flashjit {fj_text} {gbs:6.0f} GB/s {100 * gbs / ceiling:5.1f}%  "
+          f"speedup vs best peer {ratio}  splits {row['splits']:3d} | {others}", flush=True)
+
+
+def bench_compile(args) -> dict:
+    """Cold compile, warm-disk first call in a fresh process, in-memory get_kernel, and (GPU) plan/run host time."""
+    import flashjit
+    from flashjit.compile import compile_source
+    from flashjit.render import render
+
+    arch = args.arch
+    spec = flashjit.DecodeSpec(128, "bf16", group_size=4, page_size=16, arch=arch)
+    result = {"arch": arch, "spec": spec.name}
+    source = render(spec)
+    colds = []
+    for i in range(3):
+        start = time.perf_counter()
+        compile_source(source + f"\n// cold {time.time_ns()} {i}\n", arch, spec.name, extra_options=("--no-cache",))
+        colds.append(time.perf_counter() - start)
+    result["cold_compile_s"] = statistics.median(colds)
+    with tempfile.TemporaryDirectory() as folder:
+        flashjit.Engine(cache_dir=folder).get_kernel(spec)
+        code = ("import time,flashjit; e=flashjit.Engine(cache_dir=%r); s=flashjit.DecodeSpec.from_name(%r); "
+                "t=time.perf_counter(); e.get_kernel(s); print(time.perf_counter()-t)") % (folder, spec.name)
+        warm = [float(subprocess.check_output([sys.executable, "-c", code], text=True)) for _ in range(3)]
+        result["warm_disk_first_call_ms"] = 1e3 * statistics.median(warm)
+        engine = flashjit.Engine(cache_dir=folder)
+        engine.get_kernel(spec)
+        n = 100000
+        start = time.perf_counter()
+        for _ in range(n):
+            engine.get_kernel(spec)
+        result["memory_get_kernel_us"] = 1e6 * (time.perf_counter() - start) / n
+    result.update(host_costs())
+    for key, value in result.items():
+        print(f"{key:28s} {value:.4g}" if isinstance(value, float) else f"{key:28s} {value}")
+    return result
+
+
+def host_costs() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    import flashjit
+
+    case = Case("b64", 64, None)
+    batch = build_inputs(torch, case)
+    engine = flashjit.Engine(cache_dir=tempfile.mkdtemp())
+    decoder = flashjit.BatchDecode(engine)
+    args = (batch.indptr, batch.indices, batch.last_page_len, HEADS_QO, HEADS_KV, 128, PAGE)
+    decoder.plan(*args)
+    n = 200
+    start = time.perf_counter()
+    for _ in range(n):
+        decoder.plan(*args)
+    plan_us = 1e6 * (time.perf_counter() - start) / n
+    out = torch.empty_like(batch.q)
+    cache = (batch.k_cache, batch.v_cache)
+    torch.cuda.synchronize()
+    n = 2000
+    start = time.perf_counter()
+    for _ in range(n):
+        decoder.run(batch.q, cache, out=out)
+    run_us = 1e6 * (time.perf_counter() - start) / n
+    torch.cuda.synchronize()
+    x = torch.empty(16, device="cuda")
+    start = time.perf_counter()
+    for _ in range(n):
+        x.add_(1)
+    add_us = 1e6 * (time.perf_counter() - start) / n
+    torch.cuda.synchronize()
+    return {"plan_64_requests_us": plan_us, "run_host_us": run_us, "torch_add_host_us": add_us}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="kernels", choices=["kernels", "compile"])
+    parser.add_argument("--quick", action="store_true", help="a subset of the shapes")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--arch", default=None, help="compile mode: target arch (default: the GPU's, else sm_90)")
+    args = parser.parse_args(argv)
+    if args.mode == "compile":
+        if args.arch is None:
+            from flashjit.spec import current_arch
+            args.arch = current_arch() or "sm_90"
+        result = bench_compile(args)
+    else:
+        result = bench_kernels(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
