@@ -247,7 +247,7 @@ class BatchDecode:
         if self._merge_fn is not None:
             m = self._merge_args
             m.out, m.out_stride, m.lse = a.out, a.out_stride, a.lse
-            launch(self._merge_fn, self._merge_grid, (t.merge_threads, 1, 1), self._merge_params, stream)
+            launch(self._merge_fn, self._merge_grid, t.merge_block, self._merge_params, stream)
         return (out, lse) if return_lse else out
 
     def _split_cache(self, kv_cache):

@@ -15,6 +15,7 @@ MAX_ROWS_PER_CTA = 8  # query rows (group heads x query tokens) one CTA serves o
 TARGET_THREADS = 128
 STAGES = 4
 MERGE_COLS_PER_THREAD = 4
+MERGE_THREADS = 128
 
 
 def _pow2_ceil(x: int) -> int:
@@ -32,7 +33,16 @@ class DecodeTiling:
     row_tiles: int      # CTAs along the rows of one KV head
     tile_tokens: int    # tokens per pipeline stage
     stages: int
-    merge_threads: int
+    merge_lanes: int    # merge threads across one output row (4 columns each)
+    merge_split_lanes: int  # merge threads reading different partials
+
+    @property
+    def merge_threads(self) -> int:
+        return self.merge_lanes * self.merge_split_lanes
+
+    @property
+    def merge_block(self) -> tuple[int, int, int]:
+        return (self.merge_lanes, self.merge_split_lanes, 1)
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -58,5 +68,6 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     return DecodeTiling(
         vec=vec, chunks_per_row=chunks, bdx=bdx, rows=rows, rows_pad=rows_pad, bdz=bdz,
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES,
-        merge_threads=spec.head_dim // MERGE_COLS_PER_THREAD,
+        merge_lanes=spec.head_dim // MERGE_COLS_PER_THREAD,
+        merge_split_lanes=max(1, MERGE_THREADS // (spec.head_dim // MERGE_COLS_PER_THREAD)),
     )

@@ -96,25 +96,35 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
 
-  // Issue one stage: TILE tokens x CPR chunks of K and of V, zero-filled past the span.
-  auto load_tile = [&](int stage, int tile_v0) {
+  // A stage is TILE tokens x CPR 16-byte chunks of K and of V. Each thread owns LOADS_PER_THREAD
+  // chunks; locate() resolves their cache offsets (-1: past the span, zero-filled) through the page
+  // table, issue() starts the copies. The offsets of the next stage are located one iteration
+  // early, so page-table latency stays off the copy path.
+  auto locate = [&](int tile_v0, i64* offsets) {
 #pragma unroll
     for (int i = 0; i < LOADS_PER_THREAD; ++i) {
       const int c = tid + i * NT;
-      if (CHUNKS % NT != 0 && c >= CHUNKS) break;
+      offsets[i] = -1;
+      if (CHUNKS % NT != 0 && c >= CHUNKS) continue;
       const int tok = c / CPR, col = c % CPR;
       const int vpos = tile_v0 + tok;
-      bool pred = vpos < v_end;
-      i64 offset = 0;
-      if (pred) {
+      if (vpos < v_end) {
         const int pos = mask_kv_position(params, request, vpos);
-        pred = pos >= 0 && pos < kv_len;
-        if (pred) {
+        if (pos >= 0 && pos < kv_len) {
           const int page = __ldg(a.page_indices + page_begin + pos / cfg::PAGE_SIZE);
-          offset = token_offset(a, page, pos % cfg::PAGE_SIZE) + col * VEC;
+          offsets[i] = token_offset(a, page, pos % cfg::PAGE_SIZE) + col * VEC;
         }
       }
-      const int dst = (stage * TILE + tok) * D + col * VEC;
+    }
+  };
+  auto issue = [&](int stage, const i64* offsets) {
+#pragma unroll
+    for (int i = 0; i < LOADS_PER_THREAD; ++i) {
+      const int c = tid + i * NT;
+      if (CHUNKS % NT != 0 && c >= CHUNKS) continue;
+      const int dst = (stage * TILE + c / CPR) * D + (c % CPR) * VEC;
+      const bool pred = offsets[i] >= 0;
+      const i64 offset = pred ? offsets[i] : 0;
       cp_async_16(k_smem + dst, k_head + offset, pred);
       cp_async_16(v_smem + dst, v_head + offset, pred);
     }
@@ -125,15 +135,23 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;
 
   const int num_tiles = ceil_div(v_end - v_begin, TILE);
+  i64 offsets[LOADS_PER_THREAD];
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) load_tile(s, v_begin + s * TILE);
+    if (s < num_tiles) {
+      locate(v_begin + s * TILE, offsets);
+      issue(s, offsets);
+    }
     cp_async_commit();
   }
+  if (STAGES - 1 < num_tiles) locate(v_begin + (STAGES - 1) * TILE, offsets);
 
   for (int t = 0; t < num_tiles; ++t) {
     const int ahead = t + STAGES - 1;
-    if (ahead < num_tiles) load_tile(ahead % STAGES, v_begin + ahead * TILE);
+    if (ahead < num_tiles) {
+      issue(ahead % STAGES, offsets);
+      if (ahead + 1 < num_tiles) locate(v_begin + (ahead + 1) * TILE, offsets);
+    }
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncthreads();

@@ -3,12 +3,14 @@
 //   M = max lse_i,  o = sum 2^(lse_i - M) o_i / sum 2^(lse_i - M),  lse = M + log2(sum).
 // Partials with zero weight (empty or fully masked splits) are skipped, never multiplied,
 // so an unwritten partial cannot leak NaN. Requests with one work item were written directly.
-// Expects cfg::HEAD_DIM, cfg::MAX_Q_LEN and out_t from the including template.
+// Expects cfg::HEAD_DIM, cfg::MAX_Q_LEN, cfg::MERGE_THREADS and out_t from the including template.
 
 namespace merge {
 using namespace fj;
 constexpr int D = cfg::HEAD_DIM;
-constexpr int COLS = 4;  // columns per thread; blockDim.x == D / COLS
+constexpr int COLS = 4;                  // columns per thread
+constexpr int LANES = D / COLS;          // threads across one row
+constexpr int SPLIT_LANES = cfg::MERGE_THREADS / LANES;  // partials read in parallel
 
 struct Args {
   const float* __restrict__ tmp_o; const float* __restrict__ tmp_lse;
@@ -19,35 +21,46 @@ struct Args {
   int num_qo_heads;
 };
 
+// One block per (query token, qo head); threadIdx.x picks 4 columns, threadIdx.y every
+// SPLIT_LANES-th partial, and the lanes' sums meet in shared memory.
 FJ_INLINE void combine(const Args& a) {
-  const int token = blockIdx.x, head = blockIdx.y, col = threadIdx.x * COLS;
+  __shared__ float4 part_acc[SPLIT_LANES][LANES];
+  __shared__ float part_sum[SPLIT_LANES];
+  const int token = blockIdx.x, head = blockIdx.y, lane = threadIdx.x, split_lane = threadIdx.y;
   const int request = __ldg(a.token_request + token);
   const int w0 = __ldg(a.req_work_indptr + request), w1 = __ldg(a.req_work_indptr + request + 1);
   if (w1 - w0 <= 1) return;
   const int q_tok = token - __ldg(a.req_qo_indptr + request);
-  const float* tmp_o = a.tmp_o;
-  const float* tmp_lse = a.tmp_lse;
   auto slot = [&](int w) { return ((i64)w * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + head; };
 
   float m = FJ_NEG_INF;
-  for (int w = w0; w < w1; ++w) m = fmaxf(m, tmp_lse[slot(w)]);
+  for (int w = w0; w < w1; ++w) m = fmaxf(m, __ldg(a.tmp_lse + slot(w)));
   const float m_ref = m == FJ_NEG_INF ? 0.f : m;
-  float acc[COLS] = {0.f, 0.f, 0.f, 0.f}, sum = 0.f;
-  for (int w = w0; w < w1; ++w) {
-    const float weight = exp2_approx(tmp_lse[slot(w)] - m_ref);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float sum = 0.f;
+  for (int w = w0 + split_lane; w < w1; w += SPLIT_LANES) {
+    const float weight = exp2_approx(__ldg(a.tmp_lse + slot(w)) - m_ref);
     if (weight > 0.f) {
-      const float4 part = *reinterpret_cast<const float4*>(tmp_o + slot(w) * D + col);
-      acc[0] += weight * part.x; acc[1] += weight * part.y;
-      acc[2] += weight * part.z; acc[3] += weight * part.w;
+      const float4 part = __ldg(reinterpret_cast<const float4*>(a.tmp_o + slot(w) * D) + lane);
+      acc.x += weight * part.x; acc.y += weight * part.y; acc.z += weight * part.z; acc.w += weight * part.w;
       sum += weight;
     }
   }
+  part_acc[split_lane][lane] = acc;
+  if (lane == 0) part_sum[split_lane] = sum;
+  __syncthreads();
+  if (split_lane != 0) return;
+  for (int s = 1; s < SPLIT_LANES; ++s) {
+    const float4 other = part_acc[s][lane];
+    acc.x += other.x; acc.y += other.y; acc.z += other.z; acc.w += other.w;
+    sum += part_sum[s];
+  }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
   uint2 packed;
-  packed.x = (u32)Convert<out_t>::from_float(acc[0] * inv) | ((u32)Convert<out_t>::from_float(acc[1] * inv) << 16);
-  packed.y = (u32)Convert<out_t>::from_float(acc[2] * inv) | ((u32)Convert<out_t>::from_float(acc[3] * inv) << 16);
-  *reinterpret_cast<uint2*>(a.out + (i64)token * a.out_stride + head * D + col) = packed;
-  if (a.lse != nullptr && threadIdx.x == 0)
+  packed.x = (u32)Convert<out_t>::from_float(acc.x * inv) | ((u32)Convert<out_t>::from_float(acc.y * inv) << 16);
+  packed.y = (u32)Convert<out_t>::from_float(acc.z * inv) | ((u32)Convert<out_t>::from_float(acc.w * inv) << 16);
+  *reinterpret_cast<uint2*>(a.out + (i64)token * a.out_stride + head * D + lane * COLS) = packed;
+  if (a.lse != nullptr && lane == 0)
     a.lse[(i64)token * a.num_qo_heads + head] = sum > 0.f ? (m_ref + log2_approx(sum)) * FJ_LN2 : FJ_NEG_INF;
 }
 
