@@ -1,0 +1,64 @@
+"""One decode step on the GPU checked against the float32 torch reference (`flashjit run-example`).
+
+Kept out of the CLI so the CLI stays argument parsing and printing. The batch mixes lengths (one
+short request, one that ends mid-page, long ones the planner may split) over shuffled page ids,
+so the page table, split-KV and merge paths all run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+KV_LENS = (1, 37, 700, 2049)
+NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
+ATOL = RTOL = 2e-2  # bf16 output (8 mantissa bits) against a float32 reference
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckResult:
+    spec_name: str
+    kv_lens: tuple[int, ...]
+    max_abs_err: float
+    passed: bool
+
+
+def gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def decode_check(engine, *, device="cuda", kv_lens=KV_LENS, mask: str = "none", seed: int = 0) -> CheckResult:
+    """Plan and run BatchDecode on random bf16 data and compare with decode_reference."""
+    import torch
+
+    from .decode import BatchDecode
+    from .reference import decode_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_request = [-(-n // PAGE_SIZE) for n in kv_lens]
+    total_pages = sum(pages_per_request) + 3  # a few pages no request uses
+    page_ids = torch.randperm(total_pages, generator=gen)[: sum(pages_per_request)]
+    indptr = torch.tensor([0] + pages_per_request).cumsum(0).to(torch.int32)
+    last_page_len = torch.tensor([n - (p - 1) * PAGE_SIZE for n, p in zip(kv_lens, pages_per_request)], dtype=torch.int32)
+
+    shape = (total_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    q = torch.randn((len(kv_lens), NUM_QO_HEADS, HEAD_DIM), generator=gen).to(torch.bfloat16)
+
+    device = torch.device(device)
+    indices = page_ids.to(torch.int32).to(device)
+    decoder = BatchDecode(engine, device=device)
+    decoder.plan(indptr, indices, last_page_len, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE,
+                 q_dtype=torch.bfloat16, mask=mask)
+    out = decoder.run(q.to(device), (k_cache.to(device), v_cache.to(device)))
+    torch.cuda.synchronize(device)
+
+    ref, _ = decode_reference(q, k_cache, v_cache, indptr, page_ids, last_page_len, mask=mask)
+    out = out.float().cpu()
+    err = (out - ref).abs()
+    passed = bool(torch.isfinite(out).all()) and bool((err <= ATOL + RTOL * ref.abs()).all())
+    return CheckResult(decoder.spec.name, tuple(kv_lens), float(err.max()), passed)
