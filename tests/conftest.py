@@ -1,0 +1,104 @@
+"""Shared fixtures of the CPU suite.
+
+NVRTC needs no GPU, so these tests compile real kernels; each compile costs ~0.4 s on a small CI
+machine, so one session-scoped engine (`warm`) compiles WARM_SPEC once and tests that only need
+a valid cache entry copy it instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from flashjit import DecodeSpec, Engine
+from flashjit.cache import KernelCache
+from flashjit.kernel import Kernel
+from flashjit.registry import masks
+
+# Every spec the suite builds names its arch: the CI machine has no GPU to infer it from.
+WARM_SPEC = DecodeSpec(head_dim=64, dtype="bf16", mask="none", arch="sm_90")
+
+
+@dataclasses.dataclass(frozen=True)
+class Warm:
+    engine: Engine
+    spec: DecodeSpec
+    kernel: Kernel
+    cache_dir: Path
+
+    @property
+    def entry(self) -> Path:
+        """The cache entry folder of WARM_SPEC."""
+        return self.engine.cache.entry_dir(self.kernel.key)
+
+    def copy_entry_to(self, cache_dir: Path, with_index: bool = True) -> Path:
+        """Copy WARM_SPEC's verified entry (and its index file) into another cache dir."""
+        cache = KernelCache(cache_dir)
+        target = cache.entry_dir(self.kernel.key)
+        shutil.copytree(self.entry, target)
+        if with_index:
+            shutil.copytree(self.engine.cache.base / "index", cache.base / "index", dirs_exist_ok=True)
+        return target
+
+
+@pytest.fixture(scope="session")
+def warm(tmp_path_factory) -> Warm:
+    """An engine whose cache holds WARM_SPEC, compiled once for the whole session. Do not modify."""
+    cache_dir = tmp_path_factory.mktemp("warm-cache")
+    engine = Engine(cache_dir=cache_dir)
+    kernel = engine.get_kernel(WARM_SPEC)
+    return Warm(engine, WARM_SPEC, kernel, cache_dir)
+
+
+@pytest.fixture
+def cache_dir(tmp_path) -> Path:
+    """A fresh, not yet created cache folder."""
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def engine(cache_dir) -> Engine:
+    return Engine(cache_dir=cache_dir)
+
+
+@pytest.fixture
+def compile_log(caplog):
+    """Captures the 'flashjit' logger; call it to get the messages of the INFO 'compiling' records."""
+    caplog.set_level(logging.INFO, logger="flashjit")
+
+    def messages() -> list[str]:
+        return [r.getMessage() for r in caplog.records
+                if r.name == "flashjit" and r.levelno == logging.INFO and "compiling" in r.getMessage()]
+
+    return messages
+
+
+@pytest.fixture
+def isolated_masks(monkeypatch):
+    """Undo every mask registration (and FLASHJIT_TEMPLATE_PATH scan) a test makes."""
+    monkeypatch.delenv("FLASHJIT_TEMPLATE_PATH", raising=False)
+    saved = dict(masks._masks), masks._scanned_env
+    yield masks
+    with masks._lock:
+        masks._masks.clear()
+        masks._masks.update(saved[0])
+    masks._scanned_env = saved[1]
+
+
+def write_mask(folder: Path, name: str, visible: str, header: str = "") -> Path:
+    """A user mask template that extends masks/base.cuh.j2 and overrides `visible`."""
+    path = folder / f"{name}.cuh.j2"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'{header}{{% extends "masks/base.cuh.j2" %}}\n'
+                    f"{{% block visible %}}  {visible}{{% endblock %}}\n")
+    return path
+
+
+@pytest.fixture
+def mask_file():
+    """write_mask, for tests: mask_file(folder, name, visible_body, header='')."""
+    return write_mask

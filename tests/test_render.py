@@ -1,0 +1,136 @@
+"""Rendering: strict, sandboxed templates; errors that name the user's file and line; stable output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flashjit import DecodeSpec, TemplateError, register_mask
+from flashjit.render import ENTRY_TEMPLATE, render, template_root
+
+
+def user_mask(tmp_path, name: str, text: str):
+    path = tmp_path / f"{name}.cuh.j2"
+    path.write_text(text)
+    register_mask(name, path)
+    return path, DecodeSpec(64, mask=name, arch="sm_90")
+
+
+def test_template_root_has_entry_template():
+    assert (template_root() / ENTRY_TEMPLATE).is_file()
+    assert (template_root() / "masks" / "base.cuh.j2").is_file()
+
+
+def test_undefined_variable_names_user_file_and_line(isolated_masks, tmp_path):
+    path, spec = user_mask(tmp_path, "typo_mask", '{% extends "masks/base.cuh.j2" %}\n'
+                                                  "{% block visible %}\n"
+                                                  "  return kv_pos < {{ window_lft }};{% endblock %}\n")
+    with pytest.raises(TemplateError) as info:
+        render(spec)
+    message = str(info.value)
+    assert f"{path}:3" in message
+    assert "window_lft" in message and spec.name in message
+
+
+def test_undefined_attribute_is_an_error_too(isolated_masks, tmp_path):
+    path, spec = user_mask(tmp_path, "attr_mask", '{% extends "masks/base.cuh.j2" %}\n'
+                                                  "{% block visible %}  return {{ spec.window }};{% endblock %}\n")
+    with pytest.raises(TemplateError) as info:
+        render(spec)
+    assert f"{path}:2" in str(info.value) and "window" in str(info.value)
+
+
+def test_syntax_error_names_user_file_and_line(isolated_masks, tmp_path):
+    path, spec = user_mask(tmp_path, "syntax_mask", '{% extends "masks/base.cuh.j2" %}\n'
+                                                    "\n"
+                                                    "{% block visible %}\n"
+                                                    "  return {{ 1 + }};{% endblock %}\n")
+    with pytest.raises(TemplateError) as info:
+        render(spec)
+    assert f"{path}:4" in str(info.value) and spec.name in str(info.value)
+
+
+def test_sandbox_blocks_python_internals(isolated_masks, tmp_path):
+    _, spec = user_mask(tmp_path, "escape_mask", '{% extends "masks/base.cuh.j2" %}\n'
+                                                 "{% block visible %}{{ spec.__class__.__init__.__globals__ }}"
+                                                 "{% endblock %}\n")
+    with pytest.raises(TemplateError) as info:
+        render(spec)
+    assert "unsafe" in str(info.value)
+
+
+def test_missing_parent_template(isolated_masks, tmp_path):
+    _, spec = user_mask(tmp_path, "orphan_mask", '{% extends "masks/no_such_base.cuh.j2" %}\n')
+    with pytest.raises(TemplateError) as info:
+        render(spec)
+    assert "no_such_base" in str(info.value)
+
+
+def test_deleted_user_template(isolated_masks, tmp_path):
+    path, spec = user_mask(tmp_path, "gone_mask", '{% extends "masks/base.cuh.j2" %}\n')
+    path.unlink()
+    with pytest.raises(TemplateError) as info:
+        render(spec)
+    assert "not found" in str(info.value) and "gone_mask" in str(info.value)
+
+
+def test_edited_user_template_is_rerendered(isolated_masks, tmp_path):
+    path, spec = user_mask(tmp_path, "edited_mask", '{% extends "masks/base.cuh.j2" %}\n'
+                                                    "{% block visible %}  return kv_pos < 1;{% endblock %}\n")
+    assert "return kv_pos < 1;" in render(spec)
+    path.write_text('{% extends "masks/base.cuh.j2" %}\n{% block visible %}  return kv_pos < 22;{% endblock %}\n')
+    os.utime(path, ns=(1, 1))  # a different mtime even on coarse-grained filesystems
+    assert "return kv_pos < 22;" in render(spec)
+
+
+@pytest.mark.parametrize("mask, hook_body", [
+    ("none", "return true;"),
+    ("causal", "return kv_pos <= q_pos;"),
+    ("sliding_window", "return kv_pos <= q_pos && kv_pos >= q_pos - params.window_left;"),
+    ("block_sparse", "params.block_indices"),
+])
+def test_source_contains_spec_name_and_mask_hooks(mask, hook_body):
+    spec = DecodeSpec(128, mask=mask, group_size=4, arch="sm_90")
+    source = render(spec)
+    assert spec.name in source.splitlines()[0]
+    assert f"// mask: {mask}" in source
+    assert "FJ_INLINE bool mask_visible(" in source and "FJ_INLINE int mask_kv_position(" in source
+    assert hook_body in source
+    assert "constexpr int HEAD_DIM = 128;" in source and "constexpr int GROUP_SIZE = 4;" in source
+
+
+def test_source_is_self_contained():
+    source = render(DecodeSpec(128, mask="causal", arch="sm_90"))
+    assert "#include" not in source  # headers are inlined: the text alone determines the cubin
+    assert "{{" not in source and "{%" not in source and "{#" not in source
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, q_type, kv_type", [
+    ("bf16", "bf16", "bfloat16_t", "bfloat16_t"),
+    ("fp16", "fp16", "half_t", "half_t"),
+    ("fp16", "bf16", "half_t", "bfloat16_t"),
+])
+def test_storage_types(dtype, kv_dtype, q_type, kv_type):
+    source = render(DecodeSpec(64, dtype=dtype, kv_dtype=kv_dtype, arch="sm_90"))
+    assert f"typedef fj::{q_type} q_t;" in source and f"typedef fj::{kv_type} kv_t;" in source
+
+
+def test_specs_render_differently():
+    base = DecodeSpec(128, arch="sm_90")
+    sources = {render(base.replace(**change)) for change in
+               ({}, {"page_size": 32}, {"group_size": 8}, {"head_dim": 64}, {"mask": "causal"}, {"dtype": "fp16"})}
+    assert len(sources) == 6
+
+
+def test_rendering_is_deterministic():
+    spec = DecodeSpec(128, mask="sliding_window", group_size=8, max_q_len=2, arch="sm_90")
+    first = render(spec)
+    assert render(spec) == first
+    code = ("import sys; from flashjit import DecodeSpec; from flashjit.render import render; "
+            "sys.stdout.write(render(DecodeSpec(128, mask='sliding_window', group_size=8, max_q_len=2, arch='sm_90')))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env=dict(os.environ, PYTHONHASHSEED="777", PYTHONPATH=os.pathsep.join(sys.path)))
+    assert other.stdout == first
