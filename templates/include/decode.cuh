@@ -175,7 +175,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
       bool visible = row_valid && vpos < v_end;
       if (visible) {
         const int pos = mask_kv_position(params, request, vpos);
-        visible = pos >= 0 && pos < kv_len && mask_visible(params, request, q_pos, pos, kv_len);
+        visible = pos >= 0 && pos < kv_len && mask_visible(params, request, q_tok, q_len, q_pos, pos, kv_len);
       }
       s[j] = visible ? dot : FJ_NEG_INF;
       tile_max = fmaxf(tile_max, s[j]);
