@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prewarm", help="compile (or load) every kernel of a manifest and/or named specs")
     p.add_argument("manifest", nargs="?", metavar="MANIFEST.toml")
     p.add_argument("--spec", action="append", metavar="NAME",
-                   help="a spec name such as decode_d128_bf16_kvbf16_none_p16_g4_q1_nhd_sm90 (repeatable)")
+                   help="a spec name such as decode_d128_bf16_kvbf16_none_p16_g4_q1_nhd_sm90_tc (repeatable)")
     archs(p), jobs(p), cache_dir(p)
     p.set_defaults(func=cmd_prewarm)
 

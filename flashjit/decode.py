@@ -243,7 +243,7 @@ class BatchDecode:
         a.lse = lse.data_ptr() if lse is not None else 0
         stream = _current_stream(self.device.index)
         t = self.kernel.tiling
-        launch(self._decode_fn, self._decode_grid, t.block, self._decode_params, stream)
+        launch(self._decode_fn, self._decode_grid, t.block, self._decode_params, stream, t.smem_bytes)
         if self._merge_fn is not None:
             m = self._merge_args
             m.out, m.out_stride, m.lse = a.out, a.out_stride, a.lse

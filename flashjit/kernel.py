@@ -51,6 +51,7 @@ class MergeArgs(ctypes.Structure):
     ]
 
 
+CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 MASK_PARAM_CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "int_tensor": ctypes.c_void_p}
 
 _driver = None
@@ -68,6 +69,7 @@ def driver():
             lib.cuLaunchKernel.restype = ctypes.c_int
             lib.cuOccupancyMaxActiveBlocksPerMultiprocessor.argtypes = [
                 ctypes.POINTER(ctypes.c_int), ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+            lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             _driver = lib
     return _driver
@@ -127,18 +129,22 @@ class Kernel:
                 module.load(self.cubin)
                 decode = module.get_function(DECODE_ENTRY).ptr
                 merge = module.get_function(MERGE_ENTRY).ptr
+                smem = self.tiling.smem_bytes
+                if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
+                    check(driver().cuFuncSetAttribute(decode, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
+                          "cuFuncSetAttribute")
             occupancy = ctypes.c_int(0)
             check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(occupancy), decode, self.tiling.threads, 0), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+                ctypes.byref(occupancy), decode, self.tiling.threads, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
             num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
             loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms)
             self._loaded[device_index] = loaded
             return loaded
 
 
-def launch(function: int, grid, block, params, stream: int):
+def launch(function: int, grid, block, params, stream: int, smem: int = 0):
     """cuLaunchKernel with a prebuilt void*[] of argument addresses."""
-    status = driver().cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], 0,
+    status = driver().cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
                                      stream, params, None)
     if status:
         check(status, "cuLaunchKernel")

@@ -1,6 +1,6 @@
 """Render a DecodeSpec to one self-contained CUDA source with Jinja2.
 
-Headers are inlined by `{% include %}`, so the rendered text alone determines the compiled code
+Headers are pasted verbatim by `{{ header(name) }}`, so the rendered text alone determines the compiled code
 (and so the cache key). Templates render in a sandboxed environment with StrictUndefined: user
 mask templates cannot reach Python internals, and a typo is an error naming file and line.
 """
@@ -47,8 +47,11 @@ def _load_absolute(name: str):
 @lru_cache(maxsize=1)
 def environment() -> SandboxedEnvironment:
     loader = jinja2.ChoiceLoader([jinja2.FileSystemLoader(str(template_root())), jinja2.FunctionLoader(_load_absolute)])
-    return SandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                                autoescape=False)
+    env = SandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                               autoescape=False)
+    # CUDA headers are pasted verbatim, not parsed: inline PTX such as "{%0, %1}" is not Jinja.
+    env.globals["header"] = lambda name: loader.get_source(env, name)[0]
+    return env
 
 
 def _template_location(exc: BaseException) -> str:

@@ -20,6 +20,8 @@ ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_12
 MAX_PAGE_SIZE = 256
 MAX_GROUP_SIZE = 64
 MAX_Q_LEN = 16
+TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
+TENSOR_CORE_MIN_ROWS = 2  # group x query tokens; measured on the H200, see docs/architecture.md
 
 _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
@@ -27,7 +29,7 @@ _DTYPE_ALIASES = {
 }
 _SHORT = {"float16": "f16", "bfloat16": "bf16"}
 _NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)"
-                           r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)")
+                           r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?")
 
 
 def normalize_dtype(value, field: str = "dtype", accepted=QUERY_DTYPES) -> str:
@@ -75,6 +77,7 @@ class DecodeSpec:
     max_q_len: int = 1
     kv_layout: str = "NHD"
     arch: str | None = None
+    tensor_cores: bool | None = None  # None: chosen from the rows per CTA and head_dim
 
     def __post_init__(self):
         set_ = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen dataclass)
@@ -89,6 +92,12 @@ class DecodeSpec:
             raise SpecError("kv_layout", self.kv_layout, ", ".join(KV_LAYOUTS))
         set_("kv_layout", layout)
         set_("arch", _normalize_arch(self.arch))
+        tc_ok = self.head_dim in TENSOR_CORE_HEAD_DIMS
+        if self.tensor_cores is None:
+            set_("tensor_cores", tc_ok and self.group_size * self.max_q_len >= TENSOR_CORE_MIN_ROWS)
+        elif self.tensor_cores not in (True, False) or (self.tensor_cores and not tc_ok):
+            raise SpecError("tensor_cores", self.tensor_cores,
+                            f"None (automatic), False, or True with head_dim in {TENSOR_CORE_HEAD_DIMS}")
         from .registry import masks  # late import: the registry imports nothing from here
 
         if self.mask not in masks:
@@ -96,11 +105,13 @@ class DecodeSpec:
 
     @property
     def name(self) -> str:
-        """A readable, unique name, e.g. decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90."""
+        """A readable, unique name, e.g. decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc_tc.
+
+        The suffix _tc marks the tensor-core kernel."""
         return (
             f"decode_d{self.head_dim}_{_SHORT[self.dtype]}_kv{_SHORT[self.kv_dtype]}_{self.mask}"
             f"_p{self.page_size}_g{self.group_size}_q{self.max_q_len}_{self.kv_layout.lower()}"
-            f"_{self.arch.replace('_', '')}"
+            f"_{self.arch.replace('_', '')}{'_tc' if self.tensor_cores else ''}"
         )
 
     @property
@@ -113,10 +124,11 @@ class DecodeSpec:
         """Inverse of .name, so specs can be named on the command line."""
         match = _NAME_PATTERN.fullmatch(name.strip())
         if not match:
-            raise SpecError("name", name, "names like decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90")
+            raise SpecError("name", name, "names like decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc")
         g = match.groupdict()
         return cls(head_dim=int(g["d"]), dtype=g["dtype"], kv_dtype=g["kv"], mask=g["mask"], page_size=int(g["p"]),
-                   group_size=int(g["g"]), max_q_len=int(g["q"]), kv_layout=g["layout"], arch="sm_" + g["arch"])
+                   group_size=int(g["g"]), max_q_len=int(g["q"]), kv_layout=g["layout"], arch="sm_" + g["arch"],
+                   tensor_cores=bool(g["tc"]))
 
     def replace(self, **changes) -> "DecodeSpec":
         return dataclasses.replace(self, **changes)

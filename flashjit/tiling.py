@@ -33,6 +33,8 @@ class DecodeTiling:
     row_tiles: int      # CTAs along the rows of one KV head
     tile_tokens: int    # tokens per pipeline stage
     stages: int
+    tensor_cores: bool
+    smem_bytes: int     # dynamic shared memory (tensor-core kernel)
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
 
@@ -53,11 +55,26 @@ class DecodeTiling:
         return self.bdx * self.rows_pad * self.bdz
 
 
+TC_ROWS = 16  # MMA M: query rows per tensor-core CTA
+TC_WARPS = {64: 4, 128: 4, 256: 2}
+TC_STAGES = {64: 4, 128: 3, 256: 3}
+
+
 def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
+    merge_lanes = spec.head_dim // MERGE_COLS_PER_THREAD
+    merge = dict(merge_lanes=merge_lanes, merge_split_lanes=max(1, MERGE_THREADS // merge_lanes))
+    rows_total = spec.group_size * spec.max_q_len
+    if spec.tensor_cores:
+        # Block (32 x warps): each warp takes 16 keys of every stage; rows ride in the MMA's M.
+        warps, stages = TC_WARPS[spec.head_dim], TC_STAGES[spec.head_dim]
+        tile = 16 * warps
+        smem = stages * 2 * tile * (spec.head_dim + 8) * 2
+        return DecodeTiling(vec=8, chunks_per_row=spec.head_dim // 8, bdx=32 * warps, rows=TC_ROWS, rows_pad=1, bdz=1,
+                            row_tiles=-(-rows_total // TC_ROWS), tile_tokens=tile, stages=stages, tensor_cores=True,
+                            smem_bytes=smem, **merge)
     vec = 8
     chunks = spec.head_dim // vec
     bdx = _pow2_ceil(chunks)
-    rows_total = spec.group_size * spec.max_q_len
     rows = min(rows_total, MAX_ROWS_PER_CTA)
     align = max(1, 32 // bdx)
     rows_pad = -(-rows // align) * align
@@ -67,7 +84,6 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     tile = 1 << int(math.log2(tile))  # power of two, a multiple of bdz
     return DecodeTiling(
         vec=vec, chunks_per_row=chunks, bdx=bdx, rows=rows, rows_pad=rows_pad, bdz=bdz,
-        row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES,
-        merge_lanes=spec.head_dim // MERGE_COLS_PER_THREAD,
-        merge_split_lanes=max(1, MERGE_THREADS // (spec.head_dim // MERGE_COLS_PER_THREAD)),
+        row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
+        **merge,
     )

@@ -163,7 +163,7 @@ def test_list_empty(tmp_path):
 
 
 def test_show_prints_the_rendered_source():
-    name = "decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90"
+    name = "decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc"
     code, out, _ = run("show", name)
     assert code == 0
     assert name in out and "mask: causal" in out

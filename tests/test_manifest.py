@@ -39,7 +39,7 @@ def test_llama_example_expands_to_the_cross_product():
     assert {s.max_q_len for s in specs} == {1, 4}
     assert {(s.head_dim, s.dtype, s.kv_dtype, s.group_size, s.page_size, s.kv_layout) for s in specs} == {
         (128, "bfloat16", "bfloat16", 4, 16, "NHD")}
-    assert DecodeSpec.from_name("decode_d128_bf16_kvbf16_causal_p16_g4_q4_nhd_sm90") in specs
+    assert DecodeSpec.from_name("decode_d128_bf16_kvbf16_causal_p16_g4_q4_nhd_sm90_tc") in specs
 
 
 @pytest.mark.parametrize("name, group, masks", [

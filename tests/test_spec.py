@@ -123,7 +123,7 @@ def test_name_round_trips(spec):
 
 def test_name_format():
     spec = DecodeSpec(128, dtype="bf16", mask="causal", group_size=4, arch="sm_90")
-    assert spec.name == "decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90"
+    assert spec.name == "decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc"
 
 
 @pytest.mark.parametrize("bad", ["decode_d128", "decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd", "attention_x"])

@@ -4,7 +4,7 @@
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN VEC CHUNKS_PER_ROW BDX ROWS
 //                  ROWS_PAD BDZ TILE_TOKENS STAGES
 //   types q_t kv_t out_t (fj::half_t or fj::bfloat16_t)
-//   MaskParams, mask_kv_position(), mask_visible() from the mask template.
+//   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode::Args (decode_args.cuh).
 //
 // A work item is (request, [v_begin, v_end)) over the span the planner chose for the request.
 // A request with one work item writes its output directly; otherwise each item writes a
@@ -35,26 +35,6 @@ static_assert(BDX >= CPR && (BDX & (BDX - 1)) == 0 && BDX <= 32, "row lanes: a p
 static_assert(NT % 32 == 0, "whole warps, so full-mask shuffles are defined");
 static_assert(TILE % BDZ == 0, "every z-slice scores the same number of tokens");
 static_assert(BDZ == 1 || BDZ * ROWS_PAD * D * 4 <= 2 * SMEM_ELEMS * 2, "reduction scratch fits in the K/V ring");
-
-struct Args {
-  const q_t* __restrict__ q; i64 q_stride;            // [tokens, qo_heads, D], token stride in elements
-  const kv_t* __restrict__ k; const kv_t* __restrict__ v;
-  i64 page_stride, slot_stride, head_stride;           // element strides of the paged cache
-  const int* __restrict__ page_indices;
-  const int* __restrict__ work_request; const int* __restrict__ work_begin; const int* __restrict__ work_end;
-  const int* __restrict__ num_work;                     // device scalar: items past it are padding
-  const int* __restrict__ req_kv_len; const int* __restrict__ req_page_begin;
-  const int* __restrict__ req_qo_indptr; const int* __restrict__ req_work_indptr;
-  out_t* __restrict__ out; i64 out_stride;
-  float* __restrict__ lse;                              // natural-log LSE [tokens, qo_heads] or null
-  float* __restrict__ tmp_o; float* __restrict__ tmp_lse;
-  int num_qo_heads;
-  float sm_scale_log2;                                  // sm_scale * log2(e)
-};
-
-FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
-  return (i64)page * a.page_stride + (i64)slot * a.slot_stride;
-}
 
 FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   __shared__ __align__(16) u16 k_smem[SMEM_ELEMS];

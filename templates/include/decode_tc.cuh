@@ -1,0 +1,293 @@
+// Paged-KV decode attention on tensor cores (mma.sync m16n8k16, sm_80+): one CTA per
+// (work item, KV head, tile of 16 query rows). The rows are the GQA group's heads times the
+// request's query tokens, packed into the MMA's M dimension, so each K/V byte is read once for the
+// whole group and the arithmetic costs a few instructions per key instead of tens.
+//
+// Expects from the including template:
+//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS STAGES
+//   types q_t kv_t out_t (fj::half_t or fj::bfloat16_t, q_t == kv_t)
+//   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode::Args.
+//
+// Each warp owns a 16-key slice of every pipeline stage (S = Q K^T, online softmax, O += P V in
+// registers); the warps' states meet in shared memory at the end. Same outputs as decode.cuh:
+// direct for one-item requests, else normalized fp32 partials and base-2 LSEs for the merge.
+// Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
+
+namespace decode {
+using namespace fj;
+
+constexpr int D = cfg::HEAD_DIM;
+constexpr int DP = D + 8;                 // padded smem row (elements): conflict-free ldmatrix
+constexpr int WARPS = cfg::WARPS;
+constexpr int NT = 32 * WARPS;
+constexpr int M = 16;                     // query rows per CTA
+constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
+constexpr int TILE = 16 * WARPS;          // keys per pipeline stage
+constexpr int STAGES = cfg::STAGES;
+constexpr int CPR = D / 8;                // 16-byte chunks per K/V row
+constexpr int TOKENS_PER_PASS = NT / CPR; // keys one pass of the block's loads covers
+constexpr int LOADS = TILE / TOKENS_PER_PASS;  // keys (and chunks) each thread loads per stage
+constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
+constexpr int NTILES = D / 8;             // MMA n-tiles of O
+constexpr int STAGE_ELEMS = TILE * DP;
+
+static_assert(NT % CPR == 0 && TILE % TOKENS_PER_PASS == 0, "loads tile the stage evenly");
+static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit operands");
+
+template <typename T> struct Mma;
+template <> struct Mma<bfloat16_t> {
+  FJ_INLINE static void run(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  FJ_INLINE static u32 pack(float lo, float hi) {
+    u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+  }
+};
+template <> struct Mma<half_t> {
+  FJ_INLINE static void run(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  FJ_INLINE static u32 pack(float lo, float hi) {
+    u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+  }
+};
+
+FJ_INLINE void ldmatrix_x4(u32* r, const void* smem) {
+  u32 addr = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+FJ_INLINE void ldmatrix_x4_trans(u32* r, const void* smem) {
+  u32 addr = (u32)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+FJ_INLINE void attend(const Args& a, const MaskParams& params) {
+  extern __shared__ __align__(16) u16 smem[];
+  u16* k_smem = smem;
+  u16* v_smem = smem + STAGES * STAGE_ELEMS;
+  __shared__ float red_m[WARPS][M], red_d[WARPS][M];
+
+  const int w = blockIdx.x;
+  if (w >= __ldg(a.num_work)) return;
+  const int kv_head = blockIdx.y;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
+
+  const int request = __ldg(a.work_request + w);
+  const int v_begin = __ldg(a.work_begin + w), v_end = __ldg(a.work_end + w);
+  const int kv_len = __ldg(a.req_kv_len + request);
+  const int page_begin = __ldg(a.req_page_begin + request);
+  const int q_begin = __ldg(a.req_qo_indptr + request);
+  const int q_len = __ldg(a.req_qo_indptr + request + 1) - q_begin;
+  const bool direct = __ldg(a.req_work_indptr + request + 1) - __ldg(a.req_work_indptr + request) == 1;
+
+  // The two query rows this thread's fragments touch: quad and quad + 8.
+  int row_tok[2], row_head[2], row_pos[2];
+  bool row_valid[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = blockIdx.z * M + quad + 8 * h;
+    row_tok[h] = row / cfg::GROUP_SIZE;
+    row_head[h] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+    row_valid[h] = row < ROWS_TOTAL && row_tok[h] < q_len;
+    row_pos[h] = kv_len - q_len + row_tok[h];
+  }
+
+  // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)].
+  u32 qa[KSTEPS][4];
+#pragma unroll
+  for (int k = 0; k < KSTEPS; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int h = r & 1, col = 16 * k + pair + (r >> 1) * 8;
+      qa[k][r] = row_valid[h]
+          ? *reinterpret_cast<const u32*>(a.q + (i64)(q_begin + row_tok[h]) * a.q_stride + row_head[h] * D + col)
+          : 0u;
+    }
+  }
+
+  const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
+  const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
+  const int load_col = (tid % CPR) * 8;
+
+  // Each thread copies one 16-byte column of LOADS keys per stage. locate() resolves their
+  // physical token index (page * PAGE_SIZE + slot; -1 past the span, zero-filled) through the
+  // page table one iteration before issue() needs it, keeping page-table latency off the copy path.
+  auto locate = [&](int tile_v0, int* phys) {
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int vpos = tile_v0 + tid / CPR + i * TOKENS_PER_PASS;
+      phys[i] = -1;
+      if (vpos < v_end) {
+        const int pos = mask_kv_position(params, request, vpos);
+        if (pos >= 0 && pos < kv_len)
+          phys[i] = __ldg(a.page_indices + page_begin + pos / cfg::PAGE_SIZE) * cfg::PAGE_SIZE + pos % cfg::PAGE_SIZE;
+      }
+    }
+  };
+  auto issue = [&](int stage, const int* phys) {
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int dst = stage * STAGE_ELEMS + (tid / CPR + i * TOKENS_PER_PASS) * DP + load_col;
+      const bool pred = phys[i] >= 0;
+      const i64 offset = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + load_col : 0;
+      cp_async_16(k_smem + dst, k_head + offset, pred);
+      cp_async_16(v_smem + dst, v_head + offset, pred);
+    }
+  };
+
+  float o[NTILES][4];
+#pragma unroll
+  for (int n = 0; n < NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {FJ_NEG_INF, FJ_NEG_INF}, dsum[2] = {0.f, 0.f};
+
+  const int num_tiles = ceil_div(v_end - v_begin, TILE);
+  int phys[LOADS];
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) {
+      locate(v_begin + s * TILE, phys);
+      issue(s, phys);
+    }
+    cp_async_commit();
+  }
+  if (STAGES - 1 < num_tiles) locate(v_begin + (STAGES - 1) * TILE, phys);
+
+  // ldmatrix addresses inside a stage: lane l serves row l % 8 of matrix l / 8.
+  const int mat = lane / 8, mrow = lane % 8;
+  const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * DP + (mat & 1) * 8;  // K: [keys][dims]
+  const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * DP + (mat >> 1) * 8;  // V: transposed
+
+  for (int t = 0; t < num_tiles; ++t) {
+    const int ahead = t + STAGES - 1;
+    if (ahead < num_tiles) {
+      issue(ahead % STAGES, phys);
+      if (ahead + 1 < num_tiles) locate(v_begin + (ahead + 1) * TILE, phys);
+    }
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+
+    const int key0 = v_begin + t * TILE + warp * 16;  // this warp's first key
+    if (key0 < v_end) {
+      const u16* ks = k_smem + (t % STAGES) * STAGE_ELEMS;
+      const u16* vs = v_smem + (t % STAGES) * STAGE_ELEMS;
+      // S = Q K^T for 16 keys: s[j][0..1] rows quad, s[j][2..3] rows quad+8, keys 8j + pair (+1).
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int k = 0; k < KSTEPS; ++k) {
+        u32 kb[4];
+        ldmatrix_x4(kb, ks + k_ld + 16 * k);
+        Mma<kv_t>::run(s[0], qa[k], kb[0], kb[1]);
+        Mma<kv_t>::run(s[1], qa[k], kb[2], kb[3]);
+      }
+      // Scale, mask, and the online-softmax update, per row (reduced over the row's 4 lanes).
+      float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, vpos = key0 + 8 * j + pair + (e & 1);
+          bool visible = row_valid[h] && vpos < v_end;
+          if (visible) {
+            const int pos = mask_kv_position(params, request, vpos);
+            visible = pos >= 0 && pos < kv_len &&
+                      mask_visible(params, request, row_tok[h], q_len, row_pos[h], pos, kv_len);
+          }
+          s[j][e] = visible ? s[j][e] * a.sm_scale_log2 : FJ_NEG_INF;
+          tile_max[h] = fmaxf(tile_max[h], s[j][e]);
+        }
+      }
+      float m_ref[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        const float m_new = fmaxf(m[h], tile_max[h]);
+        m_ref[h] = m_new == FJ_NEG_INF ? 0.f : m_new;
+        const float rescale = exp2_approx(m[h] - m_ref[h]);
+        dsum[h] *= rescale;
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n) { o[n][2 * h] *= rescale; o[n][2 * h + 1] *= rescale; }
+        m[h] = m_new;
+      }
+      // P (the C fragments of S) is the A fragment of O += P V.
+      u32 pa[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = exp2_approx(s[j][e] - m_ref[e >> 1]);
+          dsum[e >> 1] += s[j][e];
+        }
+        pa[2 * j] = Mma<kv_t>::pack(s[j][0], s[j][1]);
+        pa[2 * j + 1] = Mma<kv_t>::pack(s[j][2], s[j][3]);
+      }
+#pragma unroll
+      for (int n = 0; n < NTILES; n += 2) {
+        u32 vb[4];
+        ldmatrix_x4_trans(vb, vs + v_ld + 8 * n);
+        Mma<kv_t>::run(o[n], pa, vb[0], vb[1]);
+        Mma<kv_t>::run(o[n + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Merge the warps' states: row sums over the quad's lanes, then through shared memory.
+  float* red_o = reinterpret_cast<float*>(smem);  // [WARPS][M][D]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
+    dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
+    if (lane % 4 == 0) { red_m[warp][quad + 8 * h] = m[h]; red_d[warp][quad + 8 * h] = dsum[h]; }
+#pragma unroll
+    for (int n = 0; n < NTILES; ++n)
+      *reinterpret_cast<float2*>(red_o + (warp * M + quad + 8 * h) * D + 8 * n + pair) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+  }
+  __syncthreads();
+
+  // Each thread finishes 4 columns of some rows.
+  constexpr int COLS4 = D / 4;
+  for (int item = tid; item < M * COLS4; item += NT) {
+    const int row_in = item / COLS4, col = (item % COLS4) * 4;
+    const int row = blockIdx.z * M + row_in;
+    const int q_tok = row / cfg::GROUP_SIZE;
+    if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
+    const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+    float m_all = FJ_NEG_INF;
+#pragma unroll
+    for (int wi = 0; wi < WARPS; ++wi) m_all = fmaxf(m_all, red_m[wi][row_in]);
+    const float m_ref = m_all == FJ_NEG_INF ? 0.f : m_all;
+    float d_all = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int wi = 0; wi < WARPS; ++wi) {
+      const float weight = exp2_approx(red_m[wi][row_in] - m_ref);
+      d_all += weight * red_d[wi][row_in];
+      const float4 part = *reinterpret_cast<const float4*>(red_o + (wi * M + row_in) * D + col);
+      acc[0] += weight * part.x; acc[1] += weight * part.y; acc[2] += weight * part.z; acc[3] += weight * part.w;
+    }
+    const float inv = d_all > 0.f ? 1.f / d_all : 0.f;
+    const float lse2 = d_all > 0.f ? m_ref + log2_approx(d_all) : FJ_NEG_INF;
+    const int token = q_begin + q_tok;
+    if (direct) {
+      uint2 packed;
+      packed.x = (u32)Convert<out_t>::from_float(acc[0] * inv) | ((u32)Convert<out_t>::from_float(acc[1] * inv) << 16);
+      packed.y = (u32)Convert<out_t>::from_float(acc[2] * inv) | ((u32)Convert<out_t>::from_float(acc[3] * inv) << 16);
+      *reinterpret_cast<uint2*>(a.out + (i64)token * a.out_stride + qo_head * D + col) = packed;
+      if (a.lse != nullptr && col == 0) a.lse[(i64)token * a.num_qo_heads + qo_head] = lse2 * FJ_LN2;
+    } else {
+      const i64 slot = ((i64)w * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
+      *reinterpret_cast<float4*>(a.tmp_o + slot * D + col) = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+      if (col == 0) a.tmp_lse[slot] = lse2;
+    }
+  }
+}
+
+}  // namespace decode
