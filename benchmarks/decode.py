@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 HEADS_QO, HEADS_KV, PAGE = 32, 8, 16
+PEERS = ("sdpa-cudnn", "flashinfer", "flashinfer-tc")
 
 
 @dataclasses.dataclass
@@ -112,11 +113,12 @@ def build_inputs(torch, case: Case, seed: int = 0):
                       page_size=PAGE, seed=seed, spare_pages=0)
 
 
-def flashjit_impl(torch, batch, case, engine):
+def flashjit_impl(torch, batch, case, engine, tensor_cores=None):
     import flashjit
 
     decoder = flashjit.BatchDecode(engine)
     options = {"mask": "sliding_window", "window_left": case.window} if case.window else {}
+    options["tensor_cores"] = tensor_cores
     decoder.plan(batch.indptr, batch.indices, batch.last_page_len, HEADS_QO, HEADS_KV, case.head_dim, PAGE, **options)
     out = torch.empty_like(batch.q)
     cache = (batch.k_cache, batch.v_cache)
@@ -195,6 +197,8 @@ def bench_kernels(args) -> dict:
         impls = {}
         run, out, decoder = flashjit_impl(torch, batch, case, engine)
         impls["flashjit"] = (run, out)
+        if args.cuda_cores:
+            impls["flashjit-cc"] = flashjit_impl(torch, batch, case, engine, tensor_cores=False)[:2]
         sdpa = sdpa_impl(torch, batch, case)
         if sdpa:
             impls["sdpa-cudnn"] = sdpa
@@ -219,7 +223,7 @@ def bench_kernels(args) -> dict:
             if name == "flashjit" and (row["bytes"] < 64 * 2**20):
                 entry["graph_us"] = timer.graph_us(fn)
             row[name] = entry
-        peers = [row[n]["us"] for n in row if n not in ("flashjit",) and isinstance(row.get(n), dict) and "us" in row[n]]
+        peers = [row[n]["us"] for n in PEERS if isinstance(row.get(n), dict) and "us" in row[n]]
         row["best_peer_us"] = min(peers) if peers else None
         rows.append(row)
         print_row(row, ceiling)
@@ -235,7 +239,7 @@ def print_row(row, ceiling):
     peer = row["best_peer_us"]
     ratio = f"{peer / us:5.2f}x" if us and peer else "  n/a"
     others = "  ".join(f"{n} {row[n]['us']:.1f}" if "us" in row[n] else f"{n} ERR({row[n]['error'][:40]})"
-                       for n in row if n in ("sdpa-cudnn", "flashinfer", "flashinfer-tc"))
+                       for n in row if n in PEERS + ("flashjit-cc",))
     graph = f" graph {fj['graph_us']:.1f}" if "graph_us" in fj else ""
     fj_text = f"{us:8.1f} us{graph}" if us else f"ERR {fj.get('error', '')}"
     print(f"{row['case']:32s} flashjit {fj_text} {gbs:6.0f} GB/s {100 * gbs / ceiling:5.1f}%  "
@@ -278,38 +282,39 @@ def bench_compile(args) -> dict:
 
 
 def host_costs() -> dict:
+    """Host microseconds of plan() (64 short requests) and run() (a tiny batch, so the GPU never
+    backs the launch queue up), next to one torch elementwise op measured the same way."""
     import torch
 
     if not torch.cuda.is_available():
         return {}
     import flashjit
+    from tests.gpu.batches import make_batch
 
-    case = Case("b64", 64, None)
-    batch = build_inputs(torch, case)
     engine = flashjit.Engine(cache_dir=tempfile.mkdtemp())
+
+    def per_call_us(fn, n):
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        elapsed = time.perf_counter() - start
+        torch.cuda.synchronize()
+        return 1e6 * elapsed / n
+
+    planned = make_batch([128 + 6 * i for i in range(64)], num_qo_heads=HEADS_QO, num_kv_heads=HEADS_KV,
+                         head_dim=128, page_size=PAGE)
     decoder = flashjit.BatchDecode(engine)
-    args = (batch.indptr, batch.indices, batch.last_page_len, HEADS_QO, HEADS_KV, 128, PAGE)
-    decoder.plan(*args)
-    n = 200
-    start = time.perf_counter()
-    for _ in range(n):
-        decoder.plan(*args)
-    plan_us = 1e6 * (time.perf_counter() - start) / n
-    out = torch.empty_like(batch.q)
-    cache = (batch.k_cache, batch.v_cache)
-    torch.cuda.synchronize()
-    n = 2000
-    start = time.perf_counter()
-    for _ in range(n):
-        decoder.run(batch.q, cache, out=out)
-    run_us = 1e6 * (time.perf_counter() - start) / n
-    torch.cuda.synchronize()
+    plan_args = (planned.indptr, planned.indices, planned.last_page_len, HEADS_QO, HEADS_KV, 128, PAGE)
+    plan_us = per_call_us(lambda: decoder.plan(*plan_args), 200)
+
+    tiny = make_batch([64], num_qo_heads=HEADS_QO, num_kv_heads=HEADS_KV, head_dim=128, page_size=PAGE)
+    decoder.plan(tiny.indptr, tiny.indices, tiny.last_page_len, HEADS_QO, HEADS_KV, 128, PAGE)
+    out, cache = torch.empty_like(tiny.q), (tiny.k_cache, tiny.v_cache)
+    run_us = per_call_us(lambda: decoder.run(tiny.q, cache, out=out), 2000)
     x = torch.empty(16, device="cuda")
-    start = time.perf_counter()
-    for _ in range(n):
-        x.add_(1)
-    add_us = 1e6 * (time.perf_counter() - start) / n
-    torch.cuda.synchronize()
+    add_us = per_call_us(lambda: x.add_(1), 2000)
     return {"plan_64_requests_us": plan_us, "run_host_us": run_us, "torch_add_host_us": add_us}
 
 
@@ -318,6 +323,7 @@ def main(argv=None):
     parser.add_argument("mode", nargs="?", default="kernels", choices=["kernels", "compile"])
     parser.add_argument("--quick", action="store_true", help="a subset of the shapes")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--cuda-cores", action="store_true", help="also time flashjit's CUDA-core kernel")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--arch", default=None, help="compile mode: target arch (default: the GPU's, else sm_90)")

@@ -72,7 +72,8 @@ class BatchDecode:
              page_size: int, *, qo_indptr=None, q_len: int | None = None, mask: str = "none",
              window_left: int | None = None, mask_params: dict | None = None, q_dtype="bfloat16",
              kv_dtype=None, kv_layout: str = "NHD", sm_scale: float | None = None,
-             chunk_tokens: int | None = None, disable_split_kv: bool = False) -> "BatchDecode":
+             chunk_tokens: int | None = None, disable_split_kv: bool = False,
+             tensor_cores: bool | None = None) -> "BatchDecode":
         import torch
 
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
@@ -113,7 +114,8 @@ class BatchDecode:
 
         spec = DecodeSpec(head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, mask=mask, page_size=page_size,
                           group_size=num_qo_heads // num_kv_heads, max_q_len=max(1, int(q_lens.max(initial=1))),
-                          kv_layout=kv_layout, arch=f"sm_{''.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+                          kv_layout=kv_layout, tensor_cores=tensor_cores,
+                          arch=f"sm_{''.join(map(str, torch.cuda.get_device_capability(self.device)))}")
         kernel = self.engine.get_kernel(spec)
         loaded = kernel.loaded(self.device.index)
         params = self._mask_params(kernel.mask, window_left, mask_params)

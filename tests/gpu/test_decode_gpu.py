@@ -21,14 +21,15 @@ GROUPS = [1, 4, 7, 8]
 PAGE_SIZES = [1, 16, 64]
 Q_LENS = [1, 4]
 NUM_KV_HEADS = 2
+CORES = [False, True]  # CUDA-core and tensor-core kernels
 
 
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory):
     engine = flashjit.Engine(cache_dir=tmp_path_factory.mktemp("kernels"))
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
-    specs = [flashjit.DecodeSpec(d, dtype=dt, mask=m, page_size=p, group_size=g, max_q_len=q, arch=arch)
-             for m, dt, d, g, p, q in itertools.product(MASKS, DTYPES, HEAD_DIMS, GROUPS, PAGE_SIZES, Q_LENS)]
+    specs = [flashjit.DecodeSpec(d, dtype=dt, mask=m, page_size=p, group_size=g, max_q_len=q, arch=arch, tensor_cores=tc)
+             for m, dt, d, g, p, q, tc in itertools.product(MASKS, DTYPES, HEAD_DIMS, GROUPS, PAGE_SIZES, Q_LENS, CORES)]
     engine.prewarm(specs, jobs=16)
     return engine
 
@@ -62,27 +63,28 @@ def mask_params(mask: str, rng: random.Random, kv_lens, page_size: int):
 SPLITS = ["auto", "one", "two", "many"]
 
 
-def plan_and_run(engine, batch, mask, params, num_qo_heads, head_dim, dtype, split):
+def plan_and_run(engine, batch, mask, params, num_qo_heads, head_dim, dtype, split, tensor_cores=None):
     decoder = flashjit.BatchDecode(engine)
     spans = batch.kv_lens
     options = {"auto": {}, "one": {"disable_split_kv": True},
                "two": {"chunk_tokens": max(1, -(-max(spans) // 2))}, "many": {"chunk_tokens": 16}}[split]
     decoder.plan(batch.indptr, batch.indices, batch.last_page_len, num_qo_heads, NUM_KV_HEADS, head_dim,
                  batch.page_size, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, q_dtype=dtype,
-                 kv_layout=batch.kv_layout, **options)
+                 kv_layout=batch.kv_layout, tensor_cores=tensor_cores, **options)
     out = torch.full_like(batch.q, float("nan"))
     lse = torch.full(batch.q.shape[:2], float("nan"), device="cuda")
     decoder.run(batch.q, (batch.k_cache, batch.v_cache), out=out, lse=lse)
     return out, lse, decoder
 
 
+@pytest.mark.parametrize("tensor_cores", CORES, ids=["cc", "tc"])
 @pytest.mark.parametrize("q_len", Q_LENS)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f16", "bf16"])
 @pytest.mark.parametrize("mask", MASKS)
-def test_matches_reference(engine, mask, dtype, head_dim, group, q_len):
-    rng = random.Random(hash((mask, str(dtype), head_dim, group, q_len)) & 0xFFFF)
+def test_matches_reference(engine, mask, dtype, head_dim, group, q_len, tensor_cores):
+    rng = random.Random(hash((mask, str(dtype), head_dim, group, q_len, tensor_cores)) & 0xFFFF)
     for page_size in PAGE_SIZES:
         kv_lens = batch_lengths(rng, page_size)
         q_lens = [min(q_len, n) for n in kv_lens]
@@ -94,8 +96,9 @@ def test_matches_reference(engine, mask, dtype, head_dim, group, q_len):
                                         batch.last_page_len, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params)
         outputs = []
         for split in SPLITS:
-            out, lse, decoder = plan_and_run(engine, batch, mask, params, num_qo_heads, head_dim, dtype, split)
-            where = f"page_size={page_size} split={split} kv_lens={kv_lens} q_lens={q_lens} params={params}"
+            out, lse, decoder = plan_and_run(engine, batch, mask, params, num_qo_heads, head_dim, dtype, split,
+                                             tensor_cores)
+            where = f"{decoder.spec.name} split={split} kv_lens={kv_lens} q_lens={q_lens} params={params}"
             assert not out.isnan().any(), f"NaN in output ({where})"
             assert not lse.isnan().any(), f"NaN in lse ({where})"
             assert rel_error(out, ref) <= TOLERANCE[dtype], f"rel error {rel_error(out, ref):.2e} ({where})"
