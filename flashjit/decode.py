@@ -13,7 +13,9 @@ arguments. run() checks the tensors, patches the pointers and launches: no alloc
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
+import weakref
 
 import numpy as np
 
@@ -37,7 +39,7 @@ def default_engine() -> Engine:
 def _torch_dtype(name: str):
     import torch
 
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
 def _current_stream(device_index: int) -> int:
@@ -55,7 +57,12 @@ class BatchDecode:
     >>> out = decoder.run(q, (k_cache, v_cache))
     """
 
-    def __init__(self, engine: Engine | None = None, device="cuda"):
+    def __init__(self, engine: Engine | None = None, device="cuda", *, use_cuda_graph: bool = False,
+                 max_batch_size: int | None = None, max_tokens: int | None = None):
+        """use_cuda_graph: run() launches fixed-size grids over fixed buffers, so a captured run()
+        replays correctly after a new plan() with other lengths. Needs max_batch_size (requests)
+        and optionally max_tokens (query tokens, default max_batch_size x the first plan's q_len).
+        Every plan() must then use the same kernel (heads, head_dim, dtypes, mask, page size)."""
         import torch
 
         self.engine = engine or default_engine()
@@ -64,6 +71,12 @@ class BatchDecode:
             checks.fail("device", "a CUDA device", self.device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self.use_cuda_graph = use_cuda_graph
+        if use_cuda_graph and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+            checks.fail("max_batch_size", "a positive int when use_cuda_graph=True", max_batch_size)
+        self._max_batch_size, self._max_tokens = max_batch_size, max_tokens
+        self._buffers: _PlanBuffers | None = None
+        self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
         self._planned = False
 
     # ---- plan -------------------------------------------------------------------------------
@@ -116,6 +129,8 @@ class BatchDecode:
                           group_size=num_qo_heads // num_kv_heads, max_q_len=max(1, int(q_lens.max(initial=1))),
                           kv_layout=kv_layout, tensor_cores=tensor_cores,
                           arch=f"sm_{''.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+        if self.use_cuda_graph and self._planned and spec != self.spec:
+            checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
         kernel = self.engine.get_kernel(spec)
         loaded = kernel.loaded(self.device.index)
         params = self._mask_params(kernel.mask, window_left, mask_params)
@@ -129,19 +144,54 @@ class BatchDecode:
         if disable_split_kv:
             chunk_tokens = max(1, int(np.max(span_end - span_begin, initial=1)))
         tiling = kernel.tiling
-        work = plan_work(span_begin, span_end, qo_h, ctas_per_item=num_kv_heads * tiling.row_tiles,
-                         max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens,
-                         chunk_tokens=chunk_tokens)
+        ctas_per_item, max_ctas = num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
+        capacity = self._graph_capacity(spec, batch, int(qo_h[-1]), max(batch, max_ctas // ctas_per_item))
+        work = plan_work(span_begin, span_end, qo_h, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
+                         granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens,
+                         max_items=capacity.work if capacity else None)
+        if capacity is None:
+            capacity = _Capacity(batch, work.num_tokens, work.num_work)
+        elif work.num_work > capacity.work:
+            checks.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
+                        f"{work.num_work} items of {work.chunk_tokens} tokens")
 
         self.spec, self.kernel, self.work = spec, kernel, work
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.batch_size, self.num_tokens = batch, work.num_tokens
         self._q_dtype, self._kv_dtype = _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype)
-        self._upload(work, kv_lens, indptr_h, indices)
+        self._q_shape = (work.num_tokens, num_qo_heads, head_dim)
+        self._q_rows = (work.num_tokens, capacity.tokens if self.use_cuda_graph else work.num_tokens)
+        self._kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
+                          else (num_kv_heads, page_size, head_dim))
+        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
+        buffers.write(work, kv_lens, indptr_h)
         self._build_args(kernel, loaded, work, params, indices,
                          (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
         self._planned = True
         return self
+
+    def _graph_capacity(self, spec, batch: int, tokens: int, one_wave_items: int) -> "_Capacity | None":
+        """CUDA-graph mode: the buffer sizes fixed at the first plan (None otherwise)."""
+        if not self.use_cuda_graph:
+            return None
+        if self._buffers is not None:
+            cap = self._buffers.capacity
+        else:
+            max_tokens = self._max_tokens or self._max_batch_size * spec.max_q_len
+            cap = _Capacity(self._max_batch_size, max_tokens, max(self._max_batch_size, one_wave_items))
+        if batch > cap.batch or tokens > cap.tokens:
+            checks.fail("plan() with use_cuda_graph=True", f"at most {cap.batch} requests and {cap.tokens} query tokens",
+                        f"{batch} requests, {tokens} tokens")
+        return cap
+
+    def _ensure_buffers(self, capacity: "_Capacity", spec, num_qo_heads: int, head_dim: int) -> "_PlanBuffers":
+        partial_rows = capacity.work * spec.max_q_len * num_qo_heads
+        current = self._buffers
+        if current is None or not current.fits(capacity, partial_rows * head_dim):
+            if current is not None and self.use_cuda_graph:
+                checks.fail("plan() with use_cuda_graph=True", "the buffers of the first plan", "a larger plan")
+            current = self._buffers = _PlanBuffers(capacity, partial_rows, head_dim, self.device)
+        return current
 
     def _mask_params(self, mask, window_left, mask_params) -> dict:
         params = dict(mask_params or {})
@@ -158,41 +208,21 @@ class BatchDecode:
                 checks.fail(f"mask param {p.name}", "a non-negative int", value)
         return params
 
-    def _upload(self, work: WorkPlan, kv_lens, indptr_h, indices):
-        """Pack the work list into one int32 buffer and copy it to the GPU once."""
-        import torch
-
-        parts = [np.array([work.num_work]), work.work_request, work.work_begin, work.work_end,
-                 kv_lens, indptr_h[:-1], work.req_qo_indptr, work.req_work_indptr, work.token_request]
-        host = torch.from_numpy(np.concatenate(parts).astype(np.int32))
-        self._plan_buffer = host.pin_memory().to(self.device, non_blocking=True)
-        offsets = np.cumsum([0] + [len(p) for p in parts])
-        base = self._plan_buffer.data_ptr()
-        self._ptr = {name: base + 4 * int(offsets[i]) for i, name in enumerate(
-            ("num_work", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
-             "req_qo_indptr", "req_work_indptr", "token_request"))}
-        self._indices = indices
-        if work.needs_merge:
-            rows = work.num_work * self.spec.max_q_len * self.num_qo_heads
-            self._tmp_o = torch.empty(rows * self.head_dim, dtype=torch.float32, device=self.device)
-            self._tmp_lse = torch.empty(rows, dtype=torch.float32, device=self.device)
-        else:
-            self._tmp_o = self._tmp_lse = None
-
     def _build_args(self, kernel, loaded, work: WorkPlan, params: dict, indices, sm_scale_log2: float):
+        """Launch arguments: plan pointers and scalars now, tensor pointers patched by run()."""
         import torch
 
-        p = self._ptr
+        buffers, p = self._buffers, self._buffers.pointers
         a = DecodeArgs()
         for name in ("num_work", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
                      "req_qo_indptr", "req_work_indptr"):
             setattr(a, name, p[name])
         a.page_indices = indices.data_ptr()
-        a.tmp_o = self._tmp_o.data_ptr() if self._tmp_o is not None else 0
-        a.tmp_lse = self._tmp_lse.data_ptr() if self._tmp_lse is not None else 0
+        a.tmp_o, a.tmp_lse = buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr()
         a.num_qo_heads = self.num_qo_heads
         a.sm_scale_log2 = sm_scale_log2
         self._decode_args = a
+        self._indices = indices  # keep alive while planned
 
         self._mask_values, self._mask_tensors = [], []
         for param in kernel.mask.params:
@@ -204,43 +234,50 @@ class BatchDecode:
             self._mask_values.append(MASK_PARAM_CTYPES[param.kind](value))
         self._decode_params = (ctypes.c_void_p * (1 + len(self._mask_values)))(
             ctypes.addressof(a), *(ctypes.addressof(v) for v in self._mask_values))
-        self._decode_grid = (work.num_work, self.num_kv_heads, kernel.tiling.row_tiles)
+        graph = self.use_cuda_graph
+        cap = buffers.capacity
+        self._decode_grid = (cap.work if graph else work.num_work, self.num_kv_heads, kernel.tiling.row_tiles)
         self._decode_fn = loaded.decode
 
         m = MergeArgs()
         m.tmp_o, m.tmp_lse = a.tmp_o, a.tmp_lse
         m.token_request, m.req_qo_indptr, m.req_work_indptr = p["token_request"], p["req_qo_indptr"], p["req_work_indptr"]
+        m.num_tokens = p["num_tokens"]
         m.num_qo_heads = self.num_qo_heads
         self._merge_args = m
         self._merge_params = (ctypes.c_void_p * 1)(ctypes.addressof(m))
-        self._merge_grid = (work.num_tokens, self.num_qo_heads, 1)
-        self._merge_fn = loaded.merge if work.needs_merge else None
+        self._merge_grid = (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1)
+        # Graphs always launch the merge (its blocks exit early when nothing was split).
+        self._merge_fn = loaded.merge if (graph or work.needs_merge) else None
 
     # ---- run --------------------------------------------------------------------------------
 
     def run(self, q, kv_cache, *, out=None, lse=None, return_lse: bool = False):
-        """Attention of q over the planned cache; returns out (and lse, natural log, if asked)."""
+        """Attention of q over the planned cache; returns out (and lse, natural log, if asked).
+
+        q and out are [tokens, qo_heads, head_dim]. Allocates only out/lse when they are not given;
+        never synchronizes. With use_cuda_graph=True, q/out may have up to max_tokens rows (rows
+        past the plan's tokens are left alone), and a captured run() replays correctly after a new
+        plan(); the graph keeps the tensors it was captured with, so refill those between replays.
+        """
         if not self._planned:
             raise RuntimeError("BatchDecode.run() called before plan()")
-        k, v = self._split_cache(kv_cache)
-        tokens, heads, dim = self.num_tokens, self.num_qo_heads, self.head_dim
-        checks.tensor("q", q, dtype=self._q_dtype, device=self.device, shape=(tokens, heads, dim))
-        checks.rows_16b_aligned("q", q, dim)
+        a = self._decode_args
+        self._set_cache(kv_cache, a)
+        if not self._fast_ok(q):
+            self._check_query("q", q)
         if out is None:
-            out = q.new_empty((tokens, heads, dim))
-        else:
-            checks.tensor("out", out, dtype=self._q_dtype, device=self.device, shape=(tokens, heads, dim))
-            checks.rows_16b_aligned("out", out, dim)
+            out = q.new_empty((q.shape[0],) + self._q_shape[1:])
+        elif not self._fast_ok(out):
+            self._check_query("out", out)
         if return_lse and lse is None:
-            lse = q.new_empty((tokens, heads), dtype=__import__("torch").float32)
+            lse = q.new_empty(out.shape[:2], dtype=_torch_dtype("float32"))
         if lse is not None:
-            checks.tensor("lse", lse, dtype=__import__("torch").float32, device=self.device, shape=(tokens, heads))
+            checks.tensor("lse", lse, dtype=_torch_dtype("float32"), device=self.device, shape=tuple(out.shape[:2]))
             if not lse.is_contiguous():
                 checks.fail("lse", "a contiguous tensor", f"strides {lse.stride()}")
 
-        a = self._decode_args
         a.q, a.q_stride = q.data_ptr(), q.stride(0)
-        a.k, a.v = k.data_ptr(), v.data_ptr()
         a.out, a.out_stride = out.data_ptr(), out.stride(0)
         a.lse = lse.data_ptr() if lse is not None else 0
         stream = _current_stream(self.device.index)
@@ -252,41 +289,119 @@ class BatchDecode:
             launch(self._merge_fn, self._merge_grid, t.merge_block, self._merge_params, stream)
         return (out, lse) if return_lse else out
 
-    def _split_cache(self, kv_cache):
-        """(k, v) views of the cache, checked against the plan; sets the stride arguments."""
-        import torch
+    def _fast_ok(self, t) -> bool:
+        """The common valid case in a few attribute reads; anything else gets the full checks."""
+        try:
+            return (t.dtype is self._q_dtype and t.get_device() == self.device.index
+                    and t.shape[1:] == self._q_shape[1:] and self._q_rows[0] <= t.shape[0] <= self._q_rows[1]
+                    and t.stride(2) == 1 and t.stride(1) == self.head_dim and t.stride(0) % 8 == 0
+                    and t.data_ptr() % 16 == 0)
+        except (AttributeError, TypeError):
+            return False
 
-        if isinstance(kv_cache, (tuple, list)):
-            if len(kv_cache) != 2:
-                checks.fail("kv_cache", "a (k_cache, v_cache) pair or one [pages, 2, ...] tensor", f"{len(kv_cache)} tensors")
+    def _check_query(self, name: str, t):
+        low, high = self._q_rows
+        rows = t.shape[0] if getattr(t, "dim", lambda: 0)() == 3 and low <= t.shape[0] <= high else low
+        checks.tensor(name, t, dtype=self._q_dtype, device=self.device, shape=(rows,) + self._q_shape[1:])
+        checks.rows_16b_aligned(name, t, self.head_dim)
+        if t.stride(1) != self.head_dim:
+            checks.fail(name, f"heads packed densely (stride(1) == head_dim == {self.head_dim})", f"strides {t.stride()}")
+
+    def _set_cache(self, kv_cache, a):
+        """Point the arguments at K and V; a cache tensor is validated once, then recognised."""
+        if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
             k, v = kv_cache
-            checks.tensor("k_cache", k, dtype=self._kv_dtype, device=self.device, ndim=4)
-            checks.tensor("v_cache", v, dtype=self._kv_dtype, device=self.device, ndim=4)
-            if k.shape != v.shape or k.stride() != v.stride():
+            k_strides = self._checked_strides("k_cache", k, 4)
+            if self._checked_strides("v_cache", v, 4) != k_strides:
                 checks.fail("v_cache", f"the shape and strides of k_cache {tuple(k.shape)}/{k.stride()}",
                             f"{tuple(v.shape)}/{v.stride()}")
+            a.k, a.v = k.data_ptr(), v.data_ptr()
+        elif isinstance(kv_cache, (tuple, list)):
+            checks.fail("kv_cache", "a (k_cache, v_cache) pair or one [pages, 2, ...] tensor", f"{len(kv_cache)} tensors")
         else:
-            checks.tensor("kv_cache", kv_cache, dtype=self._kv_dtype, device=self.device, ndim=5)
-            if kv_cache.shape[1] != 2:
-                checks.fail("kv_cache", "shape [pages, 2, ...] (K then V)", f"shape {tuple(kv_cache.shape)}")
-            k, v = kv_cache[:, 0], kv_cache[:, 1]
-        if self.spec.kv_layout == "NHD":
-            expected = (self.page_size, self.num_kv_heads, self.head_dim)
-            slot_dim, head_dim_ = 1, 2
-        else:
-            expected = (self.num_kv_heads, self.page_size, self.head_dim)
-            slot_dim, head_dim_ = 2, 1
-        if tuple(k.shape[1:]) != expected:
-            layout = "[pages, page_size, kv_heads, head_dim]" if self.spec.kv_layout == "NHD" else "[pages, kv_heads, page_size, head_dim]"
-            checks.fail("kv_cache", f"{self.spec.kv_layout} layout {layout} = [*, {', '.join(map(str, expected))}]",
-                        f"shape {tuple(k.shape)}")
-        if k.shape[0] <= self._max_page:
-            checks.fail("kv_cache", f"more than {self._max_page} pages (indices refer to page {self._max_page})",
-                        f"{k.shape[0]} pages")
-        checks.rows_16b_aligned("kv_cache", k, self.head_dim)
-        a = self._decode_args
-        a.page_stride, a.slot_stride, a.head_stride = k.stride(0), k.stride(slot_dim), k.stride(head_dim_)
-        return k, v
+            k_strides = self._checked_strides("kv_cache", kv_cache, 5)
+            a.k = kv_cache.data_ptr()
+            a.v = a.k + kv_cache.stride(1) * kv_cache.element_size()
+        a.page_stride, a.slot_stride, a.head_stride = k_strides
+
+    def _checked_strides(self, name: str, t, ndim: int):
+        """(page, slot, head) element strides of a validated cache tensor."""
+        seen = self._kv_checked.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t.data_ptr() and seen[2] == (t.dtype, t.shape):
+            return seen[3]
+        checks.tensor(name, t, dtype=self._kv_dtype, device=self.device, ndim=ndim)
+        if ndim == 5 and t.shape[1] != 2:
+            checks.fail(name, "shape [pages, 2, ...] (K then V)", f"shape {tuple(t.shape)}")
+        page_view = t[:, 0] if ndim == 5 else t
+        layout = "[pages, page_size, kv_heads, head_dim]" if self.spec.kv_layout == "NHD" else "[pages, kv_heads, page_size, head_dim]"
+        if tuple(page_view.shape[1:]) != self._kv_shape:
+            checks.fail(name, f"{self.spec.kv_layout} layout {layout} = [*, {', '.join(map(str, self._kv_shape))}]",
+                        f"shape {tuple(t.shape)}")
+        if page_view.shape[0] <= self._max_page:
+            checks.fail(name, f"more than {self._max_page} pages (indices refer to page {self._max_page})",
+                        f"{page_view.shape[0]} pages")
+        checks.rows_16b_aligned(name, page_view, self.head_dim)
+        slot_dim, head_dim = (1, 2) if self.spec.kv_layout == "NHD" else (2, 1)
+        strides = (page_view.stride(0), page_view.stride(slot_dim), page_view.stride(head_dim))
+        if len(self._kv_checked) > 1024:
+            self._kv_checked.clear()
+        self._kv_checked[id(t)] = (weakref.ref(t), t.data_ptr(), (t.dtype, t.shape), strides)
+        return strides
+
+
+@dataclasses.dataclass(frozen=True)
+class _Capacity:
+    batch: int
+    tokens: int
+    work: int
+
+
+class _PlanBuffers:
+    """The work list on the GPU (one int32 buffer at fixed offsets) and the fp32 split partials.
+
+    plan() fills a pinned staging copy and sends it with one asynchronous copy; the next plan()
+    waits for that copy before reusing the staging memory. Addresses never change, so CUDA-graph
+    replays read the newest plan.
+    """
+
+    FIELDS = ("num_work", "num_tokens", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
+              "req_qo_indptr", "req_work_indptr", "token_request")
+
+    def __init__(self, capacity: _Capacity, partial_rows: int, head_dim: int, device):
+        import torch
+
+        self.capacity = capacity
+        w, b, t = capacity.work, capacity.batch, capacity.tokens
+        sizes = (1, 1, w, w, w, b, b, b + 1, b + 1, t)
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.offsets = {name: int(offsets[i]) for i, name in enumerate(self.FIELDS)}
+        self.staging = torch.zeros(int(offsets[-1]), dtype=torch.int32).pin_memory()
+        self.host = self.staging.numpy()
+        self.device_buffer = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=device)
+        base = self.device_buffer.data_ptr()
+        self.pointers = {name: base + 4 * off for name, off in self.offsets.items()}
+        self.tmp_o = torch.empty(max(1, partial_rows * head_dim), dtype=torch.float32, device=device)
+        self.tmp_lse = torch.empty(max(1, partial_rows), dtype=torch.float32, device=device)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def fits(self, capacity: _Capacity, partial_elems: int) -> bool:
+        c = self.capacity
+        return (capacity.work <= c.work and capacity.batch <= c.batch and capacity.tokens <= c.tokens
+                and partial_elems <= self.tmp_o.numel())
+
+    def write(self, work: WorkPlan, kv_lens, indptr_h):
+        self.copied.synchronize()  # the previous plan's copy has read the staging memory
+        host, off = self.host, self.offsets
+        host[off["num_work"]] = work.num_work
+        host[off["num_tokens"]] = work.num_tokens
+        for name, values in (("work_request", work.work_request), ("work_begin", work.work_begin),
+                             ("work_end", work.work_end), ("req_kv_len", kv_lens), ("req_page_begin", indptr_h[:-1]),
+                             ("req_qo_indptr", work.req_qo_indptr), ("req_work_indptr", work.req_work_indptr),
+                             ("token_request", work.token_request)):
+            host[off[name]:off[name] + len(values)] = values
+        self.device_buffer.copy_(self.staging, non_blocking=True)
+        self.copied.record()
 
 
 def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None = None, engine: Engine | None = None,

@@ -45,7 +45,7 @@ class MergeArgs(ctypes.Structure):
     _fields_ = [
         ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
         ("token_request", ctypes.c_void_p), ("req_qo_indptr", ctypes.c_void_p),
-        ("req_work_indptr", ctypes.c_void_p),
+        ("req_work_indptr", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p),
         ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
         ("lse", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int),
     ]
@@ -56,6 +56,7 @@ MASK_PARAM_CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "int_tensor":
 
 _driver = None
 _driver_lock = threading.Lock()
+_cu_launch = None  # cuLaunchKernel, cached for the launch path
 
 
 def driver():
@@ -73,6 +74,12 @@ def driver():
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             _driver = lib
     return _driver
+
+
+def _launcher():
+    global _cu_launch
+    _cu_launch = driver().cuLaunchKernel
+    return _cu_launch
 
 
 def check(status: int, what: str):
@@ -144,7 +151,7 @@ class Kernel:
 
 def launch(function: int, grid, block, params, stream: int, smem: int = 0):
     """cuLaunchKernel with a prebuilt void*[] of argument addresses."""
-    status = driver().cuLaunchKernel(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
-                                     stream, params, None)
+    status = (_cu_launch or _launcher())(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                                         stream, params, None)
     if status:
         check(status, "cuLaunchKernel")

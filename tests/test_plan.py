@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.plan import MIN_CHUNK_TOKENS, WorkPlan, choose_chunk, plan_work
+from flashjit.plan import MIN_CHUNK_TOKENS, WorkPlan, choose_chunk, estimate_time, plan_work
 
 GRANULARITIES = (1, 16, 32, 64, 48)
 
@@ -38,12 +38,21 @@ def assert_tiles_exactly(plan: WorkPlan, begins, ends):
 
 # ---- choose_chunk -------------------------------------------------------------------------------
 
-def test_no_split_when_batch_fills_the_gpu():
-    spans = np.full(200, 5000)
+@pytest.mark.parametrize("batch", [132, 264, 396])
+def test_no_split_when_equal_requests_fill_whole_waves(batch):
+    spans = np.full(batch, 5000)
     chunk = choose_chunk(spans, ctas_per_item=4, max_ctas=528, granularity=16)
     assert chunk >= 5000 and chunk % 16 == 0
     plan = plan_for(spans)
-    assert plan.num_work == 200 and not plan.needs_merge and plan.max_splits == 1
+    assert plan.num_work == batch and not plan.needs_merge and plan.max_splits == 1
+
+
+def test_long_request_among_many_short_ones_is_split():
+    """The batch alone fills the GPU, but one long request would finish last by far."""
+    spans = np.array([32_768] + [200] * 255)
+    plan = plan_for(spans, ctas_per_item=8, max_ctas=264)
+    assert plan.max_splits > 1 and np.diff(plan.req_work_indptr)[0] == plan.max_splits
+    assert plan.chunk_tokens < 32_768
 
 
 def test_no_split_when_spans_are_short():
@@ -75,18 +84,23 @@ def test_chunk_is_a_multiple_of_granularity_and_at_least_min(granularity):
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_chunk_is_the_smallest_that_fits(granularity):
+def test_chunk_minimizes_the_estimate(granularity):
+    """No other chunk (a multiple of granularity, >= MIN_CHUNK_TOKENS) is estimated faster by much."""
     rng = np.random.default_rng(100 + granularity)
     for _ in range(50):
-        spans = rng.integers(0, 50_000, size=rng.integers(1, 8))
+        spans = rng.integers(0, 50_000, size=rng.integers(1, 40))
         chunk = choose_chunk(spans, ctas_per_item=4, max_ctas=528, granularity=granularity)
-        if not np.any(spans > chunk):
-            continue
-        items = lambda c: int(np.maximum(1, -(-spans // c)).sum())  # noqa: E731
-        assert items(chunk) * 4 <= 528
-        smaller = chunk - granularity
-        if smaller >= MIN_CHUNK_TOKENS:
-            assert items(smaller) * 4 > 528  # one step smaller would overflow the wave
+        low = -(-MIN_CHUNK_TOKENS // granularity) * granularity
+        others = np.arange(low, -(-int(spans.max()) // granularity) * granularity + granularity, granularity)
+        best = estimate_time(spans, others, 4, 528).min()
+        # candidates are the longest span cut in 1..128 equal parts, so allow a gap
+        assert estimate_time(spans, [chunk], 4, 528)[0] <= 1.25 * best
+
+
+def test_estimate_prefers_one_wave_to_slightly_more():
+    """A grid just over one wave costs a second wave: the quantized bound sees it."""
+    one_wave, over = estimate_time(np.array([100_000]), np.array([100_000 // 132 + 1, 100_000 // 150]), 4, 528)
+    assert one_wave < over
 
 
 def test_empty_batch():
@@ -112,10 +126,9 @@ def test_random_batches_tile_spans_exactly():
                         granularity=granularity)
         assert_tiles_exactly(plan, begins, begins + lens)
         assert plan.chunk_tokens % granularity == 0
-        if batch * ctas_per_item < max_ctas:  # splitting can help: the grid stays within one wave
-            assert plan.num_work * ctas_per_item <= max_ctas
-        else:
-            assert plan.num_work == batch
+        whole = -(-max(int(lens.max()), 1) // granularity) * granularity
+        chosen, unsplit = estimate_time(lens, [plan.chunk_tokens, whole], ctas_per_item, max_ctas)
+        assert chosen <= unsplit  # splitting is only chosen when estimated faster
 
 
 def test_zero_length_requests_get_one_empty_item():

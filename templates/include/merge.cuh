@@ -16,6 +16,7 @@ struct Args {
   const float* __restrict__ tmp_o; const float* __restrict__ tmp_lse;
   const int* __restrict__ token_request; const int* __restrict__ req_qo_indptr;
   const int* __restrict__ req_work_indptr;
+  const int* __restrict__ num_tokens;  // device scalar: blocks past it are CUDA-graph padding
   out_t* __restrict__ out; i64 out_stride;
   float* __restrict__ lse;  // natural-log LSE [tokens, qo_heads] or null
   int num_qo_heads;
@@ -27,6 +28,7 @@ FJ_INLINE void combine(const Args& a) {
   __shared__ float4 part_acc[SPLIT_LANES][LANES];
   __shared__ float part_sum[SPLIT_LANES];
   const int token = blockIdx.x, head = blockIdx.y, lane = threadIdx.x, split_lane = threadIdx.y;
+  if (token >= __ldg(a.num_tokens)) return;
   const int request = __ldg(a.token_request + token);
   const int w0 = __ldg(a.req_work_indptr + request), w1 = __ldg(a.req_work_indptr + request + 1);
   if (w1 - w0 <= 1) return;

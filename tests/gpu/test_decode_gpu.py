@@ -163,3 +163,54 @@ def test_plan_rejects_bad_page_table(engine):
         decoder.plan(batch.indptr, batch.indices - 100, batch.last_page_len, 8, 2, 128, 16)
     with pytest.raises(ValueError, match="indices: expected at least"):
         decoder.plan(batch.indptr, batch.indices[:2], batch.last_page_len, 8, 2, 128, 16)
+
+
+def _tables(kv_lens, page_size, pool, gen):
+    """Page table of a batch over an existing pool of pages (shuffled, disjoint)."""
+    pages = [-(-n // page_size) for n in kv_lens]
+    ids = torch.randperm(pool, generator=gen)[: sum(pages)].to(torch.int32)
+    indptr = torch.tensor([0] + list(itertools.accumulate(pages)), dtype=torch.int32)
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+    return indptr, ids.cuda(), last
+
+
+@pytest.mark.parametrize("mask", ["none", "sliding_window"])
+def test_cuda_graph_replays_after_new_plan(engine, mask):
+    heads, kv_heads, dim, page, pool = 32, 8, 128, 16, 2000
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(pool, page, kv_heads, dim, generator=gen).bfloat16().cuda()
+    v = torch.randn(pool, page, kv_heads, dim, generator=gen).bfloat16().cuda()
+    q_static = torch.randn(8, heads, dim, generator=gen).bfloat16().cuda()
+    out_static = torch.full_like(q_static, float("nan"))
+    params = {"window_left": 700} if mask == "sliding_window" else {}
+    decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=8)
+
+    def plan(kv_lens):
+        indptr, ids, last = _tables(kv_lens, page, pool, gen)
+        decoder.plan(indptr, ids, last, heads, kv_heads, dim, page, mask=mask, mask_params=params)
+        return indptr, ids, last
+
+    tables = plan([100, 3000, 17])
+    decoder.run(q_static, (k, v), out=out_static)  # load and warm up outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.run(q_static, (k, v), out=out_static)
+
+    for kv_lens in ([100, 3000, 17], [5000, 1, 40, 900, 0, 20000, 16, 33], [1]):
+        tables = plan(kv_lens)
+        q_static.copy_(torch.randn(q_static.shape, generator=gen).bfloat16())
+        out_static.fill_(float("nan"))
+        graph.replay()
+        n = len(kv_lens)
+        ref, _ = decode_reference(q_static[:n], k, v, *tables, mask=mask, mask_params=params)
+        assert not out_static[:n].isnan().any()
+        assert rel_error(out_static[:n], ref) <= 1e-2, f"kv_lens={kv_lens}"
+
+
+def test_get_kernel_during_capture_says_prewarm_first(tmp_path):
+    engine = flashjit.Engine(cache_dir=tmp_path)
+    spec = flashjit.DecodeSpec(128, "bf16", group_size=4, page_size=16)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(flashjit.KernelNotPrewarmed, match="prewarm"):
+        with torch.cuda.graph(graph):
+            engine.get_kernel(spec)
