@@ -271,6 +271,22 @@ def cmd_run_example(args) -> int:
     return 0 if check.passed else 1
 
 
+# ---- check-mask -------------------------------------------------------------------------------
+
+def cmd_check_mask(args) -> int:
+    from .check_mask import check_mask
+    from .engine import Engine
+
+    report = check_mask(args.mask, archs=args.arch, overrides=args.params, engine=Engine(args.cache_dir),
+                        seed=args.seed, jobs=args.jobs)
+    for title, header, rows in report.tables():
+        print(f"{title}\n{_table(rows, header)}\n")
+    for line in report.notes + report.failures():
+        print(line)
+    print(f"check-mask {args.mask}: {'PASS' if report.passed else 'FAIL'}")
+    return 0 if report.passed else 1
+
+
 # ---- parser -----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -318,6 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manifest", help=f"manifest to prewarm (default: examples/{DEFAULT_EXAMPLE})")
     archs(p), jobs(p), cache_dir(p)
     p.set_defaults(func=cmd_run_example)
+
+    p = sub.add_parser("check-mask", help="check a mask: compile it, replay its hooks on the CPU, and (with a GPU) "
+                                          "run its kernels against the torch reference on random batches")
+    p.add_argument("mask", metavar="NAME", help="a registered mask (built-in, template folder or plugin)")
+    p.add_argument("--arch", help="comma-separated archs to compile for (default: sm_90 without a GPU, "
+                                  "none beyond the GPU's own with one)")
+    p.add_argument("--params", nargs="+", default=[], metavar="NAME=VALUE",
+                   help="fix int/float mask params for every case (others are sampled)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random cases (default 0)")
+    jobs(p), cache_dir(p)
+    p.set_defaults(func=cmd_check_mask)
     return parser
 
 

@@ -2,13 +2,20 @@
 
 A mask is a Jinja2 template that extends ``masks/base.cuh.j2`` and overrides its hooks
 (see docs/masks.md). Built-ins live in ``templates/masks``; users add masks with
-``register_mask``, through folders on ``FLASHJIT_TEMPLATE_PATH`` or ``Engine(template_dirs=...)``.
+``register_mask``, through folders on ``FLASHJIT_TEMPLATE_PATH`` or ``Engine(template_dirs=...)``,
+or from installed packages through the ``flashjit.masks`` entry-point group.
 Registering a mask never needs a change to the engine.
+
+Discovery is lazy: FLASHJIT_TEMPLATE_PATH is re-scanned whenever its value changed, and the entry
+points load once per process, on the first lookup of a name not registered yet (or on names()),
+so a process that only uses built-ins never imports importlib.metadata. A folder mask replaces
+an earlier mask of the same name; register_mask and plugins never replace silently.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import threading
@@ -17,6 +24,9 @@ from typing import Callable, Iterable
 
 from .errors import SpecError
 
+log = logging.getLogger("flashjit")
+
+ENTRY_POINT_GROUP = "flashjit.masks"
 PARAM_CTYPES = {"int": "int", "float": "float", "int_tensor": "const int* __restrict__"}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEADER = re.compile(r"\{#-?\s*params:(?P<params>[^#]*?)-?#\}")  # lazy: '-#}' is not a param
@@ -40,7 +50,12 @@ class MaskDef:
     kv_span: (kv_lens, q_lens, params) -> (begin, end) numpy arrays of the positions worth reading
         per request; the planner cuts only that span into chunks. None means [0, kv_len).
     reference: (q_pos, kv_pos, request, params) -> bool tensor, the torch predicate used by
-        flashjit.reference and the tests. None means every key below kv_len is visible.
+        flashjit.reference and the tests; q_pos is the request's [q_len, 1] column of query
+        positions (kv_len - q_len + i), kv_pos the [1, kv_len] row of keys. None means every key
+        below kv_len is visible.
+    sample_params: (rng, kv_lens, q_lens, page_size, device) -> mask_params for a random batch
+        (rng a random.Random); used by `flashjit check-mask` and the GPU tests. None: int and
+        float params get small defaults, and a mask with tensor params cannot be checked.
     """
 
     name: str
@@ -48,6 +63,7 @@ class MaskDef:
     params: tuple[MaskParam, ...] = ()
     kv_span: Callable | None = None
     reference: Callable | None = None
+    sample_params: Callable | None = None
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -57,7 +73,10 @@ class MaskDef:
 def _parse_params(params) -> tuple[MaskParam, ...]:
     if params is None:
         return ()
-    items = params.items() if isinstance(params, dict) else ((p, "int") for p in params)
+    if isinstance(params, dict):
+        items = params.items()
+    else:  # names of int params, or MaskParams (a MaskDef's own, from a plugin)
+        items = ((p.name, p.kind) if isinstance(p, MaskParam) else (p, "int") for p in params)
     parsed = []
     for name, kind in items:
         if not _NAME.fullmatch(name):
@@ -69,21 +88,24 @@ def _parse_params(params) -> tuple[MaskParam, ...]:
 
 
 class MaskRegistry:
-    """Thread-safe name -> MaskDef map. Template folders are scanned lazily."""
+    """Thread-safe name -> MaskDef map. Plugins and template folders are discovered lazily."""
 
     def __init__(self):
         self._masks: dict[str, MaskDef] = {}
         self._lock = threading.Lock()
         self._scanned_env: str | None = None
+        self._plugins_loaded = self._plugins_loading = False
+        self._plugin_lock = threading.RLock()  # re-entrant: a plugin may look masks up while loading
+        self.plugin_errors: dict[str, str] = {}  # entry-point name -> why it did not load
 
     def register(self, name: str, template, params=None, *, kv_span=None, reference=None,
-                 replace: bool = False) -> MaskDef:
+                 sample_params=None, replace: bool = False) -> MaskDef:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise SpecError("mask", name, "a C identifier such as 'my_mask'")
         template = str(template)
         if os.path.isabs(template) and not os.path.isfile(template):
             raise SpecError("mask template", template, "an existing template file")
-        mask = MaskDef(name, template, _parse_params(params), kv_span, reference)
+        mask = MaskDef(name, template, _parse_params(params), kv_span, reference, sample_params)
         with self._lock:
             if name in self._masks and not replace and self._masks[name] != mask:
                 raise SpecError("mask", name, "a name not registered yet (pass replace=True to override)")
@@ -115,20 +137,78 @@ class MaskRegistry:
         for folder in filter(None, value.split(os.pathsep)):
             self.add_template_dir(folder)
 
+    def load_plugins(self) -> None:
+        """Register the masks of every ``flashjit.masks`` entry point, once per process.
+
+        An entry point names an object (``pkg.module:attr``). A callable is called with no
+        arguments: it may call flashjit.register_mask itself, and whatever it returns is
+        registered too. A returned (or non-callable) value may be None, a MaskDef, a dict of
+        register_mask keywords (name, template, params, kv_span, reference, sample_params), or a
+        list of those. A plugin that fails is skipped with a warning; the error is kept in
+        ``plugin_errors`` and named when an unknown mask is looked up.
+        """
+        if self._plugins_loaded:
+            return
+        with self._plugin_lock:  # other threads wait here until every plugin is in
+            if self._plugins_loaded or self._plugins_loading:  # loading: a plugin's own lookup re-entered
+                return
+            self._plugins_loading = True
+            try:
+                from importlib.metadata import entry_points
+
+                for ep in entry_points(group=ENTRY_POINT_GROUP):
+                    try:
+                        loaded = ep.load()
+                        _register_plugin_result(loaded() if callable(loaded) else loaded)
+                    except Exception as exc:  # one broken plugin must not take the others down
+                        self.plugin_errors[ep.name] = f"{ep.value}: {type(exc).__name__}: {exc}"
+                        log.warning("mask plugin %r (%s) failed to load: %s: %s", ep.name, ep.value,
+                                    type(exc).__name__, exc)
+            finally:
+                self._plugins_loading = False
+                self._plugins_loaded = True
+
     def get(self, name: str) -> MaskDef:
         self._scan_env()
-        try:
-            return self._masks[name]
-        except KeyError:
-            raise SpecError("mask", name, ", ".join(sorted(self._masks))) from None
+        mask = self._masks.get(name)
+        if mask is None:  # plugins load on the first miss: looking up a built-in never imports them
+            self.load_plugins()
+            mask = self._masks.get(name)
+        if mask is None:
+            accepted = ", ".join(sorted(self._masks))
+            if self.plugin_errors:
+                accepted += " (mask plugins that failed to load: " + "; ".join(
+                    f"{k}: {v}" for k, v in self.plugin_errors.items()) + ")"
+            raise SpecError("mask", name, accepted)
+        return mask
 
     def names(self) -> Iterable[str]:
+        self.load_plugins()
         self._scan_env()
         return list(self._masks)
 
     def __contains__(self, name) -> bool:
-        self._scan_env()
-        return name in self._masks
+        try:
+            self.get(name)
+        except SpecError:
+            return False
+        return True
+
+
+def _register_plugin_result(result) -> None:
+    """Register what a flashjit.masks entry point returned (see MaskRegistry.load_plugins)."""
+    if result is None:
+        return
+    if isinstance(result, (MaskDef, dict)):
+        result = [result]
+    for item in result:
+        if isinstance(item, MaskDef):
+            item = {f.name: getattr(item, f.name) for f in dataclasses.fields(MaskDef)}
+        if not isinstance(item, dict):
+            raise SpecError("mask plugin result", item, "None, a MaskDef, a dict of register_mask keywords, "
+                                                        "or a list of those")
+        item = dict(item)
+        register_mask(item.pop("name"), template=item.pop("template"), **item)
 
 
 def _params_from_header(path: Path) -> dict[str, str]:
@@ -167,6 +247,28 @@ def _window_ref(q_pos, kv_pos, request, params):
     return (kv_pos <= q_pos) & (kv_pos >= q_pos - int(params["window_left"]))
 
 
+def _window_sample(rng, kv_lens, q_lens, page_size, device):
+    return {"window_left": rng.choice([0, 37, 300])}
+
+
+def _block_sparse_sample(rng, kv_lens, q_lens, page_size, device):
+    """About half of each request's blocks, always its last (which holds the query tokens)."""
+    import torch
+
+    block_size = page_size * (2 if page_size < 64 else 1)
+    indptr, ids = [0], []
+    for n in kv_lens:
+        blocks = list(range(-(-n // block_size)))
+        chosen = sorted(rng.sample(blocks, k=len(blocks) // 2)) if blocks else []
+        if blocks and blocks[-1] not in chosen:
+            chosen.append(blocks[-1])
+        ids += chosen
+        indptr.append(len(ids))
+    return {"block_size": block_size,
+            "block_indptr": torch.tensor(indptr, dtype=torch.int32, device=device),
+            "block_indices": torch.tensor(ids or [0], dtype=torch.int32, device=device)}
+
+
 def _block_sparse_ref(q_pos, kv_pos, request, params):
     import torch
 
@@ -180,19 +282,39 @@ masks = MaskRegistry()
 masks.register("none", "masks/none.cuh.j2")
 masks.register("causal", "masks/causal.cuh.j2", reference=_causal_ref)
 masks.register("sliding_window", "masks/sliding_window.cuh.j2", {"window_left": "int"},
-               kv_span=_window_span, reference=_window_ref)
+               kv_span=_window_span, reference=_window_ref, sample_params=_window_sample)
 masks.register("block_sparse", "masks/block_sparse.cuh.j2",
                {"block_size": "int", "block_indptr": "int_tensor", "block_indices": "int_tensor"},
-               kv_span=_block_sparse_span, reference=_block_sparse_ref)
+               kv_span=_block_sparse_span, reference=_block_sparse_ref, sample_params=_block_sparse_sample)
 
 
-def register_mask(name: str, template_path, params=None, *, kv_span=None, reference=None,
-                  replace: bool = False) -> MaskDef:
+def _register_mask_modules():
+    """Built-in masks whose helpers are public API live in their own modules."""
+    from . import sink_window, tree
+
+    for module in (tree, sink_window):
+        masks.register(module.MASK, f"masks/{module.MASK}.cuh.j2", module.PARAMS, kv_span=module.kv_span,
+                       reference=module.reference, sample_params=module.sample_params)
+
+
+_register_mask_modules()
+
+
+def register_mask(name: str, template_path=None, params=None, *, template=None, kv_span=None, reference=None,
+                  sample_params=None, replace: bool = False) -> MaskDef:
     """Add a mask type: a template file extending masks/base.cuh.j2, plus its runtime params.
 
+    The template file is ``template=`` (or the second positional argument).
     ``params`` maps parameter names to kinds ('int', 'float', 'int_tensor'), or lists int names.
+    kv_span, reference and sample_params are described on MaskDef and in docs/masks.md.
     """
-    path = Path(template_path).expanduser().resolve()
+    if template is not None and template_path is not None and Path(template) != Path(template_path):
+        raise SpecError("template", str(template), f"one template (template_path={str(template_path)!r} differs)")
+    given, field = (template, "template") if template is not None else (template_path, "template_path")
+    if given is None:
+        raise SpecError("template", None, "the path of a .cuh.j2 file (register_mask(name, template=PATH))")
+    path = Path(given).expanduser().resolve()
     if not path.is_file():
-        raise SpecError("template_path", str(template_path), "an existing .cuh.j2 file")
-    return masks.register(name, path, params, kv_span=kv_span, reference=reference, replace=replace)
+        raise SpecError(field, str(given), "an existing .cuh.j2 file")
+    return masks.register(name, path, params, kv_span=kv_span, reference=reference, sample_params=sample_params,
+                          replace=replace)
