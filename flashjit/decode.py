@@ -42,6 +42,13 @@ def _torch_dtype(name: str):
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+def _min_max(t) -> tuple[int, int]:
+    import torch
+
+    low, high = torch.aminmax(t)
+    return tuple(torch.stack([low, high]).tolist())
+
+
 def _current_stream(device_index: int) -> int:
     import torch
 
@@ -71,6 +78,7 @@ class BatchDecode:
             checks.fail("device", "a CUDA device", self.device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._arch = "sm_%d%d" % torch.cuda.get_device_capability(self.device)
         self.use_cuda_graph = use_cuda_graph
         if use_cuda_graph and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             checks.fail("max_batch_size", "a positive int when use_cuda_graph=True", max_batch_size)
@@ -117,8 +125,8 @@ class BatchDecode:
         if len(indices) < indptr_h[-1]:
             checks.fail("indices", f"at least indptr[-1]={indptr_h[-1]} page ids", len(indices))
         if indptr_h[-1] > 0:
-            used = indices[: int(indptr_h[-1])]
-            low, high = int(used.min()), int(used.max())  # one sync, here rather than per run()
+            # one synchronization, here rather than per run()
+            low, high = _min_max(indices[: int(indptr_h[-1])])
             if low < 0:
                 checks.fail("indices", "page ids >= 0", low)
         else:
@@ -127,8 +135,7 @@ class BatchDecode:
 
         spec = DecodeSpec(head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, mask=mask, page_size=page_size,
                           group_size=num_qo_heads // num_kv_heads, max_q_len=max(1, int(q_lens.max(initial=1))),
-                          kv_layout=kv_layout, tensor_cores=tensor_cores,
-                          arch=f"sm_{''.join(map(str, torch.cuda.get_device_capability(self.device)))}")
+                          kv_layout=kv_layout, tensor_cores=tensor_cores, arch=self._arch)
         if self.use_cuda_graph and self._planned and spec != self.spec:
             checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
         kernel = self.engine.get_kernel(spec)

@@ -146,7 +146,7 @@ def test_run_rejects_bad_tensors(engine):
         decoder.run(batch.q.half(), (batch.k_cache, batch.v_cache))
     with pytest.raises(ValueError, match="q: expected shape"):
         decoder.run(batch.q[:1], (batch.k_cache, batch.v_cache))
-    with pytest.raises(ValueError, match="kv_cache: expected more than"):
+    with pytest.raises(ValueError, match="k_cache: expected more than"):
         decoder.run(batch.q, (batch.k_cache[:2], batch.v_cache[:2]))
     with pytest.raises(ValueError, match="q: expected a tensor on cuda"):
         decoder.run(batch.q.cpu(), (batch.k_cache, batch.v_cache))
