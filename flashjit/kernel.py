@@ -22,7 +22,7 @@ MERGE_ENTRY = "flashjit_merge"
 
 
 class DecodeArgs(ctypes.Structure):
-    """Mirror of decode::Args in templates/include/decode.cuh (same order, natural alignment)."""
+    """Mirror of decode::Args in templates/include/decode_common.cuh (same order, natural alignment)."""
 
     _fields_ = [
         ("q", ctypes.c_void_p), ("q_stride", ctypes.c_int64),

@@ -4,7 +4,7 @@
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN VEC CHUNKS_PER_ROW BDX ROWS
 //                  ROWS_PAD BDZ TILE_TOKENS STAGES
 //   types q_t kv_t out_t (fj::half_t or fj::bfloat16_t)
-//   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode::Args (decode_args.cuh).
+//   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh.
 //
 // A work item is (request, [v_begin, v_end)) over the span the planner chose for the request.
 // A request with one work item writes its output directly; otherwise each item writes a
@@ -26,8 +26,6 @@ constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
 constexpr int TILE = cfg::TILE_TOKENS;
 constexpr int TPZ = TILE / BDZ;  // tokens each z-slice scores per stage
 constexpr int STAGES = cfg::STAGES;
-constexpr int CHUNKS = TILE * CPR;
-constexpr int LOADS_PER_THREAD = ceil_div(CHUNKS, NT);
 constexpr int SMEM_ELEMS = STAGES * TILE * D;
 
 static_assert(VEC * CPR == D, "a K/V row is a whole number of 16-byte chunks");
@@ -76,67 +74,12 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
 
-  // A stage is TILE tokens x CPR 16-byte chunks of K and of V. Each thread owns LOADS_PER_THREAD
-  // chunks; locate() resolves their cache offsets (-1: past the span, zero-filled) through the page
-  // table, issue() starts the copies. The offsets of the next stage are located one iteration
-  // early, so page-table latency stays off the copy path.
-  auto locate = [&](int tile_v0, i64* offsets) {
-#pragma unroll
-    for (int i = 0; i < LOADS_PER_THREAD; ++i) {
-      const int c = tid + i * NT;
-      offsets[i] = -1;
-      if (CHUNKS % NT != 0 && c >= CHUNKS) continue;
-      const int tok = c / CPR, col = c % CPR;
-      const int vpos = tile_v0 + tok;
-      if (vpos < v_end) {
-        const int pos = mask_kv_position(params, request, vpos);
-        if (pos >= 0 && pos < kv_len) {
-          const int page = __ldg(a.page_indices + page_begin + pos / cfg::PAGE_SIZE);
-          offsets[i] = token_offset(a, page, pos % cfg::PAGE_SIZE) + col * VEC;
-        }
-      }
-    }
-  };
-  auto issue = [&](int stage, const i64* offsets) {
-#pragma unroll
-    for (int i = 0; i < LOADS_PER_THREAD; ++i) {
-      const int c = tid + i * NT;
-      if (CHUNKS % NT != 0 && c >= CHUNKS) continue;
-      const int dst = (stage * TILE + c / CPR) * D + (c % CPR) * VEC;
-      const bool pred = offsets[i] >= 0;
-      const i64 offset = pred ? offsets[i] : 0;
-      cp_async_16(k_smem + dst, k_head + offset, pred);
-      cp_async_16(v_smem + dst, v_head + offset, pred);
-    }
-  };
-
+  PagedKVStage<TILE, D, NT> loader{a, params, k_head, v_head, k_smem, v_smem, tid, request, v_end, kv_len, page_begin};
   float m = FJ_NEG_INF, dsum = 0.f, o[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;
 
-  const int num_tiles = ceil_div(v_end - v_begin, TILE);
-  i64 offsets[LOADS_PER_THREAD];
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) {
-      locate(v_begin + s * TILE, offsets);
-      issue(s, offsets);
-    }
-    cp_async_commit();
-  }
-  if (STAGES - 1 < num_tiles) locate(v_begin + (STAGES - 1) * TILE, offsets);
-
-  for (int t = 0; t < num_tiles; ++t) {
-    const int ahead = t + STAGES - 1;
-    if (ahead < num_tiles) {
-      issue(ahead % STAGES, offsets);
-      if (ahead + 1 < num_tiles) locate(v_begin + (ahead + 1) * TILE, offsets);
-    }
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-
-    const int stage = t % STAGES;
+  stream_tiles<STAGES, TILE>(loader, v_begin, ceil_div(v_end - v_begin, TILE), [&](int stage, int t) {
     float s[TPZ];
     float tile_max = FJ_NEG_INF;
 #pragma unroll
@@ -180,9 +123,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
       }
     }
     m = m_new;
-    __syncthreads();
-  }
-  cp_async_wait<0>();
+  });
 
   if (BDZ > 1) {  // merge the z-slices' states through shared memory
     __syncthreads();

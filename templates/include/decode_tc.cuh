@@ -6,7 +6,7 @@
 // Expects from the including template:
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS STAGES
 //   types q_t kv_t out_t (fj::half_t or fj::bfloat16_t, q_t == kv_t)
-//   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode::Args.
+//   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh.
 //
 // Each warp owns a 16-key slice of every pipeline stage (S = Q K^T, online softmax, O += P V in
 // registers); the warps' states meet in shared memory at the end. Same outputs as decode.cuh:
@@ -24,14 +24,10 @@ constexpr int M = 16;                     // query rows per CTA
 constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
 constexpr int TILE = 16 * WARPS;          // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
-constexpr int CPR = D / 8;                // 16-byte chunks per K/V row
-constexpr int TOKENS_PER_PASS = NT / CPR; // keys one pass of the block's loads covers
-constexpr int LOADS = TILE / TOKENS_PER_PASS;  // keys (and chunks) each thread loads per stage
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8;             // MMA n-tiles of O
 constexpr int STAGE_ELEMS = TILE * DP;
 
-static_assert(NT % CPR == 0 && TILE % TOKENS_PER_PASS == 0, "loads tile the stage evenly");
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit operands");
 
 template <typename T> struct Mma;
@@ -112,70 +108,23 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
-  const int load_col = (tid % CPR) * 8;
-
-  // Each thread copies one 16-byte column of LOADS keys per stage. locate() resolves their
-  // physical token index (page * PAGE_SIZE + slot; -1 past the span, zero-filled) through the
-  // page table one iteration before issue() needs it, keeping page-table latency off the copy path.
-  auto locate = [&](int tile_v0, int* phys) {
-#pragma unroll
-    for (int i = 0; i < LOADS; ++i) {
-      const int vpos = tile_v0 + tid / CPR + i * TOKENS_PER_PASS;
-      phys[i] = -1;
-      if (vpos < v_end) {
-        const int pos = mask_kv_position(params, request, vpos);
-        if (pos >= 0 && pos < kv_len)
-          phys[i] = __ldg(a.page_indices + page_begin + pos / cfg::PAGE_SIZE) * cfg::PAGE_SIZE + pos % cfg::PAGE_SIZE;
-      }
-    }
-  };
-  auto issue = [&](int stage, const int* phys) {
-#pragma unroll
-    for (int i = 0; i < LOADS; ++i) {
-      const int dst = stage * STAGE_ELEMS + (tid / CPR + i * TOKENS_PER_PASS) * DP + load_col;
-      const bool pred = phys[i] >= 0;
-      const i64 offset = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + load_col : 0;
-      cp_async_16(k_smem + dst, k_head + offset, pred);
-      cp_async_16(v_smem + dst, v_head + offset, pred);
-    }
-  };
+  PagedKVStage<TILE, DP, NT> loader{a, params, k_head, v_head, k_smem, v_smem, tid, request, v_end, kv_len, page_begin};
 
   float o[NTILES][4];
 #pragma unroll
   for (int n = 0; n < NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m[2] = {FJ_NEG_INF, FJ_NEG_INF}, dsum[2] = {0.f, 0.f};
 
-  const int num_tiles = ceil_div(v_end - v_begin, TILE);
-  int phys[LOADS];
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) {
-      locate(v_begin + s * TILE, phys);
-      issue(s, phys);
-    }
-    cp_async_commit();
-  }
-  if (STAGES - 1 < num_tiles) locate(v_begin + (STAGES - 1) * TILE, phys);
-
   // ldmatrix addresses inside a stage: lane l serves row l % 8 of matrix l / 8.
   const int mat = lane / 8, mrow = lane % 8;
   const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * DP + (mat & 1) * 8;  // K: [keys][dims]
   const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * DP + (mat >> 1) * 8;  // V: transposed
 
-  for (int t = 0; t < num_tiles; ++t) {
-    const int ahead = t + STAGES - 1;
-    if (ahead < num_tiles) {
-      issue(ahead % STAGES, phys);
-      if (ahead + 1 < num_tiles) locate(v_begin + (ahead + 1) * TILE, phys);
-    }
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-
+  stream_tiles<STAGES, TILE>(loader, v_begin, ceil_div(v_end - v_begin, TILE), [&](int stage, int t) {
     const int key0 = v_begin + t * TILE + warp * 16;  // this warp's first key
     if (key0 < v_end) {
-      const u16* ks = k_smem + (t % STAGES) * STAGE_ELEMS;
-      const u16* vs = v_smem + (t % STAGES) * STAGE_ELEMS;
+      const u16* ks = k_smem + stage * STAGE_ELEMS;
+      const u16* vs = v_smem + stage * STAGE_ELEMS;
       // S = Q K^T for 16 keys: s[j][0..1] rows quad, s[j][2..3] rows quad+8, keys 8j + pair (+1).
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -235,10 +184,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
         Mma<kv_t>::run(o[n + 1], pa, vb[2], vb[3]);
       }
     }
-    __syncthreads();
-  }
-  cp_async_wait<0>();
-  __syncthreads();
+  });
 
   // Merge the warps' states: row sums over the quad's lanes, then through shared memory.
   float* red_o = reinterpret_cast<float*>(smem);  // [WARPS][M][D]

@@ -1,0 +1,108 @@
+// What the decode kernels (CUDA-core and tensor-core) share: the launch arguments (mirrored by
+// flashjit.kernel.DecodeArgs: keep the two in the same order) and the paged K/V copy pipeline.
+namespace decode {
+using namespace fj;
+
+struct Args {
+  const q_t* __restrict__ q; i64 q_stride;            // [tokens, qo_heads, D], token stride in elements
+  const kv_t* __restrict__ k; const kv_t* __restrict__ v;
+  i64 page_stride, slot_stride, head_stride;           // element strides of the paged cache
+  const int* __restrict__ page_indices;
+  const int* __restrict__ work_request; const int* __restrict__ work_begin; const int* __restrict__ work_end;
+  const int* __restrict__ num_work;                     // device scalar: items past it are padding
+  const int* __restrict__ req_kv_len; const int* __restrict__ req_page_begin;
+  const int* __restrict__ req_qo_indptr; const int* __restrict__ req_work_indptr;
+  out_t* __restrict__ out; i64 out_stride;
+  float* __restrict__ lse;                              // natural-log LSE [tokens, qo_heads] or null
+  float* __restrict__ tmp_o; float* __restrict__ tmp_lse;
+  int num_qo_heads;
+  float sm_scale_log2;                                  // sm_scale * log2(e)
+};
+
+FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
+  return (i64)page * a.page_stride + (i64)slot * a.slot_stride;
+}
+
+// Copies one pipeline stage (TILE keys x HEAD_DIM of K and of V, in 16-byte chunks) from the paged
+// cache into shared-memory rows of PITCH elements. locate() resolves each of the thread's chunks to
+// a physical token (page * PAGE_SIZE + slot; -1 past the span, zero-filled) through the mask's
+// kv_position and the page table; issue() starts the copies.
+template <int TILE, int PITCH, int NT>
+struct PagedKVStage {
+  static constexpr int CPR = cfg::HEAD_DIM / 8;
+  static constexpr int CHUNKS = TILE * CPR;
+  static constexpr int LOADS = ceil_div(CHUNKS, NT);
+  static constexpr int STAGE_ELEMS = TILE * PITCH;
+
+  const Args& a;
+  const MaskParams& params;
+  const kv_t* k_head; const kv_t* v_head;
+  u16* k_smem; u16* v_smem;
+  int tid, request, v_end, kv_len, page_begin;
+  int phys[LOADS];
+
+  // Chunk i of this thread is chunk tid + i * NT of the stage: key (row) and 16-byte column.
+  // When NT is a multiple of CPR the column is the same for every i (and the key a simple step).
+  static constexpr bool EVEN = NT % CPR == 0;
+  FJ_INLINE bool owns(int i) const { return CHUNKS % NT == 0 || tid + i * NT < CHUNKS; }
+  FJ_INLINE int key(int i) const { return EVEN ? tid / CPR + i * (NT / CPR) : (tid + i * NT) / CPR; }
+  FJ_INLINE int column(int i) const { return EVEN ? tid % CPR : (tid + i * NT) % CPR; }
+
+  FJ_INLINE void locate(int tile_v0) {
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      phys[i] = -1;
+      if (!owns(i)) continue;
+      const int vpos = tile_v0 + key(i);
+      if (vpos < v_end) {
+        const int pos = mask_kv_position(params, request, vpos);
+        if (pos >= 0 && pos < kv_len)
+          phys[i] = __ldg(a.page_indices + page_begin + pos / cfg::PAGE_SIZE) * cfg::PAGE_SIZE + pos % cfg::PAGE_SIZE;
+      }
+    }
+  }
+
+  FJ_INLINE void issue(int stage) {
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      if (!owns(i)) continue;
+      const int col = column(i) * 8;
+      const int dst = stage * STAGE_ELEMS + key(i) * PITCH + col;
+      const bool pred = phys[i] >= 0;
+      const i64 offset = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + col : 0;
+      cp_async_16(k_smem + dst, k_head + offset, pred);
+      cp_async_16(v_smem + dst, v_head + offset, pred);
+    }
+  }
+};
+
+// The ring: STAGES - 1 stages in flight while one is consumed. The next stage's page lookups are
+// issued one iteration before its copies, so page-table latency stays off the copy path.
+// consume(stage, t) runs between two barriers with tile t resident in `stage`.
+template <int STAGES, int TILE, class Stage, class Consume>
+FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Consume&& consume) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) {
+      loader.locate(v_begin + s * TILE);
+      loader.issue(s);
+    }
+    cp_async_commit();
+  }
+  if (STAGES - 1 < num_tiles) loader.locate(v_begin + (STAGES - 1) * TILE);
+  for (int t = 0; t < num_tiles; ++t) {
+    const int ahead = t + STAGES - 1;
+    if (ahead < num_tiles) {
+      loader.issue(ahead % STAGES);
+      if (ahead + 1 < num_tiles) loader.locate(v_begin + (ahead + 1) * TILE);
+    }
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    consume(t % STAGES, t);
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace decode
