@@ -1,4 +1,4 @@
-"""The `flashjit` command: prewarm, list, show, clear, doctor, run-example.
+"""The `flashjit` command: prewarm, list, show, clear, cache, doctor, run-example.
 
 Argument parsing and printing only; the work is done by the engine, the cache, the manifest
 module and selfcheck. Tables go to stdout, progress bars and log lines to stderr.
@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import platform
+import re
+import shlex
 import sys
 import threading
 import time
@@ -65,8 +67,8 @@ def _table(rows: list[tuple], header: tuple) -> str:
 
 
 def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
 
@@ -90,6 +92,40 @@ def _collect_specs(manifest, spec_names, arch_text) -> list:
         else:
             specs.append(spec)
     return list(dict.fromkeys(specs))
+
+
+class _UsageError(SpecError):
+    """A bad command-line value: exit status 2, like a bad spec or manifest."""
+
+    def __init__(self, message: str):
+        self.field = self.value = self.accepted = None
+        Exception.__init__(self, message)
+
+
+def _hf_specs(args) -> list:
+    """The specs of every --hf-config (a config.json or its folder); says what it derived on stderr."""
+    from .hf_config import manifest_from_hf_config, read_hf_config
+    from .manifest import parse_arch_list
+
+    configs = getattr(args, "hf_config", None) or ()
+    if not configs:
+        if args.page_size or args.dtype or args.kv_dtype or args.max_q_len:
+            raise _UsageError("--page-size, --dtype, --kv-dtype and --max-q-len apply to --hf-config only")
+        return []
+    ints = lambda text, default: [int(v) for v in parse_arch_list(text)] if text else default  # noqa: E731
+    try:
+        page_sizes, max_q_lens = ints(args.page_size, [16]), ints(args.max_q_len, [1])
+    except ValueError:
+        raise _UsageError(f"--page-size {args.page_size} / --max-q-len {args.max_q_len}: expected "
+                          "comma-separated integers such as 16,32") from None
+    specs = []
+    for config in configs:
+        model = read_hf_config(config, dtype=args.dtype)
+        print(f"flashjit: {model.path}: {model.summary()}", file=sys.stderr)
+        for note in model.notes:
+            print(f"flashjit: note: {note}", file=sys.stderr)
+        specs += manifest_from_hf_config(config, page_sizes, args.dtype, args.kv_dtype, max_q_lens).specs(args.arch)
+    return specs
 
 
 def prewarm_specs(engine, specs, jobs: int | None, *, progress: bool = True) -> tuple[list, float]:
@@ -120,11 +156,11 @@ def summary(results, wall_s: float) -> str:
 def cmd_prewarm(args) -> int:
     from .engine import Engine
 
-    if not args.manifest and not args.spec:
-        _err("nothing to prewarm: give a MANIFEST.toml and/or --spec NAME")
+    if not args.manifest and not args.spec and not args.hf_config:
+        _err("nothing to prewarm: give a MANIFEST.toml and/or --spec NAME, or --hf-config config.json")
         return 2
-    specs = _collect_specs(args.manifest, args.spec, args.arch)
-    engine = Engine(args.cache_dir)
+    specs = list(dict.fromkeys(_collect_specs(args.manifest, args.spec, args.arch) + _hf_specs(args)))
+    engine = Engine(args.cache_dir, allow_compile=True)  # compiling is its job, even where FLASHJIT_NO_COMPILE is set
     results, wall = prewarm_specs(engine, specs, args.jobs)
     print(summary(results, wall))
     print(f"cache: {engine.cache.root}" + ("" if engine.cache.writable else " (not writable: kept in memory only)"))
@@ -163,6 +199,100 @@ def cmd_clear(args) -> int:
     cache = KernelCache(args.cache_dir)
     count = cache.clear()
     print(f"removed {count} entries from {cache.root}")
+    return 0
+
+
+# ---- cache export / import / info / prune -----------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+               "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2*10**9, '1.5GiB' -> 1.5*2**30, '500M' -> 500*2**20 (like du), '0' -> 0."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if unit not in _SIZE_UNITS:
+        raise _UsageError(f"--max-size {text!r}: expected a size such as 2GB, 500MiB, 1.5G or 0")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def cmd_cache_export(args) -> int:
+    from .bundle import export_bundle
+    from .manifest import resolve_archs
+
+    specs = None
+    if args.manifest or args.spec or args.hf_config:
+        specs = list(dict.fromkeys(_collect_specs(args.manifest, args.spec, args.arch) + _hf_specs(args)))
+    else:
+        _hf_specs(args)  # rejects --page-size and friends without --hf-config
+    archs = resolve_archs(args.arch) if args.arch and specs is None else None
+    hint = ["flashjit", "prewarm"] + ([args.manifest] if args.manifest else [])
+    for flag in ("spec", "hf_config", "page_size", "dtype", "kv_dtype", "max_q_len", "arch", "cache_dir"):
+        values = getattr(args, flag)
+        for value in (values if isinstance(values, list) else [values] if values else []):
+            hint += ["--" + flag.replace("_", "-"), str(value)]
+    report = export_bundle(args.out, args.cache_dir, specs=specs, archs=archs, prewarm_hint=shlex.join(hint))
+    rows = [(e.get("name", "?"), e.get("arch", "?"), _size(int(e.get("cubin_bytes", 0)))) for e in report.entries]
+    print(_table(rows, ("spec", "arch", "cubin")))
+    print(f"exported {len(report.entries)} entries and {report.index_files} index files to {report.path} "
+          f"({_size(report.bytes)})")
+    return 0
+
+
+def cmd_cache_import(args) -> int:
+    from .bundle import import_bundle
+
+    report = import_bundle(args.bundle, args.cache_dir)
+    for key, why in report.rejected:
+        print(f"flashjit: rejected entry {key[:16]}: {why}", file=sys.stderr)
+    print(f"imported {len(report.imported)} entries ({len(report.present)} already present, "
+          f"{len(report.rejected)} rejected) and {report.index_files} index files from {report.path} "
+          f"into {report.cache_dir}")
+    return 1 if report.rejected else 0
+
+
+def cmd_cache_info(args) -> int:
+    from .cache import KernelCache
+
+    usage = KernelCache(args.cache_dir).usage()
+    if args.json:
+        print(json.dumps(usage, indent=1))
+        return 0
+    print(f"cache dir: {usage['root']} ({'writable' if usage['writable'] else 'NOT writable: serves what it holds'})")
+    print(f"schema v{usage['schema']}: {usage['entries']} entries ({_size(usage['entry_bytes'])}), "
+          f"{usage['incomplete']} incomplete, {usage['index_files']} index files ({usage['index_stale']} stale), "
+          f"{_size(usage['bytes'])} on disk")
+    if usage["by_arch"]:
+        rows = [(arch, slot["entries"], _size(slot["bytes"])) for arch, slot in usage["by_arch"].items()]
+        print(_table(rows, ("arch", "entries", "size")))
+    for v in usage["other_versions"]:
+        hint = "; `flashjit cache prune --old-versions` removes it" if v["state"] == "older" else ""
+        print(f"other version v{v['version']}: {v['entries']} entries, {_size(v['bytes'])} at {v['path']} "
+              f"({v['state']}{hint})")
+    print(f"total: {_size(usage['total_bytes'])}")
+    return 0
+
+
+def cmd_cache_prune(args) -> int:
+    from .cache import KernelCache
+
+    if args.max_size is None and not args.old_versions:
+        _err("nothing to prune: give --max-size SIZE and/or --old-versions")
+        return 2
+    max_bytes = parse_size(args.max_size) if args.max_size is not None else None
+    cache = KernelCache(args.cache_dir)
+    report = cache.prune(max_bytes=max_bytes, old_versions=args.old_versions, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for e in report["removed"]:
+        print(f"{verb} {e['name']} ({e['arch']}, {_size(e['bytes'])}, last used "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e['last_used']))})")
+    for v in report["versions_removed"]:
+        print(f"{verb} schema v{v['version']} ({v['entries']} entries, {_size(v['bytes'])}) at {v['path']}")
+    print(f"{verb} {len(report['removed'])} entries, {report['incomplete']} incomplete entries, "
+          f"{report['index_removed']} index files and {len(report['versions_removed'])} old versions: "
+          f"{_size(report['freed_bytes'])} freed; kept {report['kept']} entries ({_size(report['kept_bytes'])}) "
+          f"in {cache.root}")
     return 0
 
 
@@ -305,10 +435,19 @@ def build_parser() -> argparse.ArgumentParser:
     def jobs(p):
         p.add_argument("--jobs", "-j", type=int, default=None, help="parallel compiles (default: CPU count)")
 
+    def specs_from(p, what):
+        p.add_argument("--spec", action="append", metavar="NAME",
+                       help=f"{what}a spec name such as decode_d128_bf16_kvbf16_none_p16_g4_q1_nhd_sm90_tc (repeatable)")
+        p.add_argument("--hf-config", action="append", metavar="CONFIG.json",
+                       help=f"{what}the kernels of a HuggingFace config.json (or its folder); repeatable")
+        p.add_argument("--page-size", help="with --hf-config: comma-separated page sizes (default 16)")
+        p.add_argument("--dtype", help="with --hf-config: query dtype instead of the config's torch_dtype")
+        p.add_argument("--kv-dtype", help="with --hf-config: KV cache dtype (default: the query dtype)")
+        p.add_argument("--max-q-len", help="with --hf-config: comma-separated query tokens per request (default 1)")
+
     p = sub.add_parser("prewarm", help="compile (or load) every kernel of a manifest and/or named specs")
     p.add_argument("manifest", nargs="?", metavar="MANIFEST.toml")
-    p.add_argument("--spec", action="append", metavar="NAME",
-                   help="a spec name such as decode_d128_bf16_kvbf16_none_p16_g4_q1_nhd_sm90_tc (repeatable)")
+    specs_from(p, "")
     archs(p), jobs(p), cache_dir(p)
     p.set_defaults(func=cmd_prewarm)
 
@@ -324,6 +463,29 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("clear", help="remove every kernel from the cache")
     cache_dir(p)
     p.set_defaults(func=cmd_clear)
+
+    p = sub.add_parser("cache", help="move kernels between hosts (export/import bundles), inspect and prune the cache")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    q = actions.add_parser("export", help="write verified cache entries (and index files) to a .tar.gz bundle")
+    q.add_argument("out", metavar="OUT.tar.gz")
+    q.add_argument("--manifest", help="only the kernels of this manifest (all must be cached)")
+    specs_from(q, "only ")
+    archs(q), cache_dir(q)
+    q.set_defaults(func=cmd_cache_export)
+    q = actions.add_parser("import", help="verify a bundle and add its entries to the cache")
+    q.add_argument("bundle", metavar="IN.tar.gz")
+    cache_dir(q)
+    q.set_defaults(func=cmd_cache_import)
+    q = actions.add_parser("info", help="size, entries per arch, other schema versions")
+    q.add_argument("--json", action="store_true", help="print JSON instead of text")
+    cache_dir(q)
+    q.set_defaults(func=cmd_cache_info)
+    q = actions.add_parser("prune", help="evict least recently used entries, or old schema versions")
+    q.add_argument("--max-size", metavar="SIZE", help="keep at most SIZE of entries, e.g. 2GB, 500MiB")
+    q.add_argument("--old-versions", action="store_true", help="remove the folders of older cache schemas")
+    q.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
+    cache_dir(q)
+    q.set_defaults(func=cmd_cache_prune)
 
     p = sub.add_parser("doctor", help="versions, GPU, cache dir and a test compile")
     cache_dir(p)

@@ -11,12 +11,14 @@ import dataclasses
 import hashlib
 import logging
 import os
+import shlex
 import threading
 import time
+from pathlib import Path
 
 from . import __version__
 from .cache import KernelCache, cache_key
-from .compile import compile_options, compile_source, nvrtc_version
+from .compile import compile_options, compile_source, compiler_fingerprint, nvrtc_version
 from .errors import KernelNotPrewarmed
 from .kernel import Kernel
 from .registry import masks
@@ -83,8 +85,7 @@ class Engine:
                 return kernel, "memory"
             mask = masks.get(spec.mask)
             spec_key = _spec_key(spec, mask)
-            key = self.cache.lookup_index(spec_key)
-            hit = self.cache.load(key) if key else None
+            key, hit = self._indexed(spec, spec_key)
             origin = "disk"
             if hit is None:
                 source = render(spec, mask)
@@ -97,15 +98,42 @@ class Engine:
                             hit = (self._compile(spec, source, key), None)
                             origin = "compiled"
                 self.cache.store_index(spec_key, key)
+            if origin == "disk":
+                self.cache.touch(key)  # last use, for `flashjit cache prune`; memory hits never get here
             kernel = Kernel(spec, decode_tiling(spec), mask, hit[0], key)
             self._kernels[spec] = kernel
             return kernel, origin
+
+    def _indexed(self, spec: DecodeSpec, spec_key: str):
+        """(key, (cubin, meta)) through the index, or (None, None). An entry made for another spec
+        (a damaged or foreign index file) is a miss, not a wrong kernel."""
+        key = self.cache.lookup_index(spec_key)
+        hit = self.cache.load(key) if key else None
+        if hit is None or hit[1].get("name") != spec.name:
+            return None, None
+        return key, hit
+
+    def cached_entry(self, spec: DecodeSpec) -> tuple[str, str] | None:
+        """(index key, entry key) of the spec's verified entry in this engine's cache, or None.
+
+        Never compiles; renders (and loads NVRTC) only when the index does not know the spec.
+        `flashjit cache export --manifest` uses it to pick a manifest's entries.
+        """
+        mask = masks.get(spec.mask)
+        spec_key = _spec_key(spec, mask)
+        key, hit = self._indexed(spec, spec_key)
+        if hit is None:
+            key = cache_key(render(spec, mask), spec.arch, compile_options(spec.arch), nvrtc_version(), __version__)
+            if self.cache.load(key) is None:
+                return None
+        return spec_key, key
 
     def _compile(self, spec: DecodeSpec, source: str, key: str) -> bytes:
         if not self.allow_compile:
             raise KernelNotPrewarmed(
                 f"{spec.name} is not in the kernel cache at {self.cache.root} and compiling is disabled "
-                f"(FLASHJIT_NO_COMPILE or allow_compile=False); build it with: {prewarm_command(spec, self.cache.root)}")
+                f"(FLASHJIT_NO_COMPILE or allow_compile=False); build it with: {prewarm_command(spec, self.cache.root)}"
+                + _registered_in_python(spec))
         if _capturing():
             raise KernelNotPrewarmed(
                 f"{spec.name} would be compiled during CUDA-graph capture; prewarm first "
@@ -142,11 +170,32 @@ class Engine:
 
 
 def _spec_key(spec: DecodeSpec, mask) -> str:
-    """Index key: what determines the rendered source, hashed without rendering it."""
+    """Index key: what determines the entry key, hashed without rendering or loading NVRTC.
+
+    The rendered source is stood in for by the spec, the mask and every template's contents; the
+    NVRTC version by compiler_fingerprint() (installed CuPy/NVRTC versions), so an upgrade misses.
+    """
     text = repr((spec, mask.name, mask.template, mask.params, templates_digest(mask), __version__,
-                 compile_options(spec.arch)))
+                 compile_options(spec.arch), compiler_fingerprint()))
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _registered_in_python(spec: DecodeSpec) -> str:
+    template = Path(masks.get(spec.mask).template)
+    if template.is_absolute() and template.name != f"{spec.mask}.cuh.j2":
+        return (f" (mask {spec.mask!r} is registered from Python with {template}: run the prewarm where it is "
+                "registered too, e.g. engine.prewarm([spec]) in a process that registers it)")
+    return ""
+
+
 def prewarm_command(spec: DecodeSpec, cache_dir) -> str:
-    return f"flashjit prewarm --spec {spec.name} --cache-dir {cache_dir}"
+    """A shell line that builds the spec into cache_dir: quoted, so it can be pasted verbatim.
+
+    A mask loaded from a template folder (FLASHJIT_TEMPLATE_PATH, template_dirs) needs that folder
+    in the command's environment too; a built-in mask needs nothing.
+    """
+    command = f"flashjit prewarm --spec {shlex.quote(spec.name)} --cache-dir {shlex.quote(str(cache_dir))}"
+    template = Path(masks.get(spec.mask).template)
+    if template.is_absolute() and template.name == f"{spec.mask}.cuh.j2":  # what a template-folder scan finds
+        command = f"FLASHJIT_TEMPLATE_PATH={shlex.quote(str(template.parent))} {command}"
+    return command

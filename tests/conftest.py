@@ -8,14 +8,17 @@ a valid cache entry copy it instead of compiling again.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import shutil
 from pathlib import Path
 
 import pytest
 
+import flashjit.engine as engine_module
 from flashjit import DecodeSpec, Engine
 from flashjit.cache import KernelCache
+from flashjit.compile import CompiledKernel
 from flashjit.kernel import Kernel
 from flashjit.registry import masks
 
@@ -102,3 +105,25 @@ def write_mask(folder: Path, name: str, visible: str, header: str = "") -> Path:
 def mask_file():
     """write_mask, for tests: mask_file(folder, name, visible_body, header='')."""
     return write_mask
+
+
+def fake_cubin(source: str, arch: str) -> bytes:
+    """What fake_nvrtc 'compiles' a source to: deterministic, distinct per source and arch."""
+    return b"\x7fELF fake cubin " + hashlib.sha256(f"{arch}\0{source}".encode()).digest()
+
+
+@pytest.fixture
+def fake_nvrtc(monkeypatch) -> list:
+    """Swap the engine's NVRTC for an instant fake (fake_cubin); returns the names it compiled.
+
+    For tests about caching, bundles and faults, where the cubin's bytes do not matter: the real
+    compile costs ~0.4 s each on CI. Everything else (render, keys, index, store) stays real.
+    """
+    compiled = []
+
+    def compile_source(source, arch, name, **kwargs):
+        compiled.append(name)
+        return CompiledKernel(fake_cubin(source, arch), "")
+
+    monkeypatch.setattr(engine_module, "compile_source", compile_source)
+    return compiled

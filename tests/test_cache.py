@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import multiprocessing
+import os
 import shutil
 import threading
 import time
@@ -352,3 +353,65 @@ def test_entries_and_clear(warm, cache_dir):
 def test_entries_of_empty_cache(cache_dir):
     cache = KernelCache(cache_dir)
     assert cache.entries() == [] and cache.clear() == 0
+
+
+# ---- lock timeout, last use, usage and prune ----------------------------------------------------
+
+@pytest.mark.parametrize("env, expected", [(None, 120.0), ("2.5", 2.5), ("0", 0.0), ("soon", 120.0), ("-1", 120.0)])
+def test_lock_timeout_is_read_at_lock_time(monkeypatch, caplog, env, expected):
+    caplog.set_level(logging.WARNING, logger="flashjit")
+    if env is None:
+        monkeypatch.delenv("FLASHJIT_LOCK_TIMEOUT", raising=False)
+    else:
+        monkeypatch.setenv("FLASHJIT_LOCK_TIMEOUT", env)
+    monkeypatch.setattr(cache_module, "_warned_timeouts", set())
+    assert cache_module.lock_timeout() == expected and cache_module.lock_timeout() == expected
+    assert len(warnings_of(caplog)) == (env in ("soon", "-1"))  # once per bad value
+    monkeypatch.setattr(cache_module, "LOCK_TIMEOUT_S", 0.5)  # the module setting wins (tests)
+    assert cache_module.lock_timeout() == 0.5
+
+
+def test_disk_load_records_last_use_and_memory_hits_touch_nothing(warm, cache_dir, monkeypatch):
+    entry = warm.copy_entry_to(cache_dir)
+    os.utime(entry, (1000, 1000))
+    engine = Engine(cache_dir=cache_dir)
+    engine.get_kernel(warm.spec)
+    assert entry.stat().st_mtime > time.time() - 60  # a disk load is a use
+    os.utime(entry, (1000, 1000))
+    monkeypatch.setattr(os, "utime", lambda *a, **k: pytest.fail("a memory hit must not touch the disk"))
+    engine.get_kernel(warm.spec)
+    assert entry.stat().st_mtime == 1000
+
+
+def test_touch_never_fails(cache_dir):
+    KernelCache(cache_dir).touch("0" * 64)  # no such entry
+
+
+def test_usage_and_prune(warm, cache_dir):
+    cache = KernelCache(cache_dir)
+    for i, key in enumerate(("1" * 64, "2" * 64, "3" * 64)):
+        cache.store(key, bytes(1000), "src", {"name": f"k{i}", "arch": "sm_80" if i else "sm_90"})
+        cache.store_index(str(i) * 64, key)
+        os.utime(cache.entry_dir(key), (1000 + i, 1000 + i))  # "1"*64 is the least recently used
+    partial = cache.entry_dir("4" * 64)  # a writer died before meta.json, long ago
+    partial.mkdir()
+    (partial / "kernel.cubin").write_bytes(bytes(500))
+    os.utime(partial, (1000, 1000))
+    fresh = cache.entry_dir("5" * 64)  # ... or is writing it right now: kept
+    fresh.mkdir()
+    cache.store_index("9" * 64, "8" * 64)  # names an entry that is gone
+
+    usage = cache.usage()
+    assert usage["entries"] == 3 and usage["incomplete"] == 2
+    assert usage["by_arch"]["sm_80"]["entries"] == 2 and usage["by_arch"]["sm_90"]["entries"] == 1
+    assert usage["index_files"] == 4 and usage["index_stale"] == 1
+    assert usage["bytes"] >= 3500 and usage["other_versions"] == []
+
+    report = cache.prune(max_bytes=2 * (usage["entry_bytes"] // 3) + 1)
+    assert [e["key"] for e in report["removed"]] == ["1" * 64] and report["incomplete"] == 1
+    assert report["index_removed"] == 2 and report["kept"] == 2
+    assert sorted(e["key"] for e in cache.entries()) == ["2" * 64, "3" * 64]
+    assert not partial.exists() and fresh.exists()
+    assert sorted(cache.index()) == ["1" * 64, "2" * 64]
+    assert not list((cache.base / "entries").glob(".trash-*"))
+    assert cache.prune(max_bytes=0)["removed"] and cache.entries() == [] and cache.index() == {}

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 import tempfile
 
 import pytest
 
 from flashjit import CompileError, DecodeSpec, FlashJITError, register_mask
-from flashjit.compile import BASE_OPTIONS, compile_options, compile_source, nvrtc_version
+from flashjit.compile import (BASE_OPTIONS, COMPILER_DISTRIBUTIONS, compile_options, compile_source,
+                              compiler_fingerprint, nvrtc_version)
 from flashjit.render import render
 
 BAD_SOURCE = 'extern "C" __global__ void broken(int* out) {\n  out[0] = this_is_not_declared;\n}\n'
@@ -80,3 +83,47 @@ def test_compile_error_from_engine_saves_source_in_cache(isolated_masks, tmp_pat
     assert info.value.source_path.parent == engine.cache.base / "failed"
     assert info.value.source_path.read_text() == engine.source(spec)
     assert engine.cache.entries() == []  # nothing half-made was stored
+
+
+# ---- compiler fingerprint (the cache index's stand-in for the NVRTC version) ---------------------
+
+def test_compiler_fingerprint_names_the_installed_versions():
+    import importlib.metadata
+
+    fingerprint = compiler_fingerprint()
+    for name in COMPILER_DISTRIBUTIONS:
+        try:
+            assert f"{name}={importlib.metadata.version(name)}" in fingerprint
+        except importlib.metadata.PackageNotFoundError:
+            assert f"{name}=" not in fingerprint
+
+
+def test_compiler_fingerprint_is_cheap_and_loads_no_cupy():
+    """Measured in a fresh process: the first call (the one a warm start pays) and its imports."""
+    code = ("import sys, time; from flashjit.compile import compiler_fingerprint; t = time.perf_counter(); "
+            "compiler_fingerprint(); t = time.perf_counter() - t; "
+            "print(t, 'cupy' in sys.modules, 'importlib.metadata' in sys.modules)")
+    seconds, cupy, metadata = subprocess.check_output([sys.executable, "-c", code], text=True).split()
+    assert cupy == "False" and metadata == "False"
+    assert float(seconds) < 0.02  # ~0.3-1 ms; generous for a loaded CI machine
+
+
+def test_compiler_fingerprint_changes_with_an_nvrtc_upgrade(tmp_path, monkeypatch):
+    def fingerprint_with(*folders):
+        monkeypatch.setattr(sys, "path", [str(tmp_path / "nowhere")] + [str(f) for f in folders])
+        compiler_fingerprint.cache_clear()
+        return compiler_fingerprint()
+
+    old, new, toolkit = tmp_path / "old", tmp_path / "new", tmp_path / "toolkit"
+    for folder, nvrtc in ((old, "12.8.93"), (new, "12.9.86")):
+        (folder / "cupy_cuda12x-14.2.0.dist-info").mkdir(parents=True)
+        (folder / f"nvidia_cuda_nvrtc_cu12-{nvrtc}.dist-info").mkdir()
+    (toolkit / "cupy_cuda12x-14.2.0.dist-info").mkdir(parents=True)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda-12.4"))
+    try:
+        assert fingerprint_with(old) == "cupy-cuda12x=14.2.0;nvidia-cuda-nvrtc-cu12=12.8.93"
+        assert fingerprint_with(new) == "cupy-cuda12x=14.2.0;nvidia-cuda-nvrtc-cu12=12.9.86"
+        assert fingerprint_with(new, old).endswith("12.9.86")  # the first on sys.path wins, as for imports
+        assert f"toolkit={tmp_path / 'cuda-12.4'}," in fingerprint_with(toolkit)  # no NVRTC wheel: the toolkit's path
+    finally:
+        compiler_fingerprint.cache_clear()

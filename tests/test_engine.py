@@ -138,3 +138,40 @@ def test_edited_user_mask_is_not_served_stale(isolated_masks, tmp_path, cache_di
     after = Engine(cache_dir=cache_dir).get_kernel(spec)  # a fresh process would see the edit too
     assert after.key != before.key and after.cubin != before.cubin
     assert len(compile_log()) == 2
+
+
+def test_nvrtc_upgrade_is_not_served_a_stale_cubin(warm, cache_dir, monkeypatch, fake_nvrtc):
+    """The index key holds the compiler fingerprint: after a CuPy/NVRTC upgrade the index misses,
+    and the full key (with the new NVRTC version) finds no entry, so the kernel is rebuilt."""
+    warm.copy_entry_to(cache_dir)
+    assert Engine(cache_dir=cache_dir, allow_compile=False).get_kernel(warm.spec).key == warm.kernel.key
+    monkeypatch.setattr(engine_module, "compiler_fingerprint", lambda: "cupy-cuda12x=99.0;nvidia-cuda-nvrtc-cu12=99.0")
+    monkeypatch.setattr(engine_module, "nvrtc_version", lambda: (99, 0))
+    kernel = Engine(cache_dir=cache_dir).get_kernel(warm.spec)
+    assert fake_nvrtc == [warm.spec.name]
+    assert kernel.key != warm.kernel.key and kernel.cubin != warm.kernel.cubin
+
+
+def test_index_naming_another_specs_entry_is_a_miss(warm, cache_dir, monkeypatch, fake_nvrtc):
+    """A damaged (or foreign) index file never hands out another spec's kernel."""
+    warm.copy_entry_to(cache_dir)
+    other = warm.spec.replace(page_size=32)
+    spec_key = engine_module._spec_key(other, engine_module.masks.get(other.mask))
+    Engine(cache_dir=cache_dir).cache.store_index(spec_key, warm.kernel.key)
+    kernel = Engine(cache_dir=cache_dir).get_kernel(other)
+    assert fake_nvrtc == [other.name] and kernel.key != warm.kernel.key
+
+
+def test_prewarm_command_quotes_the_cache_dir(tmp_path):
+    spec = DecodeSpec(64, arch="sm_90")
+    assert prewarm_command(spec, tmp_path / "a b") == f"flashjit prewarm --spec {spec.name} --cache-dir '{tmp_path}/a b'"
+
+
+def test_strict_error_for_a_mask_registered_from_python(tmp_path, cache_dir, isolated_masks, mask_file):
+    path = mask_file(tmp_path, "some_file", "return kv_pos != 3;")
+    register_mask("not_three", path)
+    spec = DecodeSpec(64, mask="not_three", arch="sm_90")
+    with pytest.raises(KernelNotPrewarmed) as info:
+        Engine(cache_dir=cache_dir, allow_compile=False).get_kernel(spec)
+    assert prewarm_command(spec, cache_dir).startswith("flashjit prewarm")  # no template folder would find it
+    assert "registered from Python" in str(info.value) and str(path) in str(info.value)

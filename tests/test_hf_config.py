@@ -1,0 +1,115 @@
+"""Manifests from HuggingFace config.json: the shipped examples, the sliding-window conventions of
+Mistral, Gemma 2/3 and Qwen2, and errors that name the config field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flashjit.hf_config import manifest_from_hf_config, read_hf_config
+from flashjit.manifest import ManifestError
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
+LLAMA = json.loads((EXAMPLES / "llama-3-8b" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("folder, heads, kv_heads, head_dim, masks, window, sliding_layers", [
+    ("llama-3-8b", 32, 8, 128, ("none", "causal"), None, 0),
+    ("qwen2.5-7b", 28, 4, 128, ("none", "causal"), None, 0),           # use_sliding_window is false
+    ("mistral-7b", 32, 8, 128, ("none", "causal", "sliding_window"), 4096, 32),
+    ("gemma-2-9b", 16, 8, 256, ("none", "causal", "sliding_window"), 4096, 21),  # head_dim field, not 3584/16
+])
+def test_shipped_examples(folder, heads, kv_heads, head_dim, masks, window, sliding_layers):
+    model = read_hf_config(EXAMPLES / folder / "config.json")
+    assert (model.name, model.num_qo_heads, model.num_kv_heads, model.head_dim) == (folder, heads, kv_heads, head_dim)
+    assert model.dtype == "bfloat16" and model.masks == masks
+    assert (model.sliding_window, model.sliding_layers) == (window, sliding_layers)
+    specs = manifest_from_hf_config(EXAMPLES / folder).specs(["sm_90"])  # a folder holding config.json works too
+    assert [s.mask for s in specs] == list(masks)
+    assert all(s.head_dim == head_dim and s.group_size == heads // kv_heads and s.page_size == 16 for s in specs)
+
+
+def test_example_notes():
+    gemma = read_hf_config(EXAMPLES / "gemma-2-9b")
+    assert any("float32" in n and "bfloat16" in n for n in gemma.notes)
+    assert any("attn_logit_softcapping" in n for n in gemma.notes)
+    assert "21 of 42 layers" in gemma.summary() and "window_left=4095" in gemma.summary()
+    qwen = read_hf_config(EXAMPLES / "qwen2.5-7b")
+    assert any("use_sliding_window is false" in n for n in qwen.notes)
+    assert read_hf_config(EXAMPLES / "llama-3-8b").notes == ()
+
+
+def write(tmp_path, **fields) -> Path:
+    config = {k: v for k, v in dict(LLAMA, **fields).items() if v != "DELETE"}
+    path = tmp_path / "model" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("fields, window, sliding_layers", [
+    ({"sliding_window": 4096}, 4096, 32),                                                  # Mistral: every layer
+    ({"sliding_window": None}, None, 0),                                                   # Mistral v0.2+
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 20}, 4096, 12),  # Qwen2: layers 20..31
+    ({"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 32}, None, 0),
+    ({"sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 0}, None, 0),
+    ({"sliding_window": 4096, "model_type": "gemma2", "num_hidden_layers": 5}, 4096, 3),   # layers 0, 2, 4
+    ({"sliding_window": 1024, "sliding_window_pattern": 6, "num_hidden_layers": 12}, 1024, 10),  # Gemma 3
+    ({"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"] * 3}, 512, 3),
+    ({"sliding_window": 512, "layer_types": ["full_attention"] * 4}, None, 0),
+], ids=["mistral", "no-window", "qwen-on", "qwen-past-last-layer", "qwen-off", "gemma2", "gemma3", "layer-types",
+        "layer-types-all-full"])
+def test_sliding_window_conventions(tmp_path, fields, window, sliding_layers):
+    model = read_hf_config(write(tmp_path, **fields))
+    assert (model.sliding_window, model.sliding_layers) == (window, sliding_layers)
+    assert ("sliding_window" in model.masks) == bool(sliding_layers)
+
+
+def test_derived_fields(tmp_path):
+    model = read_hf_config(write(tmp_path, num_key_value_heads="DELETE", torch_dtype="DELETE", dtype="float16"))
+    assert model.num_kv_heads == 32 and model.dtype == "float16"  # MHA; `dtype`, the newer name of torch_dtype
+    assert read_hf_config(write(tmp_path, torch_dtype="DELETE")).dtype == "bfloat16"
+    assert read_hf_config(write(tmp_path), dtype="fp16").dtype == "float16"  # --dtype wins
+    assert read_hf_config(write(tmp_path, _name_or_path="org/My-Model")).name == "My-Model"
+    text = {"text_config": {k: LLAMA[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads")},
+            "torch_dtype": "float16"}
+    (tmp_path / "mm.json").write_text(json.dumps(text))
+    multimodal = read_hf_config(tmp_path / "mm.json")
+    assert (multimodal.name, multimodal.head_dim, multimodal.dtype) == ("mm", 128, "float16")
+
+
+def test_manifest_options(tmp_path):
+    specs = manifest_from_hf_config(write(tmp_path), page_sizes=(16, 32), kv_dtype="fp16", max_q_lens=(1, 4)).specs(
+        ["sm_80", "sm_90"])
+    assert len(specs) == 2 * 2 * 2 * 2
+    assert {s.page_size for s in specs} == {16, 32} and {s.kv_dtype for s in specs} == {"float16"}
+    assert {s.max_q_len for s in specs} == {1, 4} and {s.arch for s in specs} == {"sm_80", "sm_90"}
+
+
+@pytest.mark.parametrize("fields, field, problem", [
+    ({"num_attention_heads": "DELETE"}, "num_attention_heads", "is required"),
+    ({"num_key_value_heads": 6}, "num_key_value_heads", "must divide num_attention_heads=32"),
+    ({"hidden_size": 2560}, "head_dim", "80 (from hidden_size 2560 / num_attention_heads 32) is not supported"),
+    ({"head_dim": 112}, "head_dim", "112 (from head_dim) is not supported"),
+    ({"hidden_size": 4100}, "hidden_size", "not a multiple of num_attention_heads"),
+    ({"num_attention_heads": 0}, "num_attention_heads", "positive integer"),
+    ({"torch_dtype": "int8"}, "torch_dtype", "'int8' is not supported"),
+    ({"kv_lora_rank": 512}, "kv_lora_rank", "multi-head latent attention"),
+])
+def test_errors_name_the_config_field(tmp_path, fields, field, problem):
+    path = write(tmp_path, **fields)
+    with pytest.raises(ManifestError) as info:
+        read_hf_config(path)
+    assert info.value.field == field and problem in str(info.value) and str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("content, problem", [(None, "cannot be read"), ("{not json", "not valid JSON"),
+                                              ("[1]", "not a JSON object")])
+def test_unreadable_config(tmp_path, content, problem):
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ManifestError, match=problem):
+        read_hf_config(path)
