@@ -7,6 +7,7 @@ Key invariants (see cache_key):
 
 Layout under the root:  v{SCHEMA}/entries/<key>/{kernel.cubin, source.cu, meta.json}
                         v{SCHEMA}/index/<spec key>         (spec + template contents -> entry key)
+                        v{SCHEMA}/portable/<portable key>  (source without the NVRTC version -> entry key)
                         v{SCHEMA}/locks/<key>.lock        (outside the entries)
 The index lets a fresh process find a kernel without rendering it or loading NVRTC (~100 ms);
 its key hashes the spec, every template file's contents and the flashjit version, so editing a
@@ -79,12 +80,19 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("flashjit", appauthor=False))
 
 
-def cache_key(source: str, arch: str, options, nvrtc_version, flashjit_version: str) -> str:
+def portable_key(source: str, arch: str, options, flashjit_version: str) -> str:
+    """What the cubin is built from, without the compiler: equal for entries that differ only in
+    the NVRTC that built them (each a valid cubin for the arch)."""
     h = hashlib.sha256()
-    for part in (f"schema={SCHEMA}", f"flashjit={flashjit_version}", f"nvrtc={tuple(nvrtc_version)}",
-                 f"arch={arch}", "options=" + " ".join(options)):
+    for part in (f"schema={SCHEMA}", f"flashjit={flashjit_version}", f"arch={arch}", "options=" + " ".join(options)):
         h.update(part.encode() + b"\0")
     h.update(source.encode())
+    return h.hexdigest()
+
+
+def cache_key(source: str, arch: str, options, nvrtc_version, flashjit_version: str) -> str:
+    h = hashlib.sha256(portable_key(source, arch, options, flashjit_version).encode())
+    h.update(f"\0nvrtc={tuple(nvrtc_version)}".encode())
     return h.hexdigest()
 
 
@@ -175,10 +183,24 @@ class KernelCache:
             _atomic_write(folder / "kernel.cubin", cubin)
             _atomic_write(folder / "source.cu", source.encode())
             _atomic_write(folder / "meta.json", json.dumps(meta, indent=1, sort_keys=True).encode())
+            if meta.get("portable_key"):
+                (self.base / "portable").mkdir(exist_ok=True)
+                _atomic_write(self.base / "portable" / meta["portable_key"], key.encode())
             return True
         except OSError as exc:
             self._degrade(f"could not write kernel cache entry {folder} ({exc})")
             return False
+
+    def load_portable(self, portable: str) -> tuple[str, bytes, dict] | None:
+        """(key, cubin, meta) of a verified entry built from the same source by any NVRTC, or None."""
+        try:
+            key = (self.base / "portable" / portable).read_text().strip()
+        except OSError:
+            return None
+        hit = self.load(key) if len(key) == 64 else None
+        if hit is None or hit[1].get("portable_key") != portable:
+            return None
+        return (key,) + hit
 
     def lookup_index(self, spec_key: str) -> str | None:
         try:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .cache import KernelCache, cache_key
+from .cache import KernelCache, cache_key, portable_key
 from .compile import compile_options, compile_source, compiler_fingerprint, nvrtc_version
 from .errors import KernelNotPrewarmed
 from .kernel import Kernel
@@ -91,6 +91,14 @@ class Engine:
                 source = render(spec, mask)
                 key = cache_key(source, spec.arch, compile_options(spec.arch), nvrtc_version(), __version__)
                 hit = self.cache.load(key)
+                if hit is None and not self.allow_compile:
+                    # Strict serving: a cubin of the same source built by another NVRTC (a bundle
+                    # from a build box with another CUDA) is as valid for this arch.
+                    found = self.cache.load_portable(portable_key(source, spec.arch, compile_options(spec.arch), __version__))
+                    if found is not None:  # not indexed: a host that may compile rebuilds it natively
+                        kernel = Kernel(spec, decode_tiling(spec), mask, found[1], found[0])
+                        self._kernels[spec] = kernel
+                        return kernel, "disk"
                 if hit is None:
                     with self.cache.compile_lock(key):
                         hit = self.cache.load(key)  # another process may have compiled it meanwhile
@@ -146,6 +154,7 @@ class Engine:
             "spec": spec.to_dict(), "name": spec.name, "arch": spec.arch, "nvrtc": list(nvrtc_version()),
             "flashjit": __version__, "options": list(compile_options(spec.arch)), "compile_seconds": round(seconds, 4),
             "created": time.time(), "nvrtc_log": compiled.log,
+            "portable_key": portable_key(source, spec.arch, compile_options(spec.arch), __version__),
         })
         return compiled.cubin
 

@@ -152,6 +152,19 @@ def test_nvrtc_upgrade_is_not_served_a_stale_cubin(warm, cache_dir, monkeypatch,
     assert kernel.key != warm.kernel.key and kernel.cubin != warm.kernel.cubin
 
 
+def test_strict_mode_serves_a_cubin_built_by_another_nvrtc(cache_dir, monkeypatch, fake_nvrtc):
+    """A bundle from a build box with another CUDA: strict serving takes its cubin (valid for the
+    arch) instead of failing; with compiling allowed, this host's NVRTC rebuilds it."""
+    spec = DecodeSpec(128, "bf16", group_size=4, page_size=16, arch="sm_90")
+    built = Engine(cache_dir=cache_dir).get_kernel(spec)
+    monkeypatch.setattr(engine_module, "compiler_fingerprint", lambda: "cupy-cuda13x=99.0;nvidia-cuda-nvrtc=99.0")
+    monkeypatch.setattr(engine_module, "nvrtc_version", lambda: (99, 0))
+    served = Engine(cache_dir=cache_dir, allow_compile=False).get_kernel(spec)
+    assert served.key == built.key and served.cubin == built.cubin and fake_nvrtc == [spec.name]
+    rebuilt = Engine(cache_dir=cache_dir).get_kernel(spec)
+    assert rebuilt.key != built.key and fake_nvrtc == [spec.name, spec.name]
+
+
 def test_index_naming_another_specs_entry_is_a_miss(warm, cache_dir, monkeypatch, fake_nvrtc):
     """A damaged (or foreign) index file never hands out another spec's kernel."""
     warm.copy_entry_to(cache_dir)
