@@ -65,11 +65,14 @@ class BatchDecode:
     """
 
     def __init__(self, engine: Engine | None = None, device="cuda", *, use_cuda_graph: bool = False,
-                 max_batch_size: int | None = None, max_tokens: int | None = None):
+                 max_batch_size: int | None = None, max_num_pages: int | None = None, max_tokens: int | None = None):
         """use_cuda_graph: run() launches fixed-size grids over fixed buffers, so a captured run()
-        replays correctly after a new plan() with other lengths. Needs max_batch_size (requests)
-        and optionally max_tokens (query tokens, default max_batch_size x the first plan's q_len).
-        Every plan() must then use the same kernel (heads, head_dim, dtypes, mask, page size)."""
+        replays correctly after a new plan() with other lengths and page tables. Needs
+        max_batch_size (requests) and max_num_pages (page ids in one plan's indices; plan() copies
+        them into a buffer of that size), optionally max_tokens (query tokens, default
+        max_batch_size x the first plan's q_len). Every plan() must then use the same kernel (heads,
+        head_dim, dtypes, mask, page size); scalars such as sm_scale and window_left, and mask
+        tensors, are part of the captured launch, so keep them (and the tensors) the same too."""
         import torch
 
         self.engine = engine or default_engine()
@@ -80,9 +83,12 @@ class BatchDecode:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._arch = "sm_%d%d" % torch.cuda.get_device_capability(self.device)
         self.use_cuda_graph = use_cuda_graph
-        if use_cuda_graph and (not isinstance(max_batch_size, int) or max_batch_size < 1):
-            checks.fail("max_batch_size", "a positive int when use_cuda_graph=True", max_batch_size)
+        for name, value in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages)):
+            if use_cuda_graph and (not isinstance(value, int) or value < 1):
+                checks.fail(name, "a positive int when use_cuda_graph=True", value)
         self._max_batch_size, self._max_tokens = max_batch_size, max_tokens
+        self._graph_indices = (torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
+                               if use_cuda_graph else None)
         self._buffers: _PlanBuffers | None = None
         self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
         self._planned = False
@@ -170,6 +176,7 @@ class BatchDecode:
         self._q_rows = (work.num_tokens, capacity.tokens if self.use_cuda_graph else work.num_tokens)
         self._kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
                           else (num_kv_heads, page_size, head_dim))
+        self._num_page_ids = int(indptr_h[-1])
         buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
         buffers.write(work, kv_lens, indptr_h)
         self._build_args(kernel, loaded, work, params, indices,
@@ -224,6 +231,12 @@ class BatchDecode:
         for name in ("num_work", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
                      "req_qo_indptr", "req_work_indptr"):
             setattr(a, name, p[name])
+        if self._graph_indices is not None:  # fixed address for graph replays
+            used = int(self._num_page_ids)
+            if used > self._graph_indices.numel():
+                checks.fail("indices", f"at most max_num_pages={self._graph_indices.numel()} page ids", used)
+            self._graph_indices[:used].copy_(indices[:used], non_blocking=True)
+            indices = self._graph_indices
         a.page_indices = indices.data_ptr()
         a.tmp_o, a.tmp_lse = buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr()
         a.num_qo_heads = self.num_qo_heads

@@ -183,7 +183,7 @@ def test_cuda_graph_replays_after_new_plan(engine, mask):
     q_static = torch.randn(8, heads, dim, generator=gen).bfloat16().cuda()
     out_static = torch.full_like(q_static, float("nan"))
     params = {"window_left": 700} if mask == "sliding_window" else {}
-    decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=8)
+    decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=8, max_num_pages=pool)
 
     def plan(kv_lens):
         indptr, ids, last = _tables(kv_lens, page, pool, gen)
