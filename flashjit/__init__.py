@@ -6,7 +6,9 @@ from .decode import BatchDecode, decode, default_engine  # noqa: E402
 from .engine import Engine, PrewarmResult  # noqa: E402
 from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError  # noqa: E402
 from .registry import register_mask  # noqa: E402
+from .sink_window import sink_window_params  # noqa: E402
 from .spec import DecodeSpec  # noqa: E402
+from .tree import pack_tree_mask  # noqa: E402
 
 
 def get_kernel(spec: DecodeSpec):
@@ -16,5 +18,6 @@ def get_kernel(spec: DecodeSpec):
 
 __all__ = [
     "BatchDecode", "CacheError", "CompileError", "DecodeSpec", "Engine", "FlashJITError", "KernelNotPrewarmed",
-    "PrewarmResult", "SpecError", "TemplateError", "decode", "default_engine", "get_kernel", "register_mask",
+    "PrewarmResult", "SpecError", "TemplateError", "decode", "default_engine", "get_kernel", "pack_tree_mask",
+    "register_mask", "sink_window_params",
 ]
