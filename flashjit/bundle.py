@@ -20,21 +20,18 @@ A bundle holds machine code that will run on your GPUs: import only bundles your
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import io
 import json
-import os
 import re
 import tarfile
-import tempfile
 import time
 import zlib
 from pathlib import Path
 
 from . import __version__
-from .cache import ENTRY_FILES, KEY_PATTERN, SCHEMA, KernelCache
+from .cache import ENTRY_FILES, KEY_PATTERN, SCHEMA, KernelCache, atomic_file
 from .errors import CacheError, FlashJITError
 
 BUNDLE_FORMAT = 1
@@ -108,25 +105,14 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as raw:
-            with tarfile.open(fileobj=raw, mode="w:gz") as tar:
-                _add(tar, HEADER, json.dumps(header, indent=1).encode())
-                for e in chosen:
-                    folder = Path(e["path"])
-                    for name in ENTRY_FILES:
-                        _add(tar, f"v{SCHEMA}/entries/{e['key']}/{name}", (folder / name).read_bytes(),
-                             e.get("created", 0))
-                for spec_key, key in sorted(index.items()):
-                    _add(tar, f"v{SCHEMA}/index/{spec_key}", key.encode())
-            raw.flush()
-            os.fsync(raw.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    with atomic_file(out) as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        _add(tar, HEADER, json.dumps(header, indent=1).encode())
+        for e in chosen:
+            folder = Path(e["path"])
+            for name in ENTRY_FILES:
+                _add(tar, f"v{SCHEMA}/entries/{e['key']}/{name}", (folder / name).read_bytes(), e.get("created", 0))
+        for spec_key, key in sorted(index.items()):
+            _add(tar, f"v{SCHEMA}/index/{spec_key}", key.encode())
     return ExportReport(out, chosen, len(index), out.stat().st_size)
 
 

@@ -96,11 +96,14 @@ def cache_key(source: str, arch: str, options, nvrtc_version, flashjit_version: 
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, data: bytes):
+@contextlib.contextmanager
+def atomic_file(path: Path):
+    """A binary file object whose contents appear at `path` whole or not at all:
+    written to a temp file beside it, fsynced, then os.replace()d; removed on any error."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -108,6 +111,11 @@ def _atomic_write(path: Path, data: bytes):
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _atomic_write(path: Path, data: bytes):
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 class KernelCache:
