@@ -177,6 +177,7 @@ class BatchDecode:
         self._kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
                           else (num_kv_heads, page_size, head_dim))
         self._num_page_ids = int(indptr_h[-1])
+        self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
         buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
         buffers.write(work, kv_lens, indptr_h)
         self._build_args(kernel, loaded, work, params, indices,
