@@ -36,6 +36,7 @@ class Case:
     kv_len: int | None          # None: log-uniform lengths 128..32768
     head_dim: int = 128
     window: int | None = None   # sliding window (window_left)
+    sinks: int | None = None    # with window: StreamingLLM sink tokens (mask sink_window)
     quick: bool = False
 
 
@@ -49,6 +50,7 @@ CASES = [
     Case("b256 L2048", 256, 2048),
     Case("64 req log-uniform 128..32768", 64, None, quick=True),
     Case("b16 L32768 window 4096", 16, 32768, window=4096, quick=True),
+    Case("b16 L32768 sinks 4 + window 4096", 16, 32768, window=4096, sinks=4, quick=True),
     Case("b16 L8192 d64", 16, 8192, head_dim=64),
     Case("b16 L8192 d256", 16, 8192, head_dim=256),
 ]
@@ -113,12 +115,23 @@ def build_inputs(torch, case: Case, seed: int = 0):
                       page_size=PAGE, seed=seed, spare_pages=0)
 
 
+def mask_of(case, batch) -> tuple[str, dict]:
+    """The case's mask and its plan parameters."""
+    if case.sinks is not None:
+        from flashjit import sink_window_params
+
+        return "sink_window", sink_window_params(batch.kv_lens, 1, num_sink=case.sinks, window_left=case.window)
+    if case.window:
+        return "sliding_window", {"window_left": case.window}
+    return "none", {}
+
+
 def flashjit_impl(torch, batch, case, engine, tensor_cores=None):
     import flashjit
 
     decoder = flashjit.BatchDecode(engine)
-    options = {"mask": "sliding_window", "window_left": case.window} if case.window else {}
-    options["tensor_cores"] = tensor_cores
+    mask, params = mask_of(case, batch)
+    options = {"mask": mask, "mask_params": params, "tensor_cores": tensor_cores}
     decoder.plan(batch.indptr, batch.indices, batch.last_page_len, HEADS_QO, HEADS_KV, case.head_dim, PAGE, **options)
     out = torch.empty_like(batch.q)
     cache = (batch.k_cache, batch.v_cache)
@@ -134,11 +147,12 @@ def sdpa_impl(torch, batch, case):
         return None  # padded varlen needs a mask cuDNN does not take: reported as n/a
     length = lengths[0]
     start = max(0, length - 1 - case.window) if case.window else 0
+    keys = list(range(min(case.sinks or 0, start))) + list(range(start, length))  # the keys attended
     ks, vs = [], []
     for b in range(len(lengths)):
         ids = batch.indices[int(batch.indptr[b]):int(batch.indptr[b + 1])]
-        ks.append(gather_request_kv(batch.k_cache, ids, length)[start:].transpose(0, 1))
-        vs.append(gather_request_kv(batch.v_cache, ids, length)[start:].transpose(0, 1))
+        ks.append(gather_request_kv(batch.k_cache, ids, length)[keys].transpose(0, 1))
+        vs.append(gather_request_kv(batch.v_cache, ids, length)[keys].transpose(0, 1))
     k, v = torch.stack(ks), torch.stack(vs)
     q = batch.q[:, :, None, :].contiguous()
     out = torch.empty_like(q)
@@ -150,6 +164,8 @@ def sdpa_impl(torch, batch, case):
 
 
 def flashinfer_impls(torch, batch, case):
+    if case.sinks is not None:
+        return {}, "FlashInfer's decode wrapper has no sinks + window mask (sink rows compare with SDPA only)"
     try:
         import flashinfer
     except Exception as exc:  # noqa: BLE001 - any import failure means "absent"
@@ -169,7 +185,7 @@ def flashinfer_impls(torch, batch, case):
 
 
 def attended_bytes(batch, case) -> int:
-    tokens = sum(min(n, case.window + 1) if case.window else n for n in batch.kv_lens)
+    tokens = sum(min(n, (case.sinks or 0) + case.window + 1) if case.window else n for n in batch.kv_lens)
     kv = 2 * tokens * HEADS_KV * case.head_dim * 2
     return kv + 2 * batch.q.numel() * 2
 
@@ -191,9 +207,9 @@ def bench_kernels(args) -> dict:
     notes = set()
     for case in [c for c in CASES if c.quick or not args.quick]:
         batch = build_inputs(torch, case)
-        params = {"window_left": case.window} if case.window else {}
+        mask, params = mask_of(case, batch)
         ref, _ = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
-                                  batch.last_page_len, mask="sliding_window" if case.window else "none", mask_params=params)
+                                  batch.last_page_len, mask=mask, mask_params=params)
         impls = {}
         run, out, decoder = flashjit_impl(torch, batch, case, engine)
         impls["flashjit"] = (run, out)
