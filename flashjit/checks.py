@@ -60,3 +60,34 @@ def rows_16b_aligned(name: str, t, row: int) -> None:
     if t.data_ptr() % 16 or any((s * elem) % 16 for s in t.stride()[:-1]) or (row * elem) % 16:
         fail(name, "16-byte aligned rows (data_ptr and strides multiples of 16 bytes)",
              f"data_ptr % 16 = {t.data_ptr() % 16}, strides {t.stride()}")
+
+
+def head_counts(num_qo_heads, num_kv_heads, page_size) -> None:
+    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            fail(name, "a positive int", value)
+    if num_qo_heads % num_kv_heads:
+        fail("num_qo_heads", f"a multiple of num_kv_heads={num_kv_heads}", num_qo_heads)
+
+
+def page_table(indptr, last_page_len, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr, kv_lens) on the host from a CSR page table and each request's last-page fill."""
+    indptr_h = indptr_array("indptr", indptr)
+    last = host_int_array("last_page_len", last_page_len, len(indptr_h) - 1)
+    pages = np.diff(indptr_h)
+    bad = (last > page_size) | (last < 0) | ((last < 1) & (pages > 0))
+    if np.any(bad):
+        at = int(np.argmax(bad))
+        fail("last_page_len", f"values in 1..page_size={page_size} (0 only for requests with no pages)",
+             f"last_page_len[{at}]={last[at]}")
+    return indptr_h, np.where(pages > 0, (pages - 1) * page_size + last, 0)
+
+
+def query_indptr(qo_indptr, q_len, batch: int) -> np.ndarray:
+    """Query-token offsets per request: qo_indptr as given, or q_len tokens each (default 1)."""
+    if qo_indptr is not None:
+        return indptr_array("qo_indptr", qo_indptr, length=batch + 1)
+    n = 1 if q_len is None else q_len
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        fail("q_len", "a positive int", q_len)
+    return np.arange(batch + 1, dtype=np.int64) * n

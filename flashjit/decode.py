@@ -103,28 +103,10 @@ class BatchDecode:
              tensor_cores: bool | None = None) -> "BatchDecode":
         import torch
 
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
-            if not isinstance(value, int) or value < 1:
-                checks.fail(name, "a positive int", value)
-        if num_qo_heads % num_kv_heads:
-            checks.fail("num_qo_heads", f"a multiple of num_kv_heads={num_kv_heads}", num_qo_heads)
-        indptr_h = checks.indptr_array("indptr", indptr)
-        batch = len(indptr_h) - 1
-        last_h = checks.host_int_array("last_page_len", last_page_len, batch)
-        num_pages = np.diff(indptr_h)
-        if np.any((last_h < 1) & (num_pages > 0)) or np.any(last_h > page_size) or np.any(last_h < 0):
-            bad = int(np.argmax((last_h > page_size) | (last_h < 0) | ((last_h < 1) & (num_pages > 0))))
-            checks.fail("last_page_len", f"values in 1..page_size={page_size} (0 only for requests with no pages)",
-                        f"last_page_len[{bad}]={last_h[bad]}")
-        kv_lens = np.where(num_pages > 0, (num_pages - 1) * page_size + last_h, 0)
-
-        if qo_indptr is not None:
-            qo_h = checks.indptr_array("qo_indptr", qo_indptr, length=batch + 1)
-        else:
-            n = 1 if q_len is None else q_len
-            if not isinstance(n, int) or n < 1:
-                checks.fail("q_len", "a positive int", q_len)
-            qo_h = np.arange(batch + 1, dtype=np.int64) * n
+        checks.head_counts(num_qo_heads, num_kv_heads, page_size)
+        indptr_h, kv_lens = checks.page_table(indptr, last_page_len, page_size)
+        batch = len(kv_lens)
+        qo_h = checks.query_indptr(qo_indptr, q_len, batch)
         q_lens = np.diff(qo_h)  # the query tokens are the request's newest positions (kv_len - q_len + i)
 
         checks.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
+from flashjit import checks
 from flashjit.checks import host_int_array, indptr_array, rows_16b_aligned, tensor
 
 
@@ -109,3 +112,41 @@ def test_rows_aligned_checks_row_length():
     with pytest.raises(ValueError) as info:
         rows_16b_aligned("q", torch.zeros(4, 128, dtype=torch.float16), 100)  # 200-byte rows
     assert "16-byte aligned rows" in str(info.value)
+
+
+# ---- plan() arguments ---------------------------------------------------------------------------
+
+def test_page_table_gives_kv_lens():
+    indptr_h, kv_lens = checks.page_table([0, 2, 2, 5], [7, 0, 16], 16)
+    assert list(indptr_h) == [0, 2, 2, 5] and list(kv_lens) == [16 + 7, 0, 2 * 16 + 16]
+
+
+@pytest.mark.parametrize("last, bad", [([17, 0, 1], "last_page_len[0]=17"), ([0, 0, 1], "last_page_len[0]=0"),
+                                       ([3, -1, 1], "last_page_len[1]=-1")])
+def test_page_table_rejects_last_page_len_out_of_range(last, bad):
+    with pytest.raises(ValueError, match=r"last_page_len: expected values in 1..page_size=16 .* got " + re.escape(bad)):
+        checks.page_table([0, 2, 2, 5], last, 16)
+
+
+def test_page_table_rejects_a_length_mismatch():
+    with pytest.raises(ValueError, match="last_page_len: expected length 3, got 2"):
+        checks.page_table([0, 2, 2, 5], [1, 1], 16)
+
+
+@pytest.mark.parametrize("args, message", [((0, 8, 16), "num_qo_heads: expected a positive int, got 0"),
+                                           ((32, 8, 0), "page_size: expected a positive int, got 0"),
+                                           ((32, 7, 16), "num_qo_heads: expected a multiple of num_kv_heads=7, got 32"),
+                                           ((32.0, 8, 16), "num_qo_heads: expected a positive int, got 32.0")])
+def test_head_counts(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        checks.head_counts(*args)
+
+
+def test_query_indptr():
+    assert list(checks.query_indptr(None, None, 3)) == [0, 1, 2, 3]
+    assert list(checks.query_indptr(None, 4, 2)) == [0, 4, 8]
+    assert list(checks.query_indptr([0, 1, 5], None, 2)) == [0, 1, 5]
+    with pytest.raises(ValueError, match="q_len: expected a positive int, got 0"):
+        checks.query_indptr(None, 0, 2)
+    with pytest.raises(ValueError, match="qo_indptr: expected length 3, got 2"):
+        checks.query_indptr([0, 1], None, 2)
