@@ -127,3 +127,17 @@ def fake_nvrtc(monkeypatch) -> list:
 
     monkeypatch.setattr(engine_module, "compile_source", compile_source)
     return compiled
+
+
+def collect_flashjit_log() -> list[str]:
+    """Send the 'flashjit' logger's INFO records (e.g. 'compiling ...') to a list; for spawned children."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger("flashjit")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Collect())
+    return messages

@@ -20,6 +20,8 @@ from flashjit.compile import compile_options, nvrtc_version
 from flashjit.registry import register_mask
 from flashjit.render import render
 
+from conftest import collect_flashjit_log
+
 KEY_ARGS = dict(source="extern \"C\" __global__ void k() {}", arch="sm_90", options=("-arch=sm_90", "--std=c++17"),
                 nvrtc_version=(12, 9), flashjit_version="0.1.0")
 
@@ -294,15 +296,7 @@ def test_stale_lock_is_waited_out_then_ignored(cache_dir, monkeypatch, caplog):
 
 def _get_kernel_in_child(cache_dir, spec_name, barrier, results):
     """Runs in a spawned process: reports (origin, number of 'compiling' log lines)."""
-    messages = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-
-    logger = logging.getLogger("flashjit")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Collect())
+    messages = collect_flashjit_log()
     engine = Engine(cache_dir=cache_dir)
     spec = DecodeSpec.from_name(spec_name)
     nvrtc_version()  # load NVRTC before the race, so both processes reach the cache together

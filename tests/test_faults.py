@@ -29,7 +29,7 @@ from flashjit.compile import CompiledKernel, compile_options, nvrtc_version
 from flashjit.render import render
 from flashjit import __version__
 
-from conftest import fake_cubin
+from conftest import collect_flashjit_log, fake_cubin
 
 FORK = multiprocessing.get_context("fork")
 BOUND_S = 10.0  # "not blocked": far below the lock timeout the tests set (60 s)
@@ -84,15 +84,7 @@ SPECS = [DecodeSpec(64, mask="causal", arch="sm_80"), DecodeSpec(64, mask="slidi
 
 def _prewarm_in_child(cache_dir, names, barrier, results):
     """Spawned: prewarm `names` with 2 threads; report the 'compiling' lines and each cubin's hash."""
-    messages = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-
-    logger = logging.getLogger("flashjit")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Collect())
+    messages = collect_flashjit_log()
     engine = Engine(cache_dir=cache_dir)
     specs = [DecodeSpec.from_name(name) for name in names]
     nvrtc_version()  # load NVRTC before the race, so the processes reach the cache together
