@@ -3,6 +3,9 @@ expected and what came. Kept apart so the launch path reads as a straight line."
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 
 
@@ -91,3 +94,35 @@ def query_indptr(qo_indptr, q_len, batch: int) -> np.ndarray:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         fail("q_len", "a positive int", q_len)
     return np.arange(batch + 1, dtype=np.int64) * n
+
+
+SCALE_FORMS = "a positive float, or a float32 tensor of 1 or num_kv_heads values on the cache's device"
+
+
+def kv_scale(name: str, value, *, num_kv_heads: int, device, required: bool) -> tuple[float, int, int]:
+    """(host factor, device pointer or 0, per-head stride) of run()'s k_scale or v_scale.
+
+    A tensor is read by the kernel at launch, so its values may change between CUDA-graph replays;
+    its values are checked by tensor_scale_values (a synchronization), not here."""
+    import torch
+
+    if value is None:
+        if required:
+            fail(name, f"a scale for the fp8 cache: {SCALE_FORMS}", None)
+        return 1.0, 0, 0
+    if isinstance(value, torch.Tensor):
+        tensor(name, value, dtype=torch.float32, device=device)
+        if value.numel() not in (1, num_kv_heads) or not value.is_contiguous():
+            fail(name, f"1 or num_kv_heads={num_kv_heads} contiguous values", f"shape {tuple(value.shape)}")
+        return 1.0, value.data_ptr(), 0 if value.numel() == 1 else 1
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        fail(name, SCALE_FORMS, repr(value))
+    return float(value), 0, 0
+
+
+def tensor_scale_values(name: str, t) -> None:
+    """Every value of a scale tensor positive and finite (one device synchronization)."""
+    import torch
+
+    if not bool(((t > 0) & torch.isfinite(t)).all()):
+        fail(name, "positive finite values", t.flatten()[:8].tolist())

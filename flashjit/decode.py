@@ -23,7 +23,7 @@ from . import checks
 from .engine import Engine
 from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, launch
 from .plan import WorkPlan, plan_work
-from .spec import DecodeSpec, normalize_dtype
+from .spec import KV_DTYPES, DecodeSpec, normalize_dtype
 
 LOG2E = 1.4426950408889634
 _default_engine: Engine | None = None
@@ -39,7 +39,7 @@ def default_engine() -> Engine:
 def _torch_dtype(name: str):
     import torch
 
-    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+    return getattr(torch, name)  # the spec's dtype names are torch's
 
 
 def _min_max(t) -> tuple[int, int]:
@@ -91,6 +91,7 @@ class BatchDecode:
                                if use_cuda_graph else None)
         self._buffers: _PlanBuffers | None = None
         self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
+        self._scales_key = None  # the k_scale/v_scale the arguments hold
         self._planned = False
 
     # ---- plan -------------------------------------------------------------------------------
@@ -224,6 +225,8 @@ class BatchDecode:
         a.tmp_o, a.tmp_lse = buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr()
         a.num_qo_heads = self.num_qo_heads
         a.sm_scale_log2 = sm_scale_log2
+        a.k_scale = a.v_scale = 1.0
+        self._scales_key = None
         self._decode_args = a
         self._indices = indices  # keep alive while planned
 
@@ -255,11 +258,15 @@ class BatchDecode:
 
     # ---- run --------------------------------------------------------------------------------
 
-    def run(self, q, kv_cache, *, out=None, lse=None, return_lse: bool = False):
+    def run(self, q, kv_cache, *, out=None, lse=None, return_lse: bool = False, k_scale=None, v_scale=None):
         """Attention of q over the planned cache; returns out (and lse, natural log, if asked).
 
         q and out are [tokens, qo_heads, head_dim]. Allocates only out/lse when they are not given;
-        never synchronizes. With use_cuda_graph=True, q/out may have up to max_tokens rows (rows
+        never synchronizes (except once to check the values of a scale tensor it has not seen).
+
+        k_scale, v_scale: the cache holds K / k_scale and V / v_scale (required for fp8 caches,
+        default 1 otherwise). Each a positive float, or a float32 tensor of 1 or num_kv_heads values
+        on the cache's device, read at launch: a captured run() sees the values at replay time. With use_cuda_graph=True, q/out may have up to max_tokens rows (rows
         past the plan's tokens are left alone), and a captured run() replays correctly after a new
         plan(); the graph keeps the tensors it was captured with, so refill those between replays.
         """
@@ -267,6 +274,7 @@ class BatchDecode:
             raise RuntimeError("BatchDecode.run() called before plan()")
         a = self._decode_args
         self._set_cache(kv_cache, a)
+        self._set_scales(a, k_scale, v_scale)
         if not self._fast_ok(q):
             self._check_query("q", q)
         if out is None:
@@ -291,6 +299,25 @@ class BatchDecode:
             m.out, m.out_stride, m.lse = a.out, a.out_stride, a.lse
             launch(self._merge_fn, self._merge_grid, t.merge_block, self._merge_params, stream)
         return (out, lse) if return_lse else out
+
+    def _set_scales(self, a, k_scale, v_scale):
+        """Point the arguments at the scales; unchanged scales (the common case) cost one comparison."""
+        key = (_scale_key(k_scale), _scale_key(v_scale))
+        if key == self._scales_key:
+            return
+        import torch
+
+        required, heads = self.spec.kv_is_fp8, self.num_kv_heads
+        checking = not torch.cuda.is_current_stream_capturing()
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            host, pointer, stride = checks.kv_scale(name, value, num_kv_heads=heads, device=self.device,
+                                                    required=required)
+            if pointer and checking:
+                checks.tensor_scale_values(name, value)
+            setattr(a, name, host)
+            setattr(a, name + "_ptr", pointer)
+            setattr(a, name + "_stride", stride)
+        self._scales_key = key
 
     def _fast_ok(self, t) -> bool:
         """The common valid case in a few attribute reads; anything else gets the full checks."""
@@ -352,6 +379,13 @@ class BatchDecode:
         return strides
 
 
+def _scale_key(value):
+    """What identifies a scale argument: a tensor by its memory and version (in-place writes bump it)."""
+    if hasattr(value, "data_ptr"):
+        return (value.data_ptr(), value._version, value.dtype, value.device, value.shape)
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class _Capacity:
     batch: int
@@ -408,7 +442,7 @@ class _PlanBuffers:
 
 
 def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None = None, engine: Engine | None = None,
-           return_lse: bool = False, kv_layout: str = "NHD", **plan_options):
+           return_lse: bool = False, kv_layout: str = "NHD", k_scale=None, v_scale=None, **plan_options):
     """One-shot convenience for scripts: plan and run in one call (serving code should reuse a BatchDecode)."""
     k = kv_cache[0] if isinstance(kv_cache, (tuple, list)) else kv_cache[:, 0]
     if page_size is None:
@@ -416,6 +450,6 @@ def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None
     num_kv_heads = k.shape[2] if kv_layout.upper() == "NHD" else k.shape[1]
     decoder = BatchDecode(engine, device=q.device)
     decoder.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, q.shape[2], page_size,
-                 q_dtype=normalize_dtype(q.dtype), kv_dtype=normalize_dtype(k.dtype, "kv_dtype"),
+                 q_dtype=normalize_dtype(q.dtype), kv_dtype=normalize_dtype(k.dtype, "kv_dtype", KV_DTYPES),
                  kv_layout=kv_layout, **plan_options)
-    return decoder.run(q, kv_cache, return_lse=return_lse)
+    return decoder.run(q, kv_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)

@@ -23,7 +23,7 @@ from .spec import DecodeSpec
 from .tiling import decode_tiling
 
 ENTRY_TEMPLATE = "decode/paged.cu.j2"
-STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t"}
+STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float8_e4m3fn": "e4m3_t", "float8_e5m2": "e5m2_t"}
 
 
 def template_root() -> Path:

@@ -14,7 +14,8 @@ from .errors import SpecError
 
 HEAD_DIMS = (64, 96, 128, 256)
 QUERY_DTYPES = ("float16", "bfloat16")
-KV_DTYPES = ("float16", "bfloat16")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # OCP fp8, as torch names them
+KV_DTYPES = QUERY_DTYPES + FP8_DTYPES
 KV_LAYOUTS = ("NHD", "HND")
 ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
 MAX_PAGE_SIZE = 256
@@ -26,8 +27,10 @@ TENSOR_CORE_MIN_ROWS = 2  # group x query tokens; measured on the H200, see docs
 _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
     "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2", "fp8_e5m2": "float8_e5m2",
 }
-_SHORT = {"float16": "f16", "bfloat16": "bf16"}
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
 _NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)"
                            r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?")
 
@@ -37,7 +40,9 @@ def normalize_dtype(value, field: str = "dtype", accepted=QUERY_DTYPES) -> str:
     text = str(value).lower().removeprefix("torch.")
     name = _DTYPE_ALIASES.get(text)
     if name not in accepted:
-        raise SpecError(field, value, ", ".join(accepted) + " (or short names such as 'bf16', or torch dtypes)")
+        note = (" (fp8 is supported for the KV cache only: pass it as kv_dtype)" if name in FP8_DTYPES
+                else " (or short names such as 'bf16', 'e4m3', or torch dtypes)")
+        raise SpecError(field, value, ", ".join(accepted) + note)
     return name
 
 
@@ -102,6 +107,19 @@ class DecodeSpec:
 
         if self.mask not in masks:
             raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)")
+
+    @property
+    def kv_is_fp8(self) -> bool:
+        return self.kv_dtype in FP8_DTYPES
+
+    @property
+    def kv_bytes(self) -> int:
+        return 1 if self.kv_is_fp8 else 2
+
+    @property
+    def arch_number(self) -> int:
+        """90 for sm_90 and sm_90a: what the templates compare against (e.g. fp8 conversions from 89)."""
+        return int(self.arch.removeprefix("sm_").rstrip("a"))
 
     @property
     def name(self) -> str:

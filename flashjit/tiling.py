@@ -35,6 +35,8 @@ class DecodeTiling:
     stages: int
     tensor_cores: bool
     smem_bytes: int     # dynamic shared memory (tensor-core kernel)
+    k_pitch: int        # bytes per K row in shared memory (tensor-core kernel)
+    v_pitch: int        # bytes per V row
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
 
@@ -58,6 +60,20 @@ class DecodeTiling:
 TC_ROWS = 16  # MMA M: query rows per tensor-core CTA
 TC_WARPS = {64: 4, 128: 4, 256: 2}
 TC_STAGES = {64: 4, 128: 3, 256: 3}
+# An fp8 stage holds half the bytes: more stages keep as many bytes in flight per SM.
+TC_STAGES_FP8 = {64: 6, 128: 5, 256: 4}
+
+
+def tc_row_pitches(head_dim: int, kv_bytes: int) -> tuple[int, int]:
+    """Shared-memory bytes per K and V row, padded so the kernel's loads are bank-conflict free.
+
+    16-bit: 8 elements of padding for ldmatrix. fp8 (8-byte loads, see decode_tc.cuh): a K pitch
+    of 32 mod 64 bytes spreads the 4 key rows one half-warp reads; a V pitch of 16 mod 64 spreads
+    the 4 rows, two apart, that the lanes of one column read.
+    """
+    if kv_bytes == 2:
+        return (head_dim + 8) * 2, (head_dim + 8) * 2
+    return head_dim + 32, head_dim + 16
 
 
 def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
@@ -66,12 +82,15 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     rows_total = spec.group_size * spec.max_q_len
     if spec.tensor_cores:
         # Block (32 x warps): each warp takes 16 keys of every stage; rows ride in the MMA's M.
-        warps, stages = TC_WARPS[spec.head_dim], TC_STAGES[spec.head_dim]
+        warps = TC_WARPS[spec.head_dim]
+        stages = (TC_STAGES_FP8 if spec.kv_is_fp8 else TC_STAGES)[spec.head_dim]
         tile = 16 * warps
-        smem = stages * 2 * tile * (spec.head_dim + 8) * 2
+        k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes)
+        reduction = warps * TC_ROWS * spec.head_dim * 4  # the warps' fp32 states, in the same memory
+        smem = max(stages * tile * (k_pitch + v_pitch), reduction)
         return DecodeTiling(vec=8, chunks_per_row=spec.head_dim // 8, bdx=32 * warps, rows=TC_ROWS, rows_pad=1, bdz=1,
                             row_tiles=-(-rows_total // TC_ROWS), tile_tokens=tile, stages=stages, tensor_cores=True,
-                            smem_bytes=smem, **merge)
+                            smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, **merge)
     vec = 8
     chunks = spec.head_dim // vec
     bdx = _pow2_ceil(chunks)
@@ -79,11 +98,12 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     align = max(1, 32 // bdx)
     rows_pad = -(-rows // align) * align
     bdz = max(1, TARGET_THREADS // (bdx * rows_pad))
-    row_bytes = spec.head_dim * 2
-    tile = max(bdz, min(32, 4096 // row_bytes))
+    row_bytes = spec.head_dim * spec.kv_bytes
+    tile = max(bdz, min(32, 2048 // spec.head_dim))  # tokens: fp8 stages keep the 16-bit count (registers)
     tile = 1 << int(math.log2(tile))  # power of two, a multiple of bdz
     return DecodeTiling(
         vec=vec, chunks_per_row=chunks, bdx=bdx, rows=rows, rows_pad=rows_pad, bdz=bdz,
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
+        k_pitch=row_bytes, v_pitch=row_bytes,
         **merge,
     )

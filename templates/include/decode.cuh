@@ -3,7 +3,7 @@
 // Expects from the including template:
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN VEC CHUNKS_PER_ROW BDX ROWS
 //                  ROWS_PAD BDZ TILE_TOKENS STAGES
-//   types q_t kv_t out_t (fj::half_t or fj::bfloat16_t)
+//   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (those, fj::e4m3_t or fj::e5m2_t)
 //   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh.
 //
 // A work item is (request, [v_begin, v_end)) over the span the planner chose for the request.
@@ -26,17 +26,18 @@ constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
 constexpr int TILE = cfg::TILE_TOKENS;
 constexpr int TPZ = TILE / BDZ;  // tokens each z-slice scores per stage
 constexpr int STAGES = cfg::STAGES;
-constexpr int SMEM_ELEMS = STAGES * TILE * D;
+constexpr int ROW_BYTES = D * sizeof(kv_t);
+constexpr int SMEM_BYTES = STAGES * TILE * ROW_BYTES;
 
 static_assert(VEC * CPR == D, "a K/V row is a whole number of 16-byte chunks");
 static_assert(BDX >= CPR && (BDX & (BDX - 1)) == 0 && BDX <= 32, "row lanes: a power of two within a warp");
 static_assert(NT % 32 == 0, "whole warps, so full-mask shuffles are defined");
 static_assert(TILE % BDZ == 0, "every z-slice scores the same number of tokens");
-static_assert(BDZ == 1 || BDZ * ROWS_PAD * D * 4 <= 2 * SMEM_ELEMS * 2, "reduction scratch fits in the K/V ring");
+static_assert(BDZ == 1 || NT * VEC * 4 <= SMEM_BYTES, "reduction scratch fits in the K ring");
 
 FJ_INLINE void attend(const Args& a, const MaskParams& params) {
-  __shared__ __align__(16) u16 k_smem[SMEM_ELEMS];
-  __shared__ __align__(16) u16 v_smem[SMEM_ELEMS];
+  __shared__ __align__(16) unsigned char k_smem[SMEM_BYTES];
+  __shared__ __align__(16) unsigned char v_smem[SMEM_BYTES];
   __shared__ float red_m[BDZ * ROWS_PAD], red_d[BDZ * ROWS_PAD];
 
   const int w = blockIdx.x;
@@ -59,13 +60,14 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
   const bool row_valid = ty < ROWS && row < ROWS_TOTAL && q_tok < q_len;
   const int q_pos = kv_len - q_len + q_tok;
+  const HeadScales scales(a, kv_head);
 
   float q[VEC];
   if (row_valid && tx < CPR) {
     uint4 raw = *reinterpret_cast<const uint4*>(a.q + (i64)(q_begin + q_tok) * a.q_stride + qo_head * D + tx * VEC);
     unpack8<q_t>(raw, q);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) q[i] *= a.sm_scale_log2;
+    for (int i = 0; i < VEC; ++i) q[i] *= scales.score;
   } else {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) q[i] = 0.f;
@@ -74,7 +76,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
 
-  PagedKVStage<TILE, D, NT> loader{a, params, k_head, v_head, k_smem, v_smem, tid, request, v_end, kv_len, page_begin};
+  PagedKVStage<TILE, ROW_BYTES, ROW_BYTES, NT> loader{a, params, k_head, v_head, k_smem, v_smem, tid, request, v_end, kv_len, page_begin};
   float m = FJ_NEG_INF, dsum = 0.f, o[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;
@@ -88,7 +90,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
       float dot = 0.f;
       if (tx < CPR) {
         float kf[VEC];
-        unpack8<kv_t>(*reinterpret_cast<const uint4*>(k_smem + (stage * TILE + tok) * D + tx * VEC), kf);
+        Kv<kv_t>::load8(k_smem + (stage * TILE + tok) * ROW_BYTES + tx * VEC * sizeof(kv_t), kf);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) dot = fmaf(q[i], kf[i], dot);
       }
@@ -117,7 +119,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
       dsum += p;
       if (tx < CPR) {
         float vf[VEC];
-        unpack8<kv_t>(*reinterpret_cast<const uint4*>(v_smem + (stage * TILE + tz * TPZ + j) * D + tx * VEC), vf);
+        Kv<kv_t>::load8(v_smem + (stage * TILE + tz * TPZ + j) * ROW_BYTES + tx * VEC * sizeof(kv_t), vf);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) o[i] = fmaf(p, vf[i], o[i]);
       }
@@ -152,7 +154,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   }
 
   if (!row_valid) return;
-  const float inv = dsum > 0.f ? 1.f / dsum : 0.f;
+  const float inv = dsum > 0.f ? scales.value / dsum : 0.f;
   const float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] *= inv;

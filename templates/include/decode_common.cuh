@@ -17,6 +17,20 @@ struct Args {
   float* __restrict__ tmp_o; float* __restrict__ tmp_lse;
   int num_qo_heads;
   float sm_scale_log2;                                  // sm_scale * log2(e)
+  // K and V scales (fp8 caches; 1 otherwise): host factor times *_scale_ptr[kv_head * stride]
+  // when the pointer is set (stride 0: one per tensor, 1: one per KV head).
+  const float* __restrict__ k_scale_ptr; const float* __restrict__ v_scale_ptr;
+  int k_scale_stride, v_scale_stride;
+  float k_scale, v_scale;
+};
+
+// Per-CTA factors of one KV head: logits = (q . k_stored) * score, out = (p . v_stored) * value.
+struct HeadScales {
+  float score, value;
+  FJ_INLINE HeadScales(const Args& a, int kv_head) {
+    score = a.sm_scale_log2 * kv_scale(a.k_scale, a.k_scale_ptr, a.k_scale_stride, kv_head) * Kv<kv_t>::UNIT;
+    value = kv_scale(a.v_scale, a.v_scale_ptr, a.v_scale_stride, kv_head) * Kv<kv_t>::UNIT;
+  }
 };
 
 FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
@@ -24,20 +38,21 @@ FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
 }
 
 // Copies one pipeline stage (TILE keys x HEAD_DIM of K and of V, in 16-byte chunks) from the paged
-// cache into shared-memory rows of PITCH elements. locate() resolves each of the thread's chunks to
-// a physical token (page * PAGE_SIZE + slot; -1 past the span, zero-filled) through the mask's
+// cache into shared-memory rows of K_PITCH and V_PITCH bytes. locate() resolves each of the
+// thread's chunks to a physical token (page * PAGE_SIZE + slot; -1 past the span, zero-filled) through the mask's
 // kv_position and the page table; issue() starts the copies.
-template <int TILE, int PITCH, int NT>
+template <int TILE, int K_PITCH, int V_PITCH, int NT>
 struct PagedKVStage {
-  static constexpr int CPR = cfg::HEAD_DIM / 8;
+  static constexpr int ELEMS = 16 / sizeof(kv_t);  // values per 16-byte chunk
+  static constexpr int CPR = cfg::HEAD_DIM / ELEMS;
   static constexpr int CHUNKS = TILE * CPR;
   static constexpr int LOADS = ceil_div(CHUNKS, NT);
-  static constexpr int STAGE_ELEMS = TILE * PITCH;
+  static_assert(CPR * ELEMS == cfg::HEAD_DIM, "a K/V row is whole 16-byte chunks");
 
   const Args& a;
   const MaskParams& params;
   const kv_t* k_head; const kv_t* v_head;
-  u16* k_smem; u16* v_smem;
+  unsigned char* k_smem; unsigned char* v_smem;
   int tid, request, v_end, kv_len, page_begin;
   int phys[LOADS];
 
@@ -66,12 +81,11 @@ struct PagedKVStage {
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       if (!owns(i)) continue;
-      const int col = column(i) * 8;
-      const int dst = stage * STAGE_ELEMS + key(i) * PITCH + col;
+      const int col = column(i);
       const bool pred = phys[i] >= 0;
-      const i64 offset = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + col : 0;
-      cp_async_16(k_smem + dst, k_head + offset, pred);
-      cp_async_16(v_smem + dst, v_head + offset, pred);
+      const i64 offset = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + col * ELEMS : 0;
+      cp_async_16(k_smem + (stage * TILE + key(i)) * K_PITCH + col * 16, k_head + offset, pred);
+      cp_async_16(v_smem + (stage * TILE + key(i)) * V_PITCH + col * 16, v_head + offset, pred);
     }
   }
 };

@@ -4,9 +4,18 @@
 // whole group and the arithmetic costs a few instructions per key instead of tens.
 //
 // Expects from the including template:
-//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS STAGES
-//   types q_t kv_t out_t (fj::half_t or fj::bfloat16_t, q_t == kv_t)
+//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS STAGES K_PITCH V_PITCH
+//   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (those, fj::e4m3_t or fj::e5m2_t)
 //   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh.
+//
+// 16-bit K/V reach the MMAs through ldmatrix. fp8 K/V are read with plain vector loads and
+// converted to f16 in registers, in layouts chosen so every load is 8 bytes and bank-conflict
+// free (K_PITCH = 32 mod 64 bytes, V_PITCH = 16 mod 64):
+//   K: the MMA's k index runs over the head dims in a permuted order (Q is loaded in the same
+//      order, which leaves Q K^T unchanged): lane column t = lane % 4 finds its four values of
+//      k-step ks (pair, pair + 1, pair + 8, pair + 9) in 4 consecutive bytes, k_dim(ks, t).
+//   V: output column n of n-tile nt (n = lane / 4 for the loading lane) is head dim v_dim(nt, n);
+//      a lane loads its dims from the 4 key rows it needs and transposes bytes with prmt.
 //
 // Each warp owns a 16-key slice of every pipeline stage (S = Q K^T, online softmax, O += P V in
 // registers); the warps' states meet in shared memory at the end. Same outputs as decode.cuh:
@@ -17,7 +26,8 @@ namespace decode {
 using namespace fj;
 
 constexpr int D = cfg::HEAD_DIM;
-constexpr int DP = D + 8;                 // padded smem row (elements): conflict-free ldmatrix
+constexpr int K_PITCH = cfg::K_PITCH;     // smem row bytes (16-bit: D + 8 elements, conflict-free ldmatrix)
+constexpr int V_PITCH = cfg::V_PITCH;
 constexpr int WARPS = cfg::WARPS;
 constexpr int NT = 32 * WARPS;
 constexpr int M = 16;                     // query rows per CTA
@@ -26,9 +36,18 @@ constexpr int TILE = 16 * WARPS;          // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8;             // MMA n-tiles of O
-constexpr int STAGE_ELEMS = TILE * DP;
+constexpr bool FP8 = Kv<kv_t>::FP8;
+using mma_t = typename Kv<kv_t>::mma_t;
 
-static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit operands");
+static_assert(sizeof(q_t) == 2, "16-bit queries");
+static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= WARPS * M * D * 4, "the warps' reduction fits in the ring");
+static_assert(!FP8 || (K_PITCH % 64 == 32 && V_PITCH % 64 == 16), "fp8 pitches: conflict-free loads");
+
+// fp8 layouts (see the top of the file).
+FJ_INLINE int k_dim(int ks, int t) { return 32 * (ks / 2) + 8 * t + 4 * (ks % 2); }
+FJ_INLINE int v_dim(int nt, int n) { return 64 * (nt / 8) + 8 * n + nt % 8; }
+// Head dim of column `col` (0..7) of O's n-tile nt.
+FJ_INLINE int out_dim(int nt, int col) { return FP8 ? v_dim(nt, col) : 8 * nt + col; }
 
 template <typename T> struct Mma;
 template <> struct Mma<bfloat16_t> {
@@ -61,10 +80,58 @@ FJ_INLINE void ldmatrix_x4_trans(u32* r, const void* smem) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// S += Q K^T for the warp's 16 keys (s[j]: keys 8j..8j+7) from one stage of fp8 K.
+template <typename KV>  // a template, so 16-bit kernels never instantiate it
+FJ_INLINE void scores_fp8(float (*s)[4], const u32 (*qa)[4], const unsigned char* keys, int lane) {
+  const unsigned char* row = keys + (lane / 4) * K_PITCH + 8 * (lane % 4);
+#pragma unroll
+  for (int i = 0; i < D / 32; ++i) {  // one 8-byte load per key row covers 2 k-steps
+    const uint2 k0 = *reinterpret_cast<const uint2*>(row + 32 * i);
+    const uint2 k1 = *reinterpret_cast<const uint2*>(row + 8 * K_PITCH + 32 * i);
+    const u32 w0[2] = {k0.x, k0.y}, w1[2] = {k1.x, k1.y};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      u32 lo, hi;
+      Fp8<KV>::to_f16x4(w0[c], lo, hi);
+      Mma<mma_t>::run(s[0], qa[2 * i + c], lo, hi);
+      Fp8<KV>::to_f16x4(w1[c], lo, hi);
+      Mma<mma_t>::run(s[1], qa[2 * i + c], lo, hi);
+    }
+  }
+}
+
+// O += P V for the warp's 16 keys from one stage of fp8 V. The lane's keys are pair, pair + 1
+// (its b0 half) and pair + 8, pair + 9 (b1); prmt pairs the two keys' bytes of each head dim.
+// 8-byte loads keep the registers of head_dim 256 within bounds.
+template <typename KV>
+FJ_INLINE void accumulate_fp8(float (*o)[4], const u32* pa, const unsigned char* values, int lane) {
+  const unsigned char* rows = values + ((lane % 4) * 2) * V_PITCH + 8 * (lane / 4);
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i) {  // each load: 8 dims of the lane's column in 8 n-tiles
+    u32 r[4][2];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint2 w = *reinterpret_cast<const uint2*>(rows + ((k & 1) + 8 * (k >> 1)) * V_PITCH + 64 * i);
+      r[k][0] = w.x; r[k][1] = w.y;
+    }
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int nt = 8 * i + 4 * c;  // the word's 4 dims: n-tiles nt..nt+3
+      u32 b0[4], b1[4];
+      Fp8<KV>::to_f16x4(prmt(r[0][c], r[1][c], 0x5140u), b0[0], b0[1]);
+      Fp8<KV>::to_f16x4(prmt(r[0][c], r[1][c], 0x7362u), b0[2], b0[3]);
+      Fp8<KV>::to_f16x4(prmt(r[2][c], r[3][c], 0x5140u), b1[0], b1[1]);
+      Fp8<KV>::to_f16x4(prmt(r[2][c], r[3][c], 0x7362u), b1[2], b1[3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) Mma<mma_t>::run(o[nt + e], pa, b0[e], b1[e]);
+    }
+  }
+}
+
 FJ_INLINE void attend(const Args& a, const MaskParams& params) {
-  extern __shared__ __align__(16) u16 smem[];
-  u16* k_smem = smem;
-  u16* v_smem = smem + STAGES * STAGE_ELEMS;
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* k_smem = smem;
+  unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   __shared__ float red_m[WARPS][M], red_d[WARPS][M];
 
   const int w = blockIdx.x;
@@ -80,6 +147,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int q_begin = __ldg(a.req_qo_indptr + request);
   const int q_len = __ldg(a.req_qo_indptr + request + 1) - q_begin;
   const bool direct = __ldg(a.req_work_indptr + request + 1) - __ldg(a.req_work_indptr + request) == 1;
+  const HeadScales scales(a, kv_head);
 
   // The two query rows this thread's fragments touch: quad and quad + 8.
   int row_tok[2], row_head[2], row_pos[2];
@@ -93,46 +161,52 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     row_pos[h] = kv_len - q_len + row_tok[h];
   }
 
-  // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)].
+  // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)] (for fp8
+  // K in k_dim's order).
   u32 qa[KSTEPS][4];
 #pragma unroll
   for (int k = 0; k < KSTEPS; ++k) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int h = r & 1, col = 16 * k + pair + (r >> 1) * 8;
+      const int h = r & 1, col = FP8 ? k_dim(k, lane % 4) + (r >> 1) * 2 : 16 * k + pair + (r >> 1) * 8;
       qa[k][r] = row_valid[h]
-          ? *reinterpret_cast<const u32*>(a.q + (i64)(q_begin + row_tok[h]) * a.q_stride + row_head[h] * D + col)
+          ? QueryPair<q_t, mma_t>::convert(
+                *reinterpret_cast<const u32*>(a.q + (i64)(q_begin + row_tok[h]) * a.q_stride + row_head[h] * D + col))
           : 0u;
     }
   }
 
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
-  PagedKVStage<TILE, DP, NT> loader{a, params, k_head, v_head, k_smem, v_smem, tid, request, v_end, kv_len, page_begin};
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem, tid, request, v_end, kv_len, page_begin};
 
   float o[NTILES][4];
 #pragma unroll
   for (int n = 0; n < NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m[2] = {FJ_NEG_INF, FJ_NEG_INF}, dsum[2] = {0.f, 0.f};
 
-  // ldmatrix addresses inside a stage: lane l serves row l % 8 of matrix l / 8.
+  // ldmatrix addresses (bytes) inside a stage: lane l serves row l % 8 of matrix l / 8.
   const int mat = lane / 8, mrow = lane % 8;
-  const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * DP + (mat & 1) * 8;  // K: [keys][dims]
-  const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * DP + (mat >> 1) * 8;  // V: transposed
+  const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * K_PITCH + (mat & 1) * 16;  // K: [keys][dims]
+  const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * V_PITCH + (mat >> 1) * 16;  // V: transposed
 
   stream_tiles<STAGES, TILE>(loader, v_begin, ceil_div(v_end - v_begin, TILE), [&](int stage, int t) {
     const int key0 = v_begin + t * TILE + warp * 16;  // this warp's first key
     if (key0 < v_end) {
-      const u16* ks = k_smem + stage * STAGE_ELEMS;
-      const u16* vs = v_smem + stage * STAGE_ELEMS;
+      const unsigned char* ks = k_smem + stage * TILE * K_PITCH;
+      const unsigned char* vs = v_smem + stage * TILE * V_PITCH;
       // S = Q K^T for 16 keys: s[j][0..1] rows quad, s[j][2..3] rows quad+8, keys 8j + pair (+1).
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      if constexpr (FP8) {
+        scores_fp8<kv_t>(s, qa, ks + warp * 16 * K_PITCH, lane);
+      } else {
 #pragma unroll
-      for (int k = 0; k < KSTEPS; ++k) {
-        u32 kb[4];
-        ldmatrix_x4(kb, ks + k_ld + 16 * k);
-        Mma<kv_t>::run(s[0], qa[k], kb[0], kb[1]);
-        Mma<kv_t>::run(s[1], qa[k], kb[2], kb[3]);
+        for (int k = 0; k < KSTEPS; ++k) {
+          u32 kb[4];
+          ldmatrix_x4(kb, ks + k_ld + 32 * k);
+          Mma<mma_t>::run(s[0], qa[k], kb[0], kb[1]);
+          Mma<mma_t>::run(s[1], qa[k], kb[2], kb[3]);
+        }
       }
       // Scale, mask, and the online-softmax update, per row (reduced over the row's 4 lanes).
       float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
@@ -147,7 +221,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
             visible = pos >= 0 && pos < kv_len &&
                       mask_visible(params, request, row_tok[h], q_len, row_pos[h], pos, kv_len);
           }
-          s[j][e] = visible ? s[j][e] * a.sm_scale_log2 : FJ_NEG_INF;
+          s[j][e] = visible ? s[j][e] * scales.score : FJ_NEG_INF;
           tile_max[h] = fmaxf(tile_max[h], s[j][e]);
         }
       }
@@ -173,15 +247,19 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
           s[j][e] = exp2_approx(s[j][e] - m_ref[e >> 1]);
           dsum[e >> 1] += s[j][e];
         }
-        pa[2 * j] = Mma<kv_t>::pack(s[j][0], s[j][1]);
-        pa[2 * j + 1] = Mma<kv_t>::pack(s[j][2], s[j][3]);
+        pa[2 * j] = Mma<mma_t>::pack(s[j][0], s[j][1]);
+        pa[2 * j + 1] = Mma<mma_t>::pack(s[j][2], s[j][3]);
       }
+      if constexpr (FP8) {
+        accumulate_fp8<kv_t>(o, pa, vs + warp * 16 * V_PITCH, lane);
+      } else {
 #pragma unroll
-      for (int n = 0; n < NTILES; n += 2) {
-        u32 vb[4];
-        ldmatrix_x4_trans(vb, vs + v_ld + 8 * n);
-        Mma<kv_t>::run(o[n], pa, vb[0], vb[1]);
-        Mma<kv_t>::run(o[n + 1], pa, vb[2], vb[3]);
+        for (int n = 0; n < NTILES; n += 2) {
+          u32 vb[4];
+          ldmatrix_x4_trans(vb, vs + v_ld + 16 * n);
+          Mma<mma_t>::run(o[n], pa, vb[0], vb[1]);
+          Mma<mma_t>::run(o[n + 1], pa, vb[2], vb[3]);
+        }
       }
     }
   });
@@ -193,9 +271,16 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
     dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
     if (lane % 4 == 0) { red_m[warp][quad + 8 * h] = m[h]; red_d[warp][quad + 8 * h] = dsum[h]; }
+    float* red_row = red_o + (warp * M + quad + 8 * h) * D;
 #pragma unroll
-    for (int n = 0; n < NTILES; ++n)
-      *reinterpret_cast<float2*>(red_o + (warp * M + quad + 8 * h) * D + 8 * n + pair) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+    for (int n = 0; n < NTILES; ++n) {
+      if constexpr (FP8) {
+        red_row[out_dim(n, pair)] = o[n][2 * h];
+        red_row[out_dim(n, pair + 1)] = o[n][2 * h + 1];
+      } else {
+        *reinterpret_cast<float2*>(red_row + 8 * n + pair) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+      }
+    }
   }
   __syncthreads();
 
@@ -219,7 +304,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
       const float4 part = *reinterpret_cast<const float4*>(red_o + (wi * M + row_in) * D + col);
       acc[0] += weight * part.x; acc[1] += weight * part.y; acc[2] += weight * part.z; acc[3] += weight * part.w;
     }
-    const float inv = d_all > 0.f ? 1.f / d_all : 0.f;
+    const float inv = d_all > 0.f ? scales.value / d_all : 0.f;
     const float lse2 = d_all > 0.f ? m_ref + log2_approx(d_all) : FJ_NEG_INF;
     const int token = q_begin + q_tok;
     if (direct) {

@@ -1,0 +1,61 @@
+"""fp8 KV caches: quantize a 16-bit paged cache to float8 with a scale, and back.
+
+The scale maps the cache's largest magnitude to the format's largest finite value (per tensor, or
+per KV head), so the values use the whole fp8 range; pass it to run() as k_scale / v_scale.
+Works on one K or V cache of 4 dimensions, NHD or HND; quantize K and V separately.
+"""
+
+from __future__ import annotations
+
+from . import checks
+from .spec import FP8_DTYPES, normalize_dtype
+
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+_PAGES_PER_STEP = 4096  # bounds the float32 temporaries of a large cache
+
+
+def _head_axis(cache, kv_layout: str) -> int:
+    checks.tensor("cache", cache, ndim=4)
+    layout = str(kv_layout).upper()
+    if layout not in ("NHD", "HND"):
+        checks.fail("kv_layout", "NHD or HND", kv_layout)
+    return 2 if layout == "NHD" else 1
+
+
+def _broadcastable(scale, axis: int):
+    shape = [1, 1, 1, 1]
+    shape[axis] = -1
+    return scale.reshape(shape) if scale.numel() > 1 else scale.reshape(())
+
+
+def quantize_kv(cache, kv_dtype="float8_e4m3fn", *, per_head: bool = False, kv_layout: str = "NHD"):
+    """(fp8 cache, scale) with cache ~= fp8.float() * scale.
+
+    scale: float32 on the cache's device, shape [1] (per tensor) or [kv_heads] (per_head).
+    """
+    import torch
+
+    name = normalize_dtype(kv_dtype, "kv_dtype", FP8_DTYPES)
+    axis = _head_axis(cache, kv_layout)
+    if not cache.dtype.is_floating_point:
+        checks.fail("cache", "a floating-point tensor", cache.dtype)
+    dims = [d for d in range(4) if d != axis] if per_head else list(range(4))
+    amax = cache.abs().amax(dim=dims).float().reshape(-1)
+    if not bool(torch.isfinite(amax).all()):
+        checks.fail("cache", "finite values", "inf or nan")
+    scale = torch.where(amax > 0, amax / FP8_MAX[name], torch.ones_like(amax))
+    out = torch.empty(cache.shape, dtype=getattr(torch, name), device=cache.device)
+    inverse = _broadcastable(1.0 / scale, axis)
+    for source, target in zip(cache.split(_PAGES_PER_STEP), out.split(_PAGES_PER_STEP)):
+        target.copy_((source.float() * inverse).clamp_(-FP8_MAX[name], FP8_MAX[name]))
+    return out, scale
+
+
+def dequantize_kv(cache, scale, *, kv_layout: str = "NHD"):
+    """The float32 cache an fp8 cache and its scale (float or tensor of 1 or kv_heads) stand for."""
+    import torch
+
+    axis = _head_axis(cache, kv_layout)
+    if not torch.is_tensor(scale):
+        scale = torch.tensor([float(scale)], device=cache.device)
+    return cache.float() * _broadcastable(scale.float(), axis)

@@ -1,0 +1,175 @@
+"""fp8 KV caches on the CPU: spec names, kernel layouts and pitches, compiles per arch, the
+quantize helper and the scale checks. The kernels themselves run in tests/gpu/test_fp8_gpu.py."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from flashjit import DecodeSpec, SpecError, checks
+from flashjit.compile import compile_source
+from flashjit.quantize import FP8_MAX, dequantize_kv, quantize_kv
+from flashjit.render import render
+from flashjit.tiling import decode_tiling, tc_row_pitches
+
+
+@pytest.mark.parametrize("value, canonical", [
+    ("e4m3", "float8_e4m3fn"), ("fp8", "float8_e4m3fn"), (torch.float8_e4m3fn, "float8_e4m3fn"),
+    ("fp8_e5m2", "float8_e5m2"), (torch.float8_e5m2, "float8_e5m2"), ("float8_e5m2", "float8_e5m2"),
+])
+def test_fp8_kv_dtypes_normalize_and_round_trip_through_names(value, canonical):
+    spec = DecodeSpec(128, dtype="bf16", kv_dtype=value, group_size=4, arch="sm_90")
+    assert spec.kv_dtype == canonical and spec.kv_is_fp8 and spec.kv_bytes == 1
+    assert f"_kv{canonical[7:11]}_" in spec.name
+    assert DecodeSpec.from_name(spec.name) == spec
+
+
+def test_fp8_queries_are_refused_with_a_reason():
+    with pytest.raises(SpecError, match="KV cache only") as info:
+        DecodeSpec(128, dtype=torch.float8_e4m3fn, kv_dtype="e4m3", arch="sm_90")
+    assert info.value.field == "dtype" and "bfloat16" in info.value.accepted
+
+
+# ---- shared-memory layouts of the tensor-core kernel's fp8 loads (decode_tc.cuh) -------------------
+
+def conflicts(addresses, width: int) -> int:
+    """Extra shared-memory wavefronts of one warp-wide load of `width` bytes per lane.
+
+    Lanes are served in phases of 128 bytes (8 lanes of 16 bytes, 16 of 8); within a phase two
+    lanes conflict when they touch the same bank (4-byte word mod 32) in different words."""
+    per_phase = 128 // width
+    extra = 0
+    for start in range(0, 32, per_phase):
+        banks: dict[int, set[int]] = {}
+        for address in addresses[start:start + per_phase]:
+            for word in range(address // 4, (address + width) // 4):
+                banks.setdefault(word % 32, set()).add(word)
+        extra += max(len(words) for words in banks.values()) - 1
+    return extra
+
+
+def k_load_addresses(pitch: int, load: int) -> list[int]:
+    """Byte addresses of the fp8 K loads of `scores_fp8` (key row lane/4)."""
+    return [(lane // 4) * pitch + 8 * (lane % 4) + 32 * load for lane in range(32)]
+
+
+def v_load_addresses(pitch: int, load: int, key: int) -> list[int]:
+    """Byte addresses of the fp8 V loads of `accumulate_fp8` for key row `key` in 0, 1, 8, 9."""
+    return [((lane % 4) * 2 + key) * pitch + 8 * (lane // 4) + 64 * load for lane in range(32)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_row_pitches_make_every_load_conflict_free(head_dim):
+    k_pitch, v_pitch = tc_row_pitches(head_dim, kv_bytes=1)
+    assert k_pitch >= head_dim and v_pitch >= head_dim and k_pitch % 16 == v_pitch % 16 == 0
+    for load in range(head_dim // 32):
+        assert conflicts(k_load_addresses(k_pitch, load), 8) == 0
+    for load in range(head_dim // 64):
+        for key in (0, 1, 8, 9):
+            assert conflicts(v_load_addresses(v_pitch, load, key), 8) == 0
+    # the naive pitch (no padding) would conflict, so the check has teeth
+    assert conflicts(v_load_addresses(head_dim, 0, 0), 8) > 0 and conflicts(k_load_addresses(head_dim, 0), 8) > 0
+
+
+def test_fp8_layout_covers_every_head_dim_once():
+    """The permuted K order (k_dim) and V order (v_dim) of decode_tc.cuh are permutations."""
+    for d in (64, 128, 256):
+        k_dims = sorted(32 * (ks // 2) + 8 * t + 4 * (ks % 2) + e for ks in range(d // 16) for t in range(4)
+                        for e in range(4))
+        v_dims = sorted(64 * (nt // 8) + 8 * n + nt % 8 for nt in range(d // 8) for n in range(8))
+        assert k_dims == list(range(d)) and v_dims == list(range(d))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fp8_stage_memory_fits_two_ctas_per_sm(head_dim):
+    tiling = decode_tiling(DecodeSpec(head_dim, kv_dtype="e4m3", group_size=4, arch="sm_90"))
+    assert tiling.tensor_cores and tiling.smem_bytes <= 227 * 1024 // 2 - 1024
+    assert tiling.smem_bytes >= tiling.stages * tiling.tile_tokens * (tiling.k_pitch + tiling.v_pitch)
+
+
+# ---- compiles ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("kv_dtype, head_dim, group", [
+    ("e4m3", 128, 4), ("e5m2", 128, 8), ("e4m3", 64, 4), ("e4m3", 256, 4),  # tensor cores
+    ("e4m3", 128, 1), ("e5m2", 96, 4),                                       # CUDA cores
+])
+def test_fp8_kernels_compile_without_spills(arch, kv_dtype, head_dim, group):
+    """sm_80 takes the bit-manipulation conversion, sm_90 the paired hardware one."""
+    spec = DecodeSpec(head_dim, dtype="bf16", kv_dtype=kv_dtype, group_size=group, max_q_len=1, arch=arch)
+    source = render(spec)
+    assert "typedef fj::%s_t kv_t;" % kv_dtype in source
+    compiled = compile_source(source, arch, spec.name, extra_options=("--ptxas-options=-v",))
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", compiled.log)]
+    assert spills and not any(spills), compiled.log
+
+
+# ---- quantize helper -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_dtype, bound", [("float8_e4m3fn", 2.0 ** -4), ("float8_e5m2", 2.0 ** -3)])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_quantize_uses_the_full_range_and_round_trips(kv_dtype, bound, layout, per_head):
+    gen = torch.Generator().manual_seed(0)
+    head_axis = 2 if layout == "NHD" else 1
+    shape = [9, 16, 16, 64]
+    shape[head_axis] = 3
+    spread = torch.tensor([0.01, 1.0, 300.0]).reshape([-1 if d == head_axis else 1 for d in range(4)])
+    cache = (torch.randn(shape, generator=gen) * spread).bfloat16()
+    fp8, scale = quantize_kv(cache, kv_dtype, per_head=per_head, kv_layout=layout)
+    assert fp8.dtype == getattr(torch, kv_dtype) and scale.dtype == torch.float32
+    assert scale.shape == ((3,) if per_head else (1,))
+    heads = fp8.float().abs().amax(dim=[d for d in range(4) if d != head_axis])
+    if per_head:
+        assert torch.equal(heads, torch.full((3,), FP8_MAX[kv_dtype]))
+    else:
+        assert heads.max() == FP8_MAX[kv_dtype]
+    restored = dequantize_kv(fp8, scale, kv_layout=layout)
+    # fp8 rounding: relative error <= 2^-(mantissa bits + 1) for values in the normal range
+    x = cache.float()
+    normal = x.abs() >= (scale.reshape(heads.shape[0] if per_head else 1, *(1,) * (3 - head_axis)) * 2.0 ** -6)
+    relative = ((restored - x).abs() / x.abs().clamp_min(1e-30))[normal]
+    assert relative.max() <= bound
+
+
+def test_quantize_refuses_bad_caches():
+    with pytest.raises(ValueError, match="cache: expected finite values"):
+        quantize_kv(torch.tensor([float("inf")]).reshape(1, 1, 1, 1))
+    with pytest.raises(ValueError, match="cache: expected 4 dimensions"):
+        quantize_kv(torch.ones(2, 3))
+    with pytest.raises(SpecError, match="kv_dtype"):
+        quantize_kv(torch.ones(1, 1, 1, 8), "bf16")
+
+
+# ---- run()'s scale arguments ---------------------------------------------------------------------------
+
+def test_scale_forms():
+    cpu = torch.device("cpu")
+    assert checks.kv_scale("k_scale", None, num_kv_heads=8, device=cpu, required=False) == (1.0, 0, 0)
+    assert checks.kv_scale("k_scale", 0.5, num_kv_heads=8, device=cpu, required=True) == (0.5, 0, 0)
+    one, per_head = torch.ones(1), torch.ones(8)
+    assert checks.kv_scale("k_scale", one, num_kv_heads=8, device=cpu, required=True) == (1.0, one.data_ptr(), 0)
+    assert checks.kv_scale("v_scale", per_head, num_kv_heads=8, device=cpu, required=True) == (
+        1.0, per_head.data_ptr(), 1)
+
+
+@pytest.mark.parametrize("value, message", [
+    (None, "k_scale: expected a scale for the fp8 cache"),
+    (0, "k_scale: expected a positive float"),
+    (float("nan"), "k_scale: expected a positive float"),
+    (True, "k_scale: expected a positive float"),
+    (torch.ones(3), "k_scale: expected 1 or num_kv_heads=8 contiguous values"),
+    (torch.ones(16)[::2], "k_scale: expected 1 or num_kv_heads=8 contiguous values"),
+    (torch.ones(1, dtype=torch.float64), "k_scale: expected dtype torch.float32"),
+])
+def test_bad_scales_are_named(value, message):
+    with pytest.raises(ValueError, match=message):
+        checks.kv_scale("k_scale", value, num_kv_heads=8, device=torch.device("cpu"), required=True)
+
+
+def test_scale_tensor_values_are_checked():
+    checks.tensor_scale_values("v_scale", torch.tensor([0.5, 2.0]))
+    with pytest.raises(ValueError, match=r"v_scale: expected positive finite values, got \[0.5, -2.0\]"):
+        checks.tensor_scale_values("v_scale", torch.tensor([0.5, -2.0]))
