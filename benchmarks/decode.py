@@ -37,6 +37,8 @@ class Case:
     head_dim: int = 128
     window: int | None = None   # sliding window (window_left)
     sinks: int | None = None    # with window: StreamingLLM sink tokens (mask sink_window)
+    kv_dtype: str | None = None  # fp8 cache ("float8_e4m3fn", "float8_e5m2"); None: bf16
+    base: str | None = None     # the bf16 row of the same shape, for the fp8 speedup
     quick: bool = False
 
 
@@ -53,6 +55,9 @@ CASES = [
     Case("b16 L32768 sinks 4 + window 4096", 16, 32768, window=4096, sinks=4, quick=True),
     Case("b16 L8192 d64", 16, 8192, head_dim=64),
     Case("b16 L8192 d256", 16, 8192, head_dim=256),
+    Case("b16 L8192 e4m3", 16, 8192, kv_dtype="float8_e4m3fn", base="b16 L8192", quick=True),
+    Case("b16 L8192 e5m2", 16, 8192, kv_dtype="float8_e5m2", base="b16 L8192"),
+    Case("b64 L8192 e4m3", 64, 8192, kv_dtype="float8_e4m3fn", base="b64 L8192", quick=True),
 ]
 
 
@@ -126,16 +131,32 @@ def mask_of(case, batch) -> tuple[str, dict]:
     return "none", {}
 
 
-def flashjit_impl(torch, batch, case, engine, tensor_cores=None):
+@dataclasses.dataclass
+class Fp8Cache:
+    cache: tuple        # (k, v) in fp8
+    scales: tuple       # (k_scale, v_scale) floats
+    dequantized: tuple  # (k, v) float32, for the reference
+
+
+def quantize(batch, case) -> Fp8Cache | None:
+    from flashjit.quantize import dequantize_kv, quantize_kv
+
+    if case.kv_dtype is None:
+        return None
+    (k, k_scale), (v, v_scale) = (quantize_kv(c, case.kv_dtype) for c in (batch.k_cache, batch.v_cache))
+    return Fp8Cache((k, v), (k_scale.item(), v_scale.item()), (dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)))
+
+
+def flashjit_impl(torch, batch, case, engine, fp8: Fp8Cache | None, tensor_cores=None):
     import flashjit
 
     decoder = flashjit.BatchDecode(engine)
     mask, params = mask_of(case, batch)
-    options = {"mask": mask, "mask_params": params, "tensor_cores": tensor_cores}
+    options = {"mask": mask, "mask_params": params, "tensor_cores": tensor_cores, "kv_dtype": case.kv_dtype}
     decoder.plan(batch.indptr, batch.indices, batch.last_page_len, HEADS_QO, HEADS_KV, case.head_dim, PAGE, **options)
     out = torch.empty_like(batch.q)
-    cache = (batch.k_cache, batch.v_cache)
-    return lambda: decoder.run(batch.q, cache, out=out), out, decoder
+    cache, (k_scale, v_scale) = (fp8.cache, fp8.scales) if fp8 else ((batch.k_cache, batch.v_cache), (None, None))
+    return lambda: decoder.run(batch.q, cache, out=out, k_scale=k_scale, v_scale=v_scale), out, decoder
 
 
 def sdpa_impl(torch, batch, case):
@@ -143,8 +164,8 @@ def sdpa_impl(torch, batch, case):
     from flashjit.reference import gather_request_kv
 
     lengths = batch.kv_lens
-    if len(set(lengths)) != 1:
-        return None  # padded varlen needs a mask cuDNN does not take: reported as n/a
+    if len(set(lengths)) != 1 or case.kv_dtype:
+        return None  # padded varlen needs a mask cuDNN does not take, and it has no fp8 KV: n/a
     length = lengths[0]
     start = max(0, length - 1 - case.window) if case.window else 0
     keys = list(range(min(case.sinks or 0, start))) + list(range(start, length))  # the keys attended
@@ -163,7 +184,7 @@ def sdpa_impl(torch, batch, case):
     return run, out[:, :, 0, :]
 
 
-def flashinfer_impls(torch, batch, case):
+def flashinfer_impls(torch, batch, case, fp8: Fp8Cache | None):
     if case.sinks is not None:
         return {}, "FlashInfer's decode wrapper has no sinks + window mask (sink rows compare with SDPA only)"
     try:
@@ -175,18 +196,20 @@ def flashinfer_impls(torch, batch, case):
         workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
         wrapper.plan(batch.indptr.cuda(), batch.indices, batch.last_page_len.cuda(), HEADS_QO, HEADS_KV,
-                     case.head_dim, PAGE, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                     case.head_dim, PAGE, q_data_type=torch.bfloat16,
+                     kv_data_type=getattr(torch, case.kv_dtype) if fp8 else torch.bfloat16,
                      window_left=case.window if case.window else -1)
         out = torch.empty_like(batch.q)
-        cache = (batch.k_cache, batch.v_cache)
+        cache = fp8.cache if fp8 else (batch.k_cache, batch.v_cache)
+        scales = dict(k_scale=fp8.scales[0], v_scale=fp8.scales[1]) if fp8 else {}
         impls["flashinfer-tc" if tc else "flashinfer"] = (
-            lambda w=wrapper, o=out: w.run(batch.q, cache, out=o), out)
+            lambda w=wrapper, o=out: w.run(batch.q, cache, out=o, **scales), out)
     return impls, None
 
 
 def attended_bytes(batch, case) -> int:
     tokens = sum(min(n, (case.sinks or 0) + case.window + 1) if case.window else n for n in batch.kv_lens)
-    kv = 2 * tokens * HEADS_KV * case.head_dim * 2
+    kv = 2 * tokens * HEADS_KV * case.head_dim * (1 if case.kv_dtype else 2)
     return kv + 2 * batch.q.numel() * 2
 
 
@@ -208,17 +231,19 @@ def bench_kernels(args) -> dict:
     for case in [c for c in CASES if c.quick or not args.quick]:
         batch = build_inputs(torch, case)
         mask, params = mask_of(case, batch)
-        ref, _ = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
+        fp8 = quantize(batch, case)
+        k_ref, v_ref = fp8.dequantized if fp8 else (batch.k_cache, batch.v_cache)
+        ref, _ = decode_reference(batch.q, k_ref, v_ref, batch.indptr, batch.indices,
                                   batch.last_page_len, mask=mask, mask_params=params)
         impls = {}
-        run, out, decoder = flashjit_impl(torch, batch, case, engine)
+        run, out, decoder = flashjit_impl(torch, batch, case, engine, fp8)
         impls["flashjit"] = (run, out)
         if args.cuda_cores:
-            impls["flashjit-cc"] = flashjit_impl(torch, batch, case, engine, tensor_cores=False)[:2]
+            impls["flashjit-cc"] = flashjit_impl(torch, batch, case, engine, fp8, tensor_cores=False)[:2]
         sdpa = sdpa_impl(torch, batch, case)
         if sdpa:
             impls["sdpa-cudnn"] = sdpa
-        fi, note = flashinfer_impls(torch, batch, case)
+        fi, note = flashinfer_impls(torch, batch, case, fp8)
         impls.update(fi)
         if note:
             notes.add(note)
@@ -241,9 +266,12 @@ def bench_kernels(args) -> dict:
             row[name] = entry
         peers = [row[n]["us"] for n in PEERS if isinstance(row.get(n), dict) and "us" in row[n]]
         row["best_peer_us"] = min(peers) if peers else None
+        base = next((r for r in rows if r["case"] == case.base), None)
+        if base and "us" in base.get("flashjit", {}) and "us" in row.get("flashjit", {}):
+            row["speedup_vs_bf16"] = base["flashjit"]["us"] / row["flashjit"]["us"]
         rows.append(row)
         print_row(row, ceiling)
-        del batch, impls, ref
+        del batch, impls, ref, fp8
         torch.cuda.empty_cache()
     return {"device": torch.cuda.get_device_name(), "copy_ceiling_gbs": ceiling, "rows": rows, "notes": sorted(notes)}
 
@@ -257,6 +285,7 @@ def print_row(row, ceiling):
     others = "  ".join(f"{n} {row[n]['us']:.1f}" if "us" in row[n] else f"{n} ERR({row[n]['error'][:40]})"
                        for n in row if n in PEERS + ("flashjit-cc",))
     graph = f" graph {fj['graph_us']:.1f}" if "graph_us" in fj else ""
+    graph += f" ({row['speedup_vs_bf16']:.2f}x bf16)" if "speedup_vs_bf16" in row else ""
     fj_text = f"{us:8.1f} us{graph}" if us else f"ERR {fj.get('error', '')}"
     print(f"{row['case']:32s} flashjit {fj_text} {gbs:6.0f} GB/s {100 * gbs / ceiling:5.1f}%  "
           f"speedup vs best peer {ratio}  splits {row['splits']:3d} | {others}", flush=True)

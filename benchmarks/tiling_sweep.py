@@ -10,10 +10,13 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl  # noqa: E402
+from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantize  # noqa: E402
 
-VARIANTS = {128: [(4, 3), (4, 2), (2, 4), (8, 2)], 64: [(4, 4), (4, 3), (8, 2)]}
-SHAPES = ["b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform 128..32768", "b16 L8192 d64"]
+# (head_dim, fp8 cache) -> (warps, stages) variants; the first is the current choice
+VARIANTS = {(128, False): [(4, 3), (4, 2), (2, 4), (8, 2)], (64, False): [(4, 4), (4, 3), (8, 2)],
+            (128, True): [(4, 5), (4, 4), (4, 6), (4, 3), (8, 3)]}
+SHAPES = ["b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform 128..32768", "b16 L8192 d64",
+          "b16 L8192 e4m3", "b64 L8192 e4m3"]
 
 
 def main():
@@ -23,17 +26,21 @@ def main():
     from flashjit import tiling
 
     timer = Timer(torch, 15)
-    cases = [c for c in CASES if c.name in SHAPES]
+    cases = [c for c in CASES if c.name in SHAPES and (c.head_dim, c.kv_dtype is not None) in VARIANTS]
     for case in cases:
         batch = build_inputs(torch, case)
+        fp8 = quantize(batch, case)
+        stage_table = tiling.TC_STAGES_FP8 if fp8 else tiling.TC_STAGES
+        chosen = tiling.TC_WARPS[case.head_dim], stage_table[case.head_dim]
         row = []
-        for warps, stages in VARIANTS[case.head_dim]:
-            tiling.TC_WARPS[case.head_dim], tiling.TC_STAGES[case.head_dim] = warps, stages
+        for warps, stages in VARIANTS[case.head_dim, fp8 is not None]:
+            tiling.TC_WARPS[case.head_dim], stage_table[case.head_dim] = warps, stages
             engine = flashjit.Engine(cache_dir=tempfile.mkdtemp())
-            run, _, _ = flashjit_impl(torch, batch, case, engine)
+            run, _, _ = flashjit_impl(torch, batch, case, engine, fp8)
             row.append(f"w{warps}s{stages} {timer.median_us(run):7.1f}")
+        tiling.TC_WARPS[case.head_dim], stage_table[case.head_dim] = chosen
         print(f"{case.name:32s} " + "  ".join(row), flush=True)
-        del batch
+        del batch, fp8
         torch.cuda.empty_cache()
 
 
