@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ class Case:
     sinks: int | None = None    # with window: StreamingLLM sink tokens (mask sink_window)
     kv_dtype: str | None = None  # fp8 cache ("float8_e4m3fn", "float8_e5m2"); None: bf16
     base: str | None = None     # the bf16 row of the same shape, for the fp8 speedup
+    kv_layout: str = "NHD"
     quick: bool = False
 
 
@@ -55,7 +57,10 @@ CASES = [
     Case("b16 L32768 sinks 4 + window 4096", 16, 32768, window=4096, sinks=4, quick=True),
     Case("b16 L8192 d64", 16, 8192, head_dim=64),
     Case("b16 L8192 d256", 16, 8192, head_dim=256),
+    Case("b16 L32768", 16, 32768),  # the dense context of the window rows
     Case("b16 L8192 e4m3", 16, 8192, kv_dtype="float8_e4m3fn", base="b16 L8192", quick=True),
+    Case("b16 L8192 HND", 16, 8192, kv_layout="HND"),
+    Case("b16 L8192 e4m3 HND", 16, 8192, kv_dtype="float8_e4m3fn", base="b16 L8192 HND", kv_layout="HND"),
     Case("b16 L8192 e5m2", 16, 8192, kv_dtype="float8_e5m2", base="b16 L8192"),
     Case("b64 L8192 e4m3", 64, 8192, kv_dtype="float8_e4m3fn", base="b64 L8192", quick=True),
 ]
@@ -117,7 +122,7 @@ def build_inputs(torch, case: Case, seed: int = 0):
     else:
         lengths = [case.kv_len] * case.batch
     return make_batch(lengths, num_qo_heads=HEADS_QO, num_kv_heads=HEADS_KV, head_dim=case.head_dim,
-                      page_size=PAGE, seed=seed, spare_pages=0)
+                      page_size=PAGE, seed=seed, spare_pages=0, kv_layout=case.kv_layout)
 
 
 def mask_of(case, batch) -> tuple[str, dict]:
@@ -143,8 +148,10 @@ def quantize(batch, case) -> Fp8Cache | None:
 
     if case.kv_dtype is None:
         return None
-    (k, k_scale), (v, v_scale) = (quantize_kv(c, case.kv_dtype) for c in (batch.k_cache, batch.v_cache))
-    return Fp8Cache((k, v), (k_scale.item(), v_scale.item()), (dequantize_kv(k, k_scale), dequantize_kv(v, v_scale)))
+    layout = case.kv_layout
+    (k, k_scale), (v, v_scale) = (quantize_kv(c, case.kv_dtype, kv_layout=layout) for c in (batch.k_cache, batch.v_cache))
+    return Fp8Cache((k, v), (k_scale.item(), v_scale.item()),
+                    (dequantize_kv(k, k_scale, kv_layout=layout), dequantize_kv(v, v_scale, kv_layout=layout)))
 
 
 def flashjit_impl(torch, batch, case, engine, fp8: Fp8Cache | None, tensor_cores=None):
@@ -152,7 +159,8 @@ def flashjit_impl(torch, batch, case, engine, fp8: Fp8Cache | None, tensor_cores
 
     decoder = flashjit.BatchDecode(engine)
     mask, params = mask_of(case, batch)
-    options = {"mask": mask, "mask_params": params, "tensor_cores": tensor_cores, "kv_dtype": case.kv_dtype}
+    options = {"mask": mask, "mask_params": params, "tensor_cores": tensor_cores, "kv_dtype": case.kv_dtype,
+               "kv_layout": case.kv_layout}
     decoder.plan(batch.indptr, batch.indices, batch.last_page_len, HEADS_QO, HEADS_KV, case.head_dim, PAGE, **options)
     out = torch.empty_like(batch.q)
     cache, (k_scale, v_scale) = (fp8.cache, fp8.scales) if fp8 else ((batch.k_cache, batch.v_cache), (None, None))
@@ -172,8 +180,8 @@ def sdpa_impl(torch, batch, case):
     ks, vs = [], []
     for b in range(len(lengths)):
         ids = batch.indices[int(batch.indptr[b]):int(batch.indptr[b + 1])]
-        ks.append(gather_request_kv(batch.k_cache, ids, length)[keys].transpose(0, 1))
-        vs.append(gather_request_kv(batch.v_cache, ids, length)[keys].transpose(0, 1))
+        ks.append(gather_request_kv(batch.k_cache, ids, length, case.kv_layout)[keys].transpose(0, 1))
+        vs.append(gather_request_kv(batch.v_cache, ids, length, case.kv_layout)[keys].transpose(0, 1))
     k, v = torch.stack(ks), torch.stack(vs)
     q = batch.q[:, :, None, :].contiguous()
     out = torch.empty_like(q)
@@ -194,7 +202,7 @@ def flashinfer_impls(torch, batch, case, fp8: Fp8Cache | None):
     impls = {}
     for tc in (False, True):
         workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, case.kv_layout, use_tensor_cores=tc)
         wrapper.plan(batch.indptr.cuda(), batch.indices, batch.last_page_len.cuda(), HEADS_QO, HEADS_KV,
                      case.head_dim, PAGE, q_data_type=torch.bfloat16,
                      kv_data_type=getattr(torch, case.kv_dtype) if fp8 else torch.bfloat16,
@@ -228,13 +236,13 @@ def bench_kernels(args) -> dict:
     print(f"# {torch.cuda.get_device_name()}  copy ceiling {ceiling:.0f} GB/s  torch {torch.__version__}")
     rows = []
     notes = set()
-    for case in [c for c in CASES if c.quick or not args.quick]:
+    for case in [c for c in CASES if (c.quick or not args.quick) and re.search(args.only, c.name)]:
         batch = build_inputs(torch, case)
         mask, params = mask_of(case, batch)
         fp8 = quantize(batch, case)
         k_ref, v_ref = fp8.dequantized if fp8 else (batch.k_cache, batch.v_cache)
-        ref, _ = decode_reference(batch.q, k_ref, v_ref, batch.indptr, batch.indices,
-                                  batch.last_page_len, mask=mask, mask_params=params)
+        ref, _ = decode_reference(batch.q, k_ref, v_ref, batch.indptr, batch.indices, batch.last_page_len,
+                                  mask=mask, mask_params=params, kv_layout=case.kv_layout)
         impls = {}
         run, out, decoder = flashjit_impl(torch, batch, case, engine, fp8)
         impls["flashjit"] = (run, out)
@@ -368,6 +376,7 @@ def main(argv=None):
     parser.add_argument("mode", nargs="?", default="kernels", choices=["kernels", "compile"])
     parser.add_argument("--quick", action="store_true", help="a subset of the shapes")
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--only", default="", help="rows whose name matches this regular expression")
     parser.add_argument("--cuda-cores", action="store_true", help="also time flashjit's CUDA-core kernel")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--cache-dir", default=None)

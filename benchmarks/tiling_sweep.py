@@ -1,10 +1,12 @@
 """Time the tensor-core kernel under other warp/stage counts (GPU), to tune flashjit.tiling.
 
-    python benchmarks/tiling_sweep.py
+    python benchmarks/tiling_sweep.py [REGEX]     # only the shapes whose name matches
 Each variant compiles into its own temporary cache (the tiling is rendered into the source).
 """
 
+import itertools
 import os
+import re
 import sys
 import tempfile
 
@@ -14,9 +16,9 @@ from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantiz
 
 # (head_dim, fp8 cache) -> (warps, stages) variants; the first is the current choice
 VARIANTS = {(128, False): [(4, 3), (4, 2), (2, 4), (8, 2)], (64, False): [(4, 4), (4, 3), (8, 2)],
-            (128, True): [(4, 5), (4, 4), (4, 6), (4, 3), (8, 3)]}
+            (128, True): [(4, 5), (4, 4), (4, 6), (4, 3), (8, 2), (8, 3)]}
 SHAPES = ["b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform 128..32768", "b16 L8192 d64",
-          "b16 L8192 e4m3", "b64 L8192 e4m3"]
+          "b16 L8192 e4m3", "b64 L8192 e4m3", "b16 L8192 e4m3 HND"]
 
 
 def main():
@@ -26,19 +28,24 @@ def main():
     from flashjit import tiling
 
     timer = Timer(torch, 15)
-    cases = [c for c in CASES if c.name in SHAPES and (c.head_dim, c.kv_dtype is not None) in VARIANTS]
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    cases = [c for c in CASES if c.name in SHAPES and (c.head_dim, c.kv_dtype is not None) in VARIANTS
+             and re.search(only, c.name)]
     for case in cases:
         batch = build_inputs(torch, case)
         fp8 = quantize(batch, case)
         stage_table = tiling.TC_STAGES_FP8 if fp8 else tiling.TC_STAGES
         chosen = tiling.TC_WARPS[case.head_dim], stage_table[case.head_dim]
+        prefetches = tiling.L2_PREFETCH, tiling.L2_PREFETCH_FP8
         row = []
-        for warps, stages in VARIANTS[case.head_dim, fp8 is not None]:
+        for (warps, stages), prefetch in itertools.product(VARIANTS[case.head_dim, fp8 is not None], (128, 256)):
             tiling.TC_WARPS[case.head_dim], stage_table[case.head_dim] = warps, stages
+            tiling.L2_PREFETCH = tiling.L2_PREFETCH_FP8 = prefetch
             engine = flashjit.Engine(cache_dir=tempfile.mkdtemp())
             run, _, _ = flashjit_impl(torch, batch, case, engine, fp8)
-            row.append(f"w{warps}s{stages} {timer.median_us(run):7.1f}")
+            row.append(f"w{warps}s{stages}p{prefetch} {timer.median_us(run):7.1f}")
         tiling.TC_WARPS[case.head_dim], stage_table[case.head_dim] = chosen
+        tiling.L2_PREFETCH, tiling.L2_PREFETCH_FP8 = prefetches
         print(f"{case.name:32s} " + "  ".join(row), flush=True)
         del batch, fp8
         torch.cuda.empty_cache()

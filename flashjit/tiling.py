@@ -37,6 +37,7 @@ class DecodeTiling:
     smem_bytes: int     # dynamic shared memory (tensor-core kernel)
     k_pitch: int        # bytes per K row in shared memory (tensor-core kernel)
     v_pitch: int        # bytes per V row
+    l2_prefetch: int    # bytes the L2 fetches around each 16-byte copy (128 or 256)
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
 
@@ -62,6 +63,8 @@ TC_WARPS = {64: 4, 128: 4, 256: 2}
 TC_STAGES = {64: 4, 128: 3, 256: 3}
 # An fp8 stage holds half the bytes: more stages keep as many bytes in flight per SM.
 TC_STAGES_FP8 = {64: 6, 128: 5, 256: 4}
+L2_PREFETCH = 128
+L2_PREFETCH_FP8 = 128
 
 
 def tc_row_pitches(head_dim: int, kv_bytes: int) -> tuple[int, int]:
@@ -74,6 +77,10 @@ def tc_row_pitches(head_dim: int, kv_bytes: int) -> tuple[int, int]:
     if kv_bytes == 2:
         return (head_dim + 8) * 2, (head_dim + 8) * 2
     return head_dim + 32, head_dim + 16
+
+
+def _l2_prefetch(spec: DecodeSpec) -> int:
+    return L2_PREFETCH_FP8 if spec.kv_is_fp8 else L2_PREFETCH
 
 
 def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
@@ -90,7 +97,8 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         smem = max(stages * tile * (k_pitch + v_pitch), reduction)
         return DecodeTiling(vec=8, chunks_per_row=spec.head_dim // 8, bdx=32 * warps, rows=TC_ROWS, rows_pad=1, bdz=1,
                             row_tiles=-(-rows_total // TC_ROWS), tile_tokens=tile, stages=stages, tensor_cores=True,
-                            smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, **merge)
+                            smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
+                            **merge)
     vec = 8
     chunks = spec.head_dim // vec
     bdx = _pow2_ceil(chunks)
@@ -104,6 +112,6 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     return DecodeTiling(
         vec=vec, chunks_per_row=chunks, bdx=bdx, rows=rows, rows_pad=rows_pad, bdz=bdz,
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
-        k_pitch=row_bytes, v_pitch=row_bytes,
+        k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec),
         **merge,
     )

@@ -84,8 +84,8 @@ struct PagedKVStage {
       const int col = column(i);
       const bool pred = phys[i] >= 0;
       const i64 offset = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + col * ELEMS : 0;
-      cp_async_16(k_smem + (stage * TILE + key(i)) * K_PITCH + col * 16, k_head + offset, pred);
-      cp_async_16(v_smem + (stage * TILE + key(i)) * V_PITCH + col * 16, v_head + offset, pred);
+      cp_async_16<cfg::L2_PREFETCH>(k_smem + (stage * TILE + key(i)) * K_PITCH + col * 16, k_head + offset, pred);
+      cp_async_16<cfg::L2_PREFETCH>(v_smem + (stage * TILE + key(i)) * V_PITCH + col * 16, v_head + offset, pred);
     }
   }
 };
