@@ -225,18 +225,24 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
           tile_max[h] = fmaxf(tile_max[h], s[j][e]);
         }
       }
-      float m_ref[2];
+      float m_ref[2], rescale[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
         const float m_new = fmaxf(m[h], tile_max[h]);
         m_ref[h] = m_new == FJ_NEG_INF ? 0.f : m_new;
-        const float rescale = exp2_approx(m[h] - m_ref[h]);
-        dsum[h] *= rescale;
-#pragma unroll
-        for (int n = 0; n < NTILES; ++n) { o[n][2 * h] *= rescale; o[n][2 * h + 1] *= rescale; }
+        rescale[h] = exp2_approx(m[h] - m_ref[h]);
+        dsum[h] *= rescale[h];
         m[h] = m_new;
+      }
+      // After the first tiles the running max rarely grows: skip O's rescale when no row's did.
+      if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n) {
+          o[n][0] *= rescale[0]; o[n][1] *= rescale[0];
+          o[n][2] *= rescale[1]; o[n][3] *= rescale[1];
+        }
       }
       // P (the C fragments of S) is the A fragment of O += P V.
       u32 pa[4];
