@@ -80,24 +80,30 @@ FJ_INLINE void ldmatrix_x4_trans(u32* r, const void* smem) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// S += Q K^T for the warp's 16 keys (s[j]: keys 8j..8j+7) from one stage of fp8 K.
+// S = Q K^T for the warp's 16 keys (s[j]: keys 8j..8j+7) from one stage of fp8 K. Even and odd
+// k-steps accumulate apart, halving the chain of dependent MMAs.
 template <typename KV>  // a template, so 16-bit kernels never instantiate it
 FJ_INLINE void scores_fp8(float (*s)[4], const u32 (*qa)[4], const unsigned char* keys, int lane) {
   const unsigned char* row = keys + (lane / 4) * K_PITCH + 8 * (lane % 4);
+  float odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
   for (int i = 0; i < D / 32; ++i) {  // one 8-byte load per key row covers 2 k-steps
     const uint2 k0 = *reinterpret_cast<const uint2*>(row + 32 * i);
     const uint2 k1 = *reinterpret_cast<const uint2*>(row + 8 * K_PITCH + 32 * i);
-    const u32 w0[2] = {k0.x, k0.y}, w1[2] = {k1.x, k1.y};
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      u32 lo, hi;
-      Fp8<KV>::to_f16x4(w0[c], lo, hi);
-      Mma<mma_t>::run(s[0], qa[2 * i + c], lo, hi);
-      Fp8<KV>::to_f16x4(w1[c], lo, hi);
-      Mma<mma_t>::run(s[1], qa[2 * i + c], lo, hi);
-    }
+    u32 lo, hi;
+    Fp8<KV>::to_f16x4(k0.x, lo, hi);
+    Mma<mma_t>::run(s[0], qa[2 * i], lo, hi);
+    Fp8<KV>::to_f16x4(k1.x, lo, hi);
+    Mma<mma_t>::run(s[1], qa[2 * i], lo, hi);
+    Fp8<KV>::to_f16x4(k0.y, lo, hi);
+    Mma<mma_t>::run(odd[0], qa[2 * i + 1], lo, hi);
+    Fp8<KV>::to_f16x4(k1.y, lo, hi);
+    Mma<mma_t>::run(odd[1], qa[2 * i + 1], lo, hi);
   }
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] += odd[j][e];
 }
 
 // O += P V for the warp's 16 keys from one stage of fp8 V. The lane's keys are pair, pair + 1
