@@ -173,3 +173,13 @@ def test_scale_tensor_values_are_checked():
     checks.tensor_scale_values("v_scale", torch.tensor([0.5, 2.0]))
     with pytest.raises(ValueError, match=r"v_scale: expected positive finite values, got \[0.5, -2.0\]"):
         checks.tensor_scale_values("v_scale", torch.tensor([0.5, -2.0]))
+
+
+def test_manifests_name_fp8_caches(tmp_path):
+    from flashjit.manifest import specs_from_manifest
+
+    path = tmp_path / "fp8.toml"
+    path.write_text('archs = ["sm_90"]\n[[model]]\nname = "m"\nnum_qo_heads = 32\nnum_kv_heads = 8\nhead_dim = 128\n'
+                    'dtype = "bf16"\nkv_dtype = "e4m3"\npage_sizes = [16]\nmasks = ["none"]\n')
+    (spec,) = specs_from_manifest(path)
+    assert spec.kv_dtype == "float8_e4m3fn" and spec.name == "decode_d128_bf16_kve4m3_none_p16_g4_q1_nhd_sm90_tc"
