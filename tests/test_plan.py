@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.plan import MIN_CHUNK_TOKENS, WorkPlan, choose_chunk, estimate_time, plan_work
+from flashjit.plan import (ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan,
+                           choose_chunk, estimate_time, plan_work)
 
 GRANULARITIES = (1, 16, 32, 64, 48)
 
@@ -183,3 +184,128 @@ def test_plan_is_deterministic():
     for field in ("work_request", "work_begin", "work_end", "req_work_indptr", "req_qo_indptr", "token_request"):
         assert np.array_equal(getattr(a, field), getattr(b, field))
     assert a.chunk_tokens == b.chunk_tokens
+
+
+# ---- the planner as it was (the oracle its faster form must match exactly) ----------------------
+
+def reference_estimate_time(span_lens, chunks, ctas_per_item, max_ctas):
+    lens = np.asarray(span_lens, dtype=np.float64)
+    chunks = np.asarray(chunks, dtype=np.float64)
+    items = np.maximum(np.ceil(np.divide.outer(lens, chunks)), 1.0)
+    total_items = items.sum(0)
+    short_last = (2.0 * np.subtract.outer(lens, chunks) + chunks < 2.0 * (items - 1.0) * chunks).sum(0)
+    fluid = (lens.sum() + total_items * ITEM_OVERHEAD_TOKENS) * (ctas_per_item / max_ctas)
+    quantized = np.ceil((total_items - short_last) * ctas_per_item / max_ctas) * (chunks + ITEM_OVERHEAD_TOKENS)
+    merge = np.where(total_items > len(lens), MERGE_COST_TOKENS, 0.0)
+    return np.maximum(fluid, quantized) + merge
+
+
+def reference_choose_chunk(span_lens, ctas_per_item, max_ctas, granularity, min_chunk=MIN_CHUNK_TOKENS,
+                           max_items=None):
+    span_lens = np.asarray(span_lens, dtype=np.int64)
+    longest = int(span_lens.max(initial=0))
+    whole = -(-max(longest, 1) // granularity) * granularity
+    if longest <= min_chunk:
+        return whole
+    floor = max(-(-min_chunk // granularity) * granularity, granularity)
+    parts = SPLIT_CANDIDATES[SPLIT_CANDIDATES <= max(1, max_ctas // ctas_per_item)]
+    candidates = np.maximum(-(-(-(-longest // parts)) // granularity) * granularity, floor)
+    cost = reference_estimate_time(span_lens, candidates, ctas_per_item, max_ctas)
+    if max_items is not None:
+        items = np.maximum(-(-span_lens[:, None] // candidates), 1).sum(0)
+        cost = np.where(items <= max_items, cost, np.inf)
+    return int(candidates[int(np.argmin(cost))])
+
+
+def random_spans(rng, batch):
+    """Span lengths of the shapes serving sees: uniform, log-uniform, one long among short, some empty."""
+    kind = rng.integers(4)
+    if kind == 0:
+        lens = np.full(batch, rng.integers(1, 40_000))
+    elif kind == 1:
+        lens = np.exp(rng.uniform(0, np.log(200_000), size=batch)).astype(np.int64)
+    elif kind == 2:
+        lens = rng.integers(1, 600, size=batch)
+        lens[rng.integers(batch)] = rng.integers(5_000, 300_000)
+    else:
+        lens = rng.integers(0, 40_000, size=batch) * (rng.random(batch) > 0.2)
+    return lens
+
+
+def test_choose_chunk_matches_the_reference_on_random_batches():
+    rng = np.random.default_rng(2026)
+    for _ in range(3000):
+        lens = random_spans(rng, int(rng.integers(1, 300)))
+        ctas_per_item = int(rng.choice([1, 2, 4, 8, 16, 32, 64]))
+        max_ctas = int(rng.choice([2, 8, 132, 264, 396, 528, 1056]))
+        granularity = int(rng.choice(GRANULARITIES))
+        max_items = None if rng.random() < 0.5 else int(rng.integers(1, 2 * len(lens) + 200))
+        args = (lens, ctas_per_item, max_ctas, granularity)
+        assert choose_chunk(*args, max_items=max_items) == reference_choose_chunk(*args, max_items=max_items), \
+            (lens.tolist(), ctas_per_item, max_ctas, granularity, max_items)
+
+
+def test_estimate_time_matches_the_reference():
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        lens = random_spans(rng, int(rng.integers(1, 100)))
+        chunks = rng.integers(1, 50_000, size=int(rng.integers(1, 40)))
+        ctas_per_item, max_ctas = int(rng.choice([1, 4, 8])), int(rng.choice([132, 264, 528]))
+        assert np.array_equal(estimate_time(lens, chunks, ctas_per_item, max_ctas),
+                              reference_estimate_time(lens, chunks, ctas_per_item, max_ctas))
+
+
+def test_the_benchmark_batch_plans_as_before():
+    """The 64 requests of `benchmarks/decode.py compile` (lengths 128 + 6i), on the H200's 132 SMs."""
+    lens = np.array([128 + 6 * i for i in range(64)])
+    for ctas_per_item, max_ctas, granularity in ((8, 264, 64), (8, 132, 64), (16, 264, 16), (8, 264, 1)):
+        for max_items in (None, 64, 65, 100, 1000):
+            assert (choose_chunk(lens, ctas_per_item, max_ctas, granularity, max_items=max_items)
+                    == reference_choose_chunk(lens, ctas_per_item, max_ctas, granularity, max_items=max_items))
+
+
+def reference_plan_work(span_begin, span_end, qo_indptr, *, ctas_per_item, max_ctas, granularity, chunk_tokens=None,
+                        max_items=None):
+    span_begin = np.asarray(span_begin, dtype=np.int64)
+    span_lens = np.maximum(np.asarray(span_end, dtype=np.int64) - span_begin, 0)
+    if chunk_tokens is None:
+        chunk = reference_choose_chunk(span_lens, ctas_per_item, max_ctas, granularity, max_items=max_items)
+    else:
+        chunk = int(chunk_tokens)
+    items = np.maximum(1, -(-span_lens // chunk))
+    req_work_indptr = np.zeros(len(span_lens) + 1, dtype=np.int64)
+    np.cumsum(items, out=req_work_indptr[1:])
+    work_request = np.repeat(np.arange(len(span_lens)), items)
+    nth = np.arange(int(req_work_indptr[-1])) - req_work_indptr[work_request]
+    work_begin = span_begin[work_request] + nth * chunk
+    work_end = np.minimum(work_begin + chunk, span_begin[work_request] + span_lens[work_request])
+    qo_indptr = np.asarray(qo_indptr, dtype=np.int64)
+    token_request = np.repeat(np.arange(len(span_lens)), np.diff(qo_indptr))
+    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    return WorkPlan(i32(work_request), i32(work_begin), i32(work_end), i32(req_work_indptr), i32(qo_indptr),
+                    i32(token_request), chunk)
+
+
+PLAN_FIELDS = ("work_request", "work_begin", "work_end", "req_work_indptr", "req_qo_indptr", "token_request")
+
+
+def test_plan_work_matches_the_reference_on_random_batches():
+    rng = np.random.default_rng(99)
+    for _ in range(1500):
+        batch = int(rng.integers(0, 200))
+        lens = random_spans(rng, batch) if batch else np.zeros(0, dtype=np.int64)
+        begins = rng.integers(0, 5000, size=batch) * (rng.random(batch) < 0.3)
+        ends = begins + lens - rng.integers(0, 3, size=batch) * (rng.random(batch) < 0.05) * (begins + 1)  # a few inverted
+        q_lens = rng.integers(1, 5, size=batch) if rng.random() < 0.5 else np.ones(batch, dtype=np.int64)
+        qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(rng.choice([np.int32, np.int64]))
+        kwargs = dict(ctas_per_item=int(rng.choice([1, 4, 8, 16])), max_ctas=int(rng.choice([132, 264, 528])),
+                      granularity=int(rng.choice(GRANULARITIES)),
+                      chunk_tokens=None if rng.random() < 0.7 else int(rng.integers(1, 20_000)),
+                      max_items=None if rng.random() < 0.5 else int(rng.integers(batch, 2 * batch + 100)))
+        new, old = plan_work(begins, ends, qo_indptr, **kwargs), reference_plan_work(begins, ends, qo_indptr, **kwargs)
+        assert new.chunk_tokens == old.chunk_tokens
+        for field in PLAN_FIELDS:
+            a, b = getattr(new, field), getattr(old, field)
+            assert a.dtype == b.dtype == np.int32 and a.flags.c_contiguous and np.array_equal(a, b), field
+        assert (new.num_work, new.num_tokens, new.needs_merge, new.max_splits) == \
+               (old.num_work, old.num_tokens, old.needs_merge, old.max_splits)
