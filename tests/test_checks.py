@@ -150,3 +150,43 @@ def test_query_indptr():
         checks.query_indptr(None, 0, 2)
     with pytest.raises(ValueError, match="qo_indptr: expected length 3, got 2"):
         checks.query_indptr([0, 1], None, 2)
+
+
+def reference_page_table(indptr, last_page_len, page_size):
+    """page_table as it was (the oracle of its faster form)."""
+    indptr_h = indptr_array("indptr", indptr)
+    last = host_int_array("last_page_len", last_page_len, len(indptr_h) - 1)
+    pages = np.diff(indptr_h)
+    bad = (last > page_size) | (last < 0) | ((last < 1) & (pages > 0))
+    if np.any(bad):
+        at = int(np.argmax(bad))
+        checks.fail("last_page_len", f"values in 1..page_size={page_size} (0 only for requests with no pages)",
+                    f"last_page_len[{at}]={last[at]}")
+    return indptr_h, np.where(pages > 0, (pages - 1) * page_size + last, 0)
+
+
+def outcome(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError as error:
+        return str(error)
+
+
+def test_page_table_matches_the_reference_on_random_tables():
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        batch, page_size = int(rng.integers(0, 40)), int(rng.choice([1, 2, 16, 64, 256]))
+        pages = rng.integers(0, 20, size=batch) * (rng.random(batch) > 0.2)
+        indptr = np.concatenate([[0], np.cumsum(pages)])
+        if batch and rng.random() < 0.1:
+            indptr[rng.integers(1, batch + 1)] -= 30  # decreasing somewhere
+        last = np.where(pages > 0, rng.integers(1, page_size + 1, size=batch), rng.integers(0, page_size + 1, size=batch))
+        if batch and rng.random() < 0.3:
+            last[rng.integers(batch)] = rng.choice([-1, 0, page_size + 1])
+        as_input = rng.choice([list, np.asarray, torch.tensor])
+        new = outcome(checks.page_table, as_input(indptr.tolist()), as_input(last.tolist()), page_size)
+        old = outcome(reference_page_table, as_input(indptr.tolist()), as_input(last.tolist()), page_size)
+        if isinstance(old, str):
+            assert new == old
+        else:
+            assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(new, old))
