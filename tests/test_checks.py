@@ -10,6 +10,7 @@ import torch
 
 from flashjit import checks
 from flashjit.checks import host_int_array, indptr_array, rows_16b_aligned, tensor
+from planner_oracle import reference_page_table
 
 
 @pytest.mark.parametrize("value", [[0, 3, 5], np.array([0, 3, 5], dtype=np.int32), torch.tensor([0, 3, 5]),
@@ -150,19 +151,6 @@ def test_query_indptr():
         checks.query_indptr(None, 0, 2)
     with pytest.raises(ValueError, match="qo_indptr: expected length 3, got 2"):
         checks.query_indptr([0, 1], None, 2)
-
-
-def reference_page_table(indptr, last_page_len, page_size):
-    """page_table as it was (the oracle of its faster form)."""
-    indptr_h = indptr_array("indptr", indptr)
-    last = host_int_array("last_page_len", last_page_len, len(indptr_h) - 1)
-    pages = np.diff(indptr_h)
-    bad = (last > page_size) | (last < 0) | ((last < 1) & (pages > 0))
-    if np.any(bad):
-        at = int(np.argmax(bad))
-        checks.fail("last_page_len", f"values in 1..page_size={page_size} (0 only for requests with no pages)",
-                    f"last_page_len[{at}]={last[at]}")
-    return indptr_h, np.where(pages > 0, (pages - 1) * page_size + last, 0)
 
 
 def outcome(fn, *args):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.plan import (ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan,
-                           choose_chunk, estimate_time, plan_work)
+from flashjit.plan import MIN_CHUNK_TOKENS, WorkPlan, choose_chunk, estimate_time, plan_work
+from planner_oracle import reference_choose_chunk, reference_estimate_time, reference_plan_work
 
 GRANULARITIES = (1, 16, 32, 64, 48)
 
@@ -186,36 +186,7 @@ def test_plan_is_deterministic():
     assert a.chunk_tokens == b.chunk_tokens
 
 
-# ---- the planner as it was (the oracle its faster form must match exactly) ----------------------
-
-def reference_estimate_time(span_lens, chunks, ctas_per_item, max_ctas):
-    lens = np.asarray(span_lens, dtype=np.float64)
-    chunks = np.asarray(chunks, dtype=np.float64)
-    items = np.maximum(np.ceil(np.divide.outer(lens, chunks)), 1.0)
-    total_items = items.sum(0)
-    short_last = (2.0 * np.subtract.outer(lens, chunks) + chunks < 2.0 * (items - 1.0) * chunks).sum(0)
-    fluid = (lens.sum() + total_items * ITEM_OVERHEAD_TOKENS) * (ctas_per_item / max_ctas)
-    quantized = np.ceil((total_items - short_last) * ctas_per_item / max_ctas) * (chunks + ITEM_OVERHEAD_TOKENS)
-    merge = np.where(total_items > len(lens), MERGE_COST_TOKENS, 0.0)
-    return np.maximum(fluid, quantized) + merge
-
-
-def reference_choose_chunk(span_lens, ctas_per_item, max_ctas, granularity, min_chunk=MIN_CHUNK_TOKENS,
-                           max_items=None):
-    span_lens = np.asarray(span_lens, dtype=np.int64)
-    longest = int(span_lens.max(initial=0))
-    whole = -(-max(longest, 1) // granularity) * granularity
-    if longest <= min_chunk:
-        return whole
-    floor = max(-(-min_chunk // granularity) * granularity, granularity)
-    parts = SPLIT_CANDIDATES[SPLIT_CANDIDATES <= max(1, max_ctas // ctas_per_item)]
-    candidates = np.maximum(-(-(-(-longest // parts)) // granularity) * granularity, floor)
-    cost = reference_estimate_time(span_lens, candidates, ctas_per_item, max_ctas)
-    if max_items is not None:
-        items = np.maximum(-(-span_lens[:, None] // candidates), 1).sum(0)
-        cost = np.where(items <= max_items, cost, np.inf)
-    return int(candidates[int(np.argmin(cost))])
-
+# ---- the faster planner against the oracle (today's planner as it was, in planner_oracle.py) ---------
 
 def random_spans(rng, batch):
     """Span lengths of the shapes serving sees: uniform, log-uniform, one long among short, some empty."""
@@ -264,28 +235,6 @@ def test_the_benchmark_batch_plans_as_before():
                     == reference_choose_chunk(lens, ctas_per_item, max_ctas, granularity, max_items=max_items))
 
 
-def reference_plan_work(span_begin, span_end, qo_indptr, *, ctas_per_item, max_ctas, granularity, chunk_tokens=None,
-                        max_items=None):
-    span_begin = np.asarray(span_begin, dtype=np.int64)
-    span_lens = np.maximum(np.asarray(span_end, dtype=np.int64) - span_begin, 0)
-    if chunk_tokens is None:
-        chunk = reference_choose_chunk(span_lens, ctas_per_item, max_ctas, granularity, max_items=max_items)
-    else:
-        chunk = int(chunk_tokens)
-    items = np.maximum(1, -(-span_lens // chunk))
-    req_work_indptr = np.zeros(len(span_lens) + 1, dtype=np.int64)
-    np.cumsum(items, out=req_work_indptr[1:])
-    work_request = np.repeat(np.arange(len(span_lens)), items)
-    nth = np.arange(int(req_work_indptr[-1])) - req_work_indptr[work_request]
-    work_begin = span_begin[work_request] + nth * chunk
-    work_end = np.minimum(work_begin + chunk, span_begin[work_request] + span_lens[work_request])
-    qo_indptr = np.asarray(qo_indptr, dtype=np.int64)
-    token_request = np.repeat(np.arange(len(span_lens)), np.diff(qo_indptr))
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-    return WorkPlan(i32(work_request), i32(work_begin), i32(work_end), i32(req_work_indptr), i32(qo_indptr),
-                    i32(token_request), chunk)
-
-
 PLAN_FIELDS = ("work_request", "work_begin", "work_end", "req_work_indptr", "req_qo_indptr", "token_request")
 
 
@@ -307,5 +256,12 @@ def test_plan_work_matches_the_reference_on_random_batches():
         for field in PLAN_FIELDS:
             a, b = getattr(new, field), getattr(old, field)
             assert a.dtype == b.dtype == np.int32 and a.flags.c_contiguous and np.array_equal(a, b), field
+        counts = np.diff(old.req_work_indptr)  # needs_merge and max_splits as they were defined
         assert (new.num_work, new.num_tokens, new.needs_merge, new.max_splits) == \
-               (old.num_work, old.num_tokens, old.needs_merge, old.max_splits)
+               (old.num_work, old.num_tokens, bool(np.any(counts > 1)), int(counts.max(initial=0)))
+
+
+@pytest.mark.parametrize("lens, merge", [([100, 300, 50], True), ([100, 200, 50], False), ([300], True), ([], False)])
+def test_needs_merge_when_one_request_is_split_in_two(lens, merge):
+    plan = plan_for(lens, chunk_tokens=200)
+    assert plan.needs_merge is merge and plan.num_work == len(lens) + merge
