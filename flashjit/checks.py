@@ -97,3 +97,13 @@ def query_indptr(qo_indptr, q_len, batch: int) -> np.ndarray:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         fail("q_len", "a positive int", q_len)
     return np.arange(batch + 1, dtype=np.int64) * n
+
+
+def largest_page_id(ids: np.ndarray) -> int:
+    """The largest of a plan's page ids (or of their [min, max]), -1 for none; a negative id fails."""
+    if len(ids) == 0:
+        return -1
+    low = int(ids.min())
+    if low < 0:
+        fail("indices", "page ids >= 0", low)
+    return int(ids.max())

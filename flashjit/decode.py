@@ -42,13 +42,6 @@ def _torch_dtype(name: str):
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def _min_max(t) -> tuple[int, int]:
-    import torch
-
-    low, high = torch.aminmax(t)
-    return tuple(torch.stack([low, high]).tolist())
-
-
 def _current_stream(device_index: int) -> int:
     import torch
 
@@ -90,6 +83,7 @@ class BatchDecode:
         self._graph_indices = (torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
                                if use_cuda_graph else None)
         self._buffers: _PlanBuffers | None = None
+        self._page_range = _PageIdRange(self.device)
         self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
         self._planned = False
 
@@ -107,29 +101,48 @@ class BatchDecode:
         indptr_h, kv_lens = checks.page_table(indptr, last_page_len, page_size)
         batch = len(kv_lens)
         qo_h = checks.query_indptr(qo_indptr, q_len, batch)
-        q_lens = np.diff(qo_h)  # the query tokens are the request's newest positions (kv_len - q_len + i)
+        q_lens = qo_h[1:] - qo_h[:-1]  # the query tokens are the request's newest positions (kv_len - q_len + i)
 
         checks.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
-        if len(indices) < indptr_h[-1]:
-            checks.fail("indices", f"at least indptr[-1]={indptr_h[-1]} page ids", len(indices))
-        if indptr_h[-1] > 0:
-            # one synchronization, here rather than per run()
-            low, high = _min_max(indices[: int(indptr_h[-1])])
-            if low < 0:
-                checks.fail("indices", "page ids >= 0", low)
-        else:
-            high = -1
-        self._max_page = high
+        num_page_ids = int(indptr_h[-1])
+        if len(indices) < num_page_ids:
+            checks.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", len(indices))
+        # The page-id range travels to the host while the host plans, instead of in a round trip of
+        # its own; a negative id is still reported ahead of any later argument error.
+        self._page_range.start(indices, num_page_ids)
+        try:
+            spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
+                                     max(1, int(q_lens.max(initial=1))), kv_layout, self._arch, tensor_cores)
+            if self.use_cuda_graph and self._planned and spec != self.spec:
+                checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
+            kernel = self.engine.get_kernel(spec)
+            loaded = kernel.loaded(self.device.index)
+            params = self._mask_params(kernel.mask, window_left, mask_params)
+            work, capacity = self._split_work(spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads,
+                                              chunk_tokens, disable_split_kv)
+        finally:
+            self._max_page = checks.largest_page_id(self._page_range.wait())  # run() checks the cache against it
 
-        spec = DecodeSpec(head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, mask=mask, page_size=page_size,
-                          group_size=num_qo_heads // num_kv_heads, max_q_len=max(1, int(q_lens.max(initial=1))),
-                          kv_layout=kv_layout, tensor_cores=tensor_cores, arch=self._arch)
-        if self.use_cuda_graph and self._planned and spec != self.spec:
-            checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
-        kernel = self.engine.get_kernel(spec)
-        loaded = kernel.loaded(self.device.index)
-        params = self._mask_params(kernel.mask, window_left, mask_params)
+        self.spec, self.kernel, self.work = spec, kernel, work
+        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
+        self.batch_size, self.num_tokens = batch, work.num_tokens
+        self._q_dtype, self._kv_dtype = _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype)
+        self._q_shape = (work.num_tokens, num_qo_heads, head_dim)
+        self._q_rows = (work.num_tokens, capacity.tokens if self.use_cuda_graph else work.num_tokens)
+        self._kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
+                          else (num_kv_heads, page_size, head_dim))
+        self._num_page_ids = num_page_ids
+        self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
+        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
+        buffers.write(work, kv_lens, indptr_h)
+        self._build_args(kernel, loaded, work, params, indices,
+                         (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
+        self._planned = True
+        return self
 
+    def _split_work(self, spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads: int, chunk_tokens,
+                    disable_split_kv: bool) -> "tuple[WorkPlan, _Capacity]":
+        """The work items over the span the mask reads, within the CUDA-graph capacity if any."""
         span_begin, span_end = np.zeros_like(kv_lens), kv_lens
         if kernel.mask.kv_span is not None:
             span_begin, span_end = kernel.mask.kv_span(kv_lens, q_lens, params)
@@ -138,7 +151,7 @@ class BatchDecode:
             checks.fail("chunk_tokens", "a positive int", chunk_tokens)
         if disable_split_kv:
             chunk_tokens = max(1, int(np.max(span_end - span_begin, initial=1)))
-        tiling = kernel.tiling
+        tiling, batch = kernel.tiling, len(kv_lens)
         ctas_per_item, max_ctas = num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
         capacity = self._graph_capacity(spec, batch, int(qo_h[-1]), max(batch, max_ctas // ctas_per_item))
         work = plan_work(span_begin, span_end, qo_h, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
@@ -149,23 +162,7 @@ class BatchDecode:
         elif work.num_work > capacity.work:
             checks.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
                         f"{work.num_work} items of {work.chunk_tokens} tokens")
-
-        self.spec, self.kernel, self.work = spec, kernel, work
-        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
-        self.batch_size, self.num_tokens = batch, work.num_tokens
-        self._q_dtype, self._kv_dtype = _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype)
-        self._q_shape = (work.num_tokens, num_qo_heads, head_dim)
-        self._q_rows = (work.num_tokens, capacity.tokens if self.use_cuda_graph else work.num_tokens)
-        self._kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
-                          else (num_kv_heads, page_size, head_dim))
-        self._num_page_ids = int(indptr_h[-1])
-        self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
-        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
-        buffers.write(work, kv_lens, indptr_h)
-        self._build_args(kernel, loaded, work, params, indices,
-                         (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
-        self._planned = True
-        return self
+        return work, capacity
 
     def _graph_capacity(self, spec, batch: int, tokens: int, one_wave_items: int) -> "_Capacity | None":
         """CUDA-graph mode: the buffer sizes fixed at the first plan (None otherwise)."""
@@ -191,6 +188,8 @@ class BatchDecode:
         return current
 
     def _mask_params(self, mask, window_left, mask_params) -> dict:
+        if not mask.params and not mask_params and window_left is None:
+            return {}  # the common case, a mask without parameters given none, in one test
         params = dict(mask_params or {})
         if window_left is not None:
             params["window_left"] = window_left
@@ -364,7 +363,7 @@ class _PlanBuffers:
 
     plan() fills a pinned staging copy and sends it with one asynchronous copy; the next plan()
     waits for that copy before reusing the staging memory. Addresses never change, so CUDA-graph
-    replays read the newest plan.
+    replays read the newest plan. (On a CPU device, for the tests, the copy is a plain one.)
     """
 
     FIELDS = ("num_work", "num_tokens", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
@@ -373,20 +372,20 @@ class _PlanBuffers:
     def __init__(self, capacity: _Capacity, partial_rows: int, head_dim: int, device):
         import torch
 
-        self.capacity = capacity
+        self.capacity, self.device = capacity, device
         w, b, t = capacity.work, capacity.batch, capacity.tokens
         sizes = (1, 1, w, w, w, b, b, b + 1, b + 1, t)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.offsets = {name: int(offsets[i]) for i, name in enumerate(self.FIELDS)}
-        self.staging = torch.zeros(int(offsets[-1]), dtype=torch.int32).pin_memory()
+        on_gpu = device.type == "cuda"
+        self.staging = torch.zeros(int(offsets[-1]), dtype=torch.int32, pin_memory=on_gpu)
         self.host = self.staging.numpy()
         self.device_buffer = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=device)
         base = self.device_buffer.data_ptr()
         self.pointers = {name: base + 4 * off for name, off in self.offsets.items()}
         self.tmp_o = torch.empty(max(1, partial_rows * head_dim), dtype=torch.float32, device=device)
         self.tmp_lse = torch.empty(max(1, partial_rows), dtype=torch.float32, device=device)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
+        self.copied = torch.cuda.Event() if on_gpu else None
 
     def fits(self, capacity: _Capacity, partial_elems: int) -> bool:
         c = self.capacity
@@ -394,7 +393,10 @@ class _PlanBuffers:
                 and partial_elems <= self.tmp_o.numel())
 
     def write(self, work: WorkPlan, kv_lens, indptr_h):
-        self.copied.synchronize()  # the previous plan's copy has read the staging memory
+        import torch
+
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous plan's copy has read the staging memory
         host, off = self.host, self.offsets
         host[off["num_work"]] = work.num_work
         host[off["num_tokens"]] = work.num_tokens
@@ -404,7 +406,50 @@ class _PlanBuffers:
                              ("token_request", work.token_request)):
             host[off[name]:off[name] + len(values)] = values
         self.device_buffer.copy_(self.staging, non_blocking=True)
-        self.copied.record()
+        if self.copied is not None:
+            self.copied.record(torch.cuda.current_stream(self.device))
+
+
+class _PageIdRange:
+    """The range of a plan's page ids, read from the GPU without a round trip of its own.
+
+    start() queues the read on the device's current stream, after whatever wrote the ids: the ids
+    themselves into pinned memory when they are few, else their min and max reduced on the GPU (a
+    host min/max over many ids would cost more than the reduction's launch). wait() returns them
+    once they have landed. plan() does its host work in between, which hides the copy's latency.
+    """
+
+    COPY_LIMIT = 8192  # page ids (32 KiB)
+
+    def __init__(self, device):
+        import torch
+
+        self.device = device
+        on_gpu = device.type == "cuda"
+        self.host = torch.empty(self.COPY_LIMIT, dtype=torch.int32, pin_memory=on_gpu)
+        self.reduced = torch.empty(2, dtype=torch.int32, device=device)
+        self.landed = torch.cuda.Event() if on_gpu else None
+        self.pending = self.host.numpy()[:0]
+
+    def start(self, indices, count: int):
+        import torch
+
+        ids = indices[:count]
+        if count > self.COPY_LIMIT:
+            torch.aminmax(ids, out=(self.reduced[0], self.reduced[1]))
+            ids = self.reduced
+        host = self.host[:len(ids)]
+        if len(ids):
+            host.copy_(ids, non_blocking=True)
+            if self.landed is not None:
+                self.landed.record(torch.cuda.current_stream(self.device))
+        self.pending = host.numpy()
+
+    def wait(self) -> np.ndarray:
+        """The page ids, or their [min, max]; empty when the plan has none."""
+        if self.landed is not None and len(self.pending):
+            self.landed.synchronize()
+        return self.pending
 
 
 def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None = None, engine: Engine | None = None,
