@@ -48,28 +48,35 @@ SPLIT_CANDIDATES = np.concatenate([np.arange(1, 25), [28, 32, 40, 48, 56, 64, 80
 _PARTS = tuple(SPLIT_CANDIDATES.tolist())
 
 
-def item_counts(span_lens: np.ndarray, chunks) -> tuple[list[int], list[int]]:
+def item_counts(span_lens: np.ndarray, chunks) -> tuple[list[float], list[float]]:
     """(work items, items at least half a chunk long) of cutting every span into each chunk size.
 
     A span of len = k * chunk + r makes max(1, ceil(len / chunk)) items, of which k + [2r >= chunk]
-    = floor(len / chunk + 1/2) are long; both read off one float quotient, exact for spans below 2**31.
-    Spans are the non-negative lengths plan_work gives.
+    = floor(len / chunk + 1/2) are long; both are read off one float quotient per span and chunk,
+    exactly for the non-negative spans below 2**31 that plan_work gives. Whole numbers, as floats.
     """
-    lens = np.asarray(span_lens, dtype=np.float64)
-    quotients = lens / np.asarray(chunks, dtype=np.float64)[:, None]
-    ones = np.ones(len(lens))
-    items = np.ceil(quotients) @ ones + (len(lens) - np.count_nonzero(lens))  # an empty span is one (empty) item
-    quotients += 0.5
-    long_items = np.floor(quotients, out=quotients) @ ones
-    return [int(n) for n in items.tolist()], [int(n) for n in long_items.tolist()]
+    span_lens = np.asarray(span_lens)
+    quotients = np.empty((2, len(chunks), len(span_lens)))
+    np.divide(span_lens, np.asarray(chunks, dtype=np.float64)[:, None], out=quotients[0])
+    np.add(quotients[0], 0.5, out=quotients[1])
+    np.ceil(quotients[0], out=quotients[0])
+    np.floor(quotients[1], out=quotients[1])
+    items, long_items = quotients.sum(2).tolist()
+    empty = len(span_lens) - int(np.count_nonzero(span_lens))  # an empty span is one (empty) item
+    return [n + empty for n in items] if empty else items, long_items
 
 
-def makespan(total_len: int, items: int, long_items: int, chunk: int, batch: int, ctas_per_item: int,
-             max_ctas: int) -> float:
-    """Estimated makespan, in key-equivalents, of one chunk size (see estimate_time)."""
-    fluid = (total_len + items * ITEM_OVERHEAD_TOKENS) * (ctas_per_item / max_ctas)
-    quantized = math.ceil(long_items * ctas_per_item / max_ctas) * (chunk + ITEM_OVERHEAD_TOKENS)
-    return max(fluid, quantized) + (MERGE_COST_TOKENS if items > batch else 0.0)
+def makespans(span_lens: np.ndarray, chunks: list[int], ctas_per_item: int, max_ctas: int,
+              max_items: int | None = None) -> list[float]:
+    """Estimated makespan, in key-equivalents, of each chunk size (see estimate_time); inf for a
+    chunk that makes more than max_items work items."""
+    items, long_items = item_counts(span_lens, chunks)
+    total_len, batch, share = int(span_lens.sum()), len(span_lens), ctas_per_item / max_ctas
+    limit = math.inf if max_items is None else max_items
+    return [max((total_len + n * ITEM_OVERHEAD_TOKENS) * share,  # fluid
+                math.ceil(n_long * ctas_per_item / max_ctas) * (chunk + ITEM_OVERHEAD_TOKENS))  # quantized
+            + (MERGE_COST_TOKENS if n > batch else 0.0) if n <= limit else math.inf
+            for chunk, n, n_long in zip(chunks, items, long_items)]
 
 
 def estimate_time(span_lens: np.ndarray, chunks: np.ndarray, ctas_per_item: int, max_ctas: int) -> np.ndarray:
@@ -80,11 +87,7 @@ def estimate_time(span_lens: np.ndarray, chunks: np.ndarray, ctas_per_item: int,
     over one wave). A split adds the merge's cost.
     """
     span_lens = np.asarray(span_lens, dtype=np.int64)
-    chunks = np.asarray(chunks).tolist()
-    total_len, batch = int(span_lens.sum()), len(span_lens)
-    items, long_items = item_counts(span_lens, chunks)
-    return np.array([makespan(total_len, n, n_long, chunk, batch, ctas_per_item, max_ctas)
-                     for n, n_long, chunk in zip(items, long_items, chunks)], dtype=np.float64)
+    return np.array(makespans(span_lens, np.asarray(chunks).tolist(), ctas_per_item, max_ctas), dtype=np.float64)
 
 
 def chunk_candidates(longest: int, max_parts: int, granularity: int, floor: int) -> list[int]:
@@ -119,49 +122,48 @@ def choose_chunk(span_lens: np.ndarray, ctas_per_item: int, max_ctas: int, granu
         return whole
     floor = max(-(-min_chunk // granularity) * granularity, granularity)
     candidates = chunk_candidates(longest, max(1, max_ctas // ctas_per_item), granularity, floor)
-    items, long_items = item_counts(span_lens, candidates)
-    total_len, batch = int(span_lens.sum()), len(span_lens)
-    best, best_cost = candidates[0], math.inf
-    for chunk, n, n_long in zip(candidates, items, long_items):
-        if max_items is not None and n > max_items:
-            continue
-        cost = makespan(total_len, n, n_long, chunk, batch, ctas_per_item, max_ctas)
-        if cost < best_cost:
-            best, best_cost = chunk, cost
-    return best
+    costs = makespans(span_lens, candidates, ctas_per_item, max_ctas, max_items)
+    return candidates[costs.index(min(costs))]  # the first minimum: the fewest splits
 
 
-def plan_work(span_begin: np.ndarray, span_end: np.ndarray, qo_indptr: np.ndarray, *,
+def plan_work(span_begin: np.ndarray | None, span_end: np.ndarray, qo_indptr: np.ndarray, *,
               ctas_per_item: int, max_ctas: int, granularity: int, chunk_tokens: int | None = None,
               max_items: int | None = None) -> WorkPlan:
     """Work items for one batch.
 
-    span_begin/span_end: [B] positions each request must read (from the mask's kv_span).
+    span_begin/span_end: [B] positions each request must read (from the mask's kv_span); span_begin
+        None: every span starts at 0.
     ctas_per_item: CTAs one work item launches (KV heads x row tiles).
     max_ctas: CTAs resident at once (SMs x the kernel's occupancy): the grid aims at one wave.
     chunk_tokens: force a chunk size (tests, determinism); None plans it.
     max_items: at most this many work items (fixed CUDA-graph capacity); None for no limit.
     """
-    span_begin = np.asarray(span_begin, dtype=np.int64)
-    span_end = np.maximum(np.asarray(span_end, dtype=np.int64), span_begin)  # an inverted span is empty
-    span_lens = span_end - span_begin
+    span_end = np.asarray(span_end, dtype=np.int64)
+    if span_begin is None:
+        span_end = span_lens = np.maximum(span_end, 0)
+    else:
+        span_begin = np.asarray(span_begin, dtype=np.int64)
+        span_end = np.maximum(span_end, span_begin)  # an inverted span is empty
+        span_lens = span_end - span_begin
     if chunk_tokens is None:
         chunk = choose_chunk(span_lens, ctas_per_item, max_ctas, granularity, max_items=max_items)
     else:
         chunk = int(chunk_tokens)
     items = np.maximum(span_lens + (chunk - 1), chunk) // chunk  # ceil(len / chunk), and one item for an empty span
-    req_work_indptr = np.zeros(len(span_lens) + 1, dtype=np.int64)
+    req_work_indptr = np.zeros(len(span_lens) + 1, dtype=np.int32)
     np.cumsum(items, out=req_work_indptr[1:])
+    num_work = int(req_work_indptr[-1])
     requests = np.arange(len(span_lens), dtype=np.int32)
-    if req_work_indptr[-1] == len(span_lens):  # nothing split: item b is request b
-        work_request, work_begin, work_end = requests, span_begin, span_end
+    if num_work == len(span_lens):  # nothing split: item b is request b
+        work_request, work_begin, work_end = requests, span_end - span_lens, span_end
     else:
         work_request = np.repeat(requests, items)
-        work_begin = (np.arange(int(req_work_indptr[-1])) - req_work_indptr[work_request]) * chunk
-        work_begin += span_begin[work_request]
+        work_begin = (np.arange(num_work) - req_work_indptr[work_request]) * chunk
+        if span_begin is not None:
+            work_begin += span_begin[work_request]
         work_end = np.minimum(work_begin + chunk, span_end[work_request])
     qo_indptr = np.asarray(qo_indptr, dtype=np.int64)
     token_request = np.repeat(requests, qo_indptr[1:] - qo_indptr[:-1])
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-    return WorkPlan(work_request, i32(work_begin), i32(work_end), i32(req_work_indptr), i32(qo_indptr),
-                    token_request, chunk)
+    return WorkPlan(work_request, i32(work_begin), i32(work_end), req_work_indptr, i32(qo_indptr), token_request,
+                    chunk)

@@ -265,3 +265,18 @@ def test_plan_work_matches_the_reference_on_random_batches():
 def test_needs_merge_when_one_request_is_split_in_two(lens, merge):
     plan = plan_for(lens, chunk_tokens=200)
     assert plan.needs_merge is merge and plan.num_work == len(lens) + merge
+
+
+def test_no_span_begin_means_spans_from_zero():
+    rng = np.random.default_rng(17)
+    for _ in range(300):
+        batch = int(rng.integers(0, 100))
+        ends = random_spans(rng, batch) if batch else np.zeros(0, dtype=np.int64)
+        qo_indptr = np.arange(batch + 1)
+        kwargs = dict(ctas_per_item=8, max_ctas=264, granularity=int(rng.choice(GRANULARITIES)),
+                      chunk_tokens=None if rng.random() < 0.7 else int(rng.integers(1, 20_000)))
+        new = plan_work(None, ends, qo_indptr, **kwargs)
+        old = reference_plan_work(np.zeros_like(ends), ends, qo_indptr, **kwargs)
+        assert new.chunk_tokens == old.chunk_tokens
+        for field in PLAN_FIELDS:
+            assert np.array_equal(getattr(new, field), getattr(old, field)), field
