@@ -242,6 +242,16 @@ def test_many_page_ids_are_reduced_before_the_copy(planner, monkeypatch):
         decoder.plan(indptr, bad, last, 8, 2, 128, 8)
 
 
+def test_strided_page_ids_are_reduced_as_tensors(planner):
+    """A view with gaps between its ids cannot be copied as one run: its min and max are taken instead."""
+    rng = np.random.default_rng(6)
+    indptr, indices, last = tables([300, 200], 16, rng)
+    strided = torch.stack([indices, torch.full_like(indices, -1)], dim=1).reshape(-1)[::2]
+    decoder = cpu_decoder(planner)
+    decoder.plan(indptr, strided, last, 8, 2, 128, 16)
+    assert strided.stride(0) == 2 and decoder._max_page == int(indices.max())
+
+
 def test_page_id_range_reads_only_the_used_prefix():
     reader = _PageIdRange(CPU)
     ids = torch.tensor([4, 9, 2, -1, 50], dtype=torch.int32)
