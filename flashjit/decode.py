@@ -413,6 +413,7 @@ class _PlanBuffers:
         sizes = (1, 1, w, w, w, b, b, b + 1, b + 1, t)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.offsets = {name: int(offsets[i]) for i, name in enumerate(self.FIELDS)}
+        self.starts = tuple(self.offsets.values())
         self.staging = torch.zeros(int(offsets[-1]), dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host = self.staging.numpy()
         self.device_buffer = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=device)
@@ -441,14 +442,11 @@ class _PlanBuffers:
 
     def write(self, work: WorkPlan, kv_lens, indptr_h):
         self.copies.wait()  # the previous plan's copy has read the staging memory
-        host, off = self.host, self.offsets
-        host[off["num_work"]] = work.num_work
-        host[off["num_tokens"]] = work.num_tokens
-        for name, values in (("work_request", work.work_request), ("work_begin", work.work_begin),
-                             ("work_end", work.work_end), ("req_kv_len", kv_lens), ("req_page_begin", indptr_h[:-1]),
-                             ("req_qo_indptr", work.req_qo_indptr), ("req_work_indptr", work.req_work_indptr),
-                             ("token_request", work.token_request)):
-            host[off[name]:off[name] + len(values)] = values
+        host, (num_work, num_tokens, *starts) = self.host, self.starts
+        host[num_work], host[num_tokens] = work.num_work, work.num_tokens
+        for start, values in zip(starts, (work.work_request, work.work_begin, work.work_end, kv_lens, indptr_h[:-1],
+                                          work.req_qo_indptr, work.req_work_indptr, work.token_request)):  # FIELDS order
+            host[start:start + len(values)] = values
         self.copies.copy(self.device_buffer.data_ptr(), self.staging.data_ptr(), 4 * len(host), _HOST_TO_DEVICE,
                          mark=True)
 
