@@ -444,8 +444,9 @@ class _PlanBuffers:
         self.copies.wait()  # the previous plan's copy has read the staging memory
         host, (num_work, num_tokens, *starts) = self.host, self.starts
         host[num_work], host[num_tokens] = work.num_work, work.num_tokens
-        for start, values in zip(starts, (work.work_request, work.work_begin, work.work_end, kv_lens, indptr_h[:-1],
-                                          work.req_qo_indptr, work.req_work_indptr, work.token_request)):  # FIELDS order
+        arrays = (work.work_request, work.work_begin, work.work_end, kv_lens, indptr_h[:-1], work.req_qo_indptr,
+                  work.req_work_indptr, work.token_request)  # the FIELDS after the two counts, in order
+        for start, values in zip(starts, arrays):
             host[start:start + len(values)] = values
         self.copies.copy(self.device_buffer.data_ptr(), self.staging.data_ptr(), 4 * len(host), _HOST_TO_DEVICE,
                          mark=True)

@@ -168,7 +168,8 @@ def test_page_table_matches_the_reference_on_random_tables():
         indptr = np.concatenate([[0], np.cumsum(pages)])
         if batch and rng.random() < 0.1:
             indptr[rng.integers(1, batch + 1)] -= 30  # decreasing somewhere
-        last = np.where(pages > 0, rng.integers(1, page_size + 1, size=batch), rng.integers(0, page_size + 1, size=batch))
+        last = np.where(pages > 0, rng.integers(1, page_size + 1, size=batch),
+                        rng.integers(0, page_size + 1, size=batch))
         if batch and rng.random() < 0.3:
             last[rng.integers(batch)] = rng.choice([-1, 0, page_size + 1])
         as_input = rng.choice([list, np.asarray, torch.tensor])

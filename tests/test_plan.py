@@ -244,7 +244,8 @@ def test_plan_work_matches_the_reference_on_random_batches():
         batch = int(rng.integers(0, 200))
         lens = random_spans(rng, batch) if batch else np.zeros(0, dtype=np.int64)
         begins = rng.integers(0, 5000, size=batch) * (rng.random(batch) < 0.3)
-        ends = begins + lens - rng.integers(0, 3, size=batch) * (rng.random(batch) < 0.05) * (begins + 1)  # a few inverted
+        inverted = rng.integers(0, 3, size=batch) * (rng.random(batch) < 0.05) * (begins + 1)
+        ends = begins + lens - inverted  # a few spans end before they begin
         q_lens = rng.integers(1, 5, size=batch) if rng.random() < 0.5 else np.ones(batch, dtype=np.int64)
         qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(rng.choice([np.int32, np.int64]))
         kwargs = dict(ctas_per_item=int(rng.choice([1, 4, 8, 16])), max_ctas=int(rng.choice([132, 264, 528])),
