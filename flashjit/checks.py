@@ -18,9 +18,9 @@ def host_int_array(name: str, value, length: int | None = None) -> np.ndarray:
     if hasattr(value, "detach"):
         if value.dtype.is_floating_point or value.dtype.is_complex:
             fail(name, "an integer tensor", value.dtype)
-        value = value.detach().cpu().numpy()
+        value = (value if value.is_cpu else value.cpu()).numpy()  # an integer tensor never requires grad
     array = np.asarray(value)
-    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "ium"):  # numpy's integer kinds, timedelta too
         fail(name, "a 1-D integer array", f"shape {array.shape}, dtype {array.dtype}")
     if length is not None and len(array) != length:
         fail(name, f"length {length}", len(array))
@@ -28,16 +28,21 @@ def host_int_array(name: str, value, length: int | None = None) -> np.ndarray:
 
 
 def indptr_array(name: str, value, *, length: int | None = None) -> np.ndarray:
+    return _indptr_and_steps(name, value, length)[0]
+
+
+def _indptr_and_steps(name: str, value, length: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """A validated CSR offset array and its steps (the entries of each row)."""
     array = host_int_array(name, value, length)
     if len(array) < 1:
         fail(name, "at least one entry (batch_size + 1)", "an empty array")
     if array[0] != 0:
         fail(name, "to start at 0", int(array[0]))
-    steps = np.diff(array)
-    if np.any(steps < 0):
+    steps = array[1:] - array[:-1]
+    if steps.size and steps.min() < 0:
         at = int(np.argmax(steps < 0))
         fail(name, "non-decreasing values", f"{name}[{at}]={array[at]} > {name}[{at + 1}]={array[at + 1]}")
-    return array
+    return array, steps
 
 
 def tensor(name: str, t, *, dtype=None, device=None, ndim=None, shape=None) -> None:
@@ -75,15 +80,16 @@ def head_counts(num_qo_heads, num_kv_heads, page_size) -> None:
 
 def page_table(indptr, last_page_len, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(indptr, kv_lens) on the host from a CSR page table and each request's last-page fill."""
-    indptr_h = indptr_array("indptr", indptr)
-    last = host_int_array("last_page_len", last_page_len, len(indptr_h) - 1)
-    pages = np.diff(indptr_h)
-    bad = (last > page_size) | (last < 0) | ((last < 1) & (pages > 0))
-    if np.any(bad):
-        at = int(np.argmax(bad))
-        fail("last_page_len", f"values in 1..page_size={page_size} (0 only for requests with no pages)",
-             f"last_page_len[{at}]={last[at]}")
-    return indptr_h, np.where(pages > 0, (pages - 1) * page_size + last, 0)
+    indptr_h, pages = _indptr_and_steps("indptr", indptr, None)
+    last = host_int_array("last_page_len", last_page_len, len(pages))
+    if len(last) and (last.min() < 1 or last.max() > page_size):  # else every value is valid: skip the details
+        bad = (last > page_size) | (last < 0) | ((last < 1) & (pages > 0))
+        if np.any(bad):
+            at = int(np.argmax(bad))
+            fail("last_page_len", f"values in 1..page_size={page_size} (0 only for requests with no pages)",
+                 f"last_page_len[{at}]={last[at]}")
+    kv_lens = (pages - 1) * page_size + last
+    return indptr_h, np.maximum(kv_lens, 0, out=kv_lens)  # no pages: last <= page_size, so no tokens
 
 
 def query_indptr(qo_indptr, q_len, batch: int) -> np.ndarray:
@@ -126,3 +132,13 @@ def tensor_scale_values(name: str, t) -> None:
 
     if not bool(((t > 0) & torch.isfinite(t)).all()):
         fail(name, "positive finite values", t.flatten()[:8].tolist())
+
+
+def largest_page_id(ids: np.ndarray) -> int:
+    """The largest of a plan's page ids (or of their [min, max]), -1 for none; a negative id fails."""
+    if len(ids) == 0:
+        return -1
+    low = int(ids.min())
+    if low < 0:
+        fail("indices", "page ids >= 0", low)
+    return int(ids.max())

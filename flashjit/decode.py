@@ -12,6 +12,7 @@ arguments. run() checks the tensors, patches the pointers and launches: no alloc
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import math
@@ -42,18 +43,57 @@ def _torch_dtype(name: str):
     return getattr(torch, name)  # the spec's dtype names are torch's
 
 
-def _min_max(t) -> tuple[int, int]:
-    import torch
-
-    low, high = torch.aminmax(t)
-    return tuple(torch.stack([low, high]).tolist())
-
-
 def _current_stream(device_index: int) -> int:
     import torch
 
     getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 0.2 us instead of ~5 us
     return getter(device_index) if getter else torch.cuda.current_stream(device_index).cuda_stream
+
+
+_HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
+
+
+def _current_device(device):
+    """A no-op when device is torch's current device (the usual case), else a switch to it."""
+    import torch
+
+    return contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
+
+
+class _StreamCopies:
+    """Copies in the order of the device's current stream, and an event to wait for the latest.
+
+    They go through CUDA's runtime API: ~3 us of host time a copy on the H200 machine, where torch's
+    copy_ with its slicing costs ~15 us and the stream object a torch event is recorded on ~5 us.
+    On a CPU device (the tests) a copy is a memmove and there is nothing to wait for.
+    """
+
+    def __init__(self, device):
+        self.device, self.event = device, None
+        if device.type == "cuda":
+            import torch
+            from cupy.cuda import runtime
+
+            self.runtime = runtime
+            with torch.cuda.device(device):
+                self.event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+            weakref.finalize(self, runtime.eventDestroy, self.event).atexit = False
+
+    def copy(self, dst: int, src: int, nbytes: int, kind: int, *, mark: bool = False):
+        """Queue a copy of nbytes from address src to dst (kind: a cudaMemcpyKind); mark: let wait() wait for it."""
+        if self.event is None:
+            ctypes.memmove(dst, src, nbytes)
+            return
+        stream = _current_stream(self.device.index)
+        with _current_device(self.device):
+            self.runtime.memcpyAsync(dst, src, nbytes, kind, stream)
+            if mark:
+                self.runtime.eventRecord(self.event, stream)
+
+    def wait(self):
+        """Block until the last marked copy is done (at once if none was marked)."""
+        if self.event is not None:
+            self.runtime.eventSynchronize(self.event)
 
 
 class BatchDecode:
@@ -90,6 +130,7 @@ class BatchDecode:
         self._graph_indices = (torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
                                if use_cuda_graph else None)
         self._buffers: _PlanBuffers | None = None
+        self._page_range = _PageIdRange(self.device)
         self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
         self._scales_key = None  # the k_scale/v_scale the arguments hold
         self._planned = False
@@ -108,38 +149,58 @@ class BatchDecode:
         indptr_h, kv_lens = checks.page_table(indptr, last_page_len, page_size)
         batch = len(kv_lens)
         qo_h = checks.query_indptr(qo_indptr, q_len, batch)
-        q_lens = np.diff(qo_h)  # the query tokens are the request's newest positions (kv_len - q_len + i)
+        q_lens = qo_h[1:] - qo_h[:-1]  # the query tokens are the request's newest positions (kv_len - q_len + i)
 
         checks.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
-        if len(indices) < indptr_h[-1]:
-            checks.fail("indices", f"at least indptr[-1]={indptr_h[-1]} page ids", len(indices))
-        if indptr_h[-1] > 0:
-            # one synchronization, here rather than per run()
-            low, high = _min_max(indices[: int(indptr_h[-1])])
-            if low < 0:
-                checks.fail("indices", "page ids >= 0", low)
-        else:
-            high = -1
-        self._max_page = high
+        num_page_ids = int(indptr_h[-1])
+        if indices.shape[0] < num_page_ids:
+            checks.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
+        # The page-id range travels to the host while the host plans, instead of in a round trip of
+        # its own; a negative id is still reported ahead of any later argument error.
+        self._page_range.start(indices, num_page_ids)
+        try:
+            spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
+                                     max(1, int(q_lens.max(initial=1))), kv_layout, self._arch, tensor_cores)
+            if self.use_cuda_graph and self._planned and spec != self.spec:
+                checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
+            kernel = self.engine.get_kernel(spec)
+            loaded = kernel.loaded(self.device.index)
+            params = self._mask_params(kernel.mask, window_left, mask_params)
+            work, capacity = self._split_work(spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads,
+                                              chunk_tokens, disable_split_kv)
+        finally:
+            self._max_page = checks.largest_page_id(self._page_range.wait())  # run() checks the cache against it
 
-        spec = DecodeSpec(head_dim=head_dim, dtype=q_dtype, kv_dtype=kv_dtype, mask=mask, page_size=page_size,
-                          group_size=num_qo_heads // num_kv_heads, max_q_len=max(1, int(q_lens.max(initial=1))),
-                          kv_layout=kv_layout, tensor_cores=tensor_cores, arch=self._arch)
-        if self.use_cuda_graph and self._planned and spec != self.spec:
-            checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
-        kernel = self.engine.get_kernel(spec)
-        loaded = kernel.loaded(self.device.index)
-        params = self._mask_params(kernel.mask, window_left, mask_params)
+        self.spec, self.kernel, self.work = spec, kernel, work
+        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
+        self.batch_size, self.num_tokens = batch, work.num_tokens
+        self._q_dtype, self._kv_dtype = _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype)
+        self._q_shape = (work.num_tokens, num_qo_heads, head_dim)
+        self._q_rows = (work.num_tokens, capacity.tokens if self.use_cuda_graph else work.num_tokens)
+        self._kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
+                          else (num_kv_heads, page_size, head_dim))
+        self._num_page_ids = num_page_ids
+        self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
+        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
+        buffers.write(work, kv_lens, indptr_h)
+        self._build_args(kernel, loaded, work, params, indices,
+                         (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
+        self._planned = True
+        return self
 
-        span_begin, span_end = np.zeros_like(kv_lens), kv_lens
+    def _split_work(self, spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads: int, chunk_tokens,
+                    disable_split_kv: bool) -> "tuple[WorkPlan, _Capacity]":
+        """The work items over the span the mask reads, within the CUDA-graph capacity if any."""
+        span_begin, span_end = None, kv_lens  # None: every span starts at 0
         if kernel.mask.kv_span is not None:
             span_begin, span_end = kernel.mask.kv_span(kv_lens, q_lens, params)
             span_end = np.minimum(span_end, np.iinfo(np.int32).max)
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
             checks.fail("chunk_tokens", "a positive int", chunk_tokens)
         if disable_split_kv:
-            chunk_tokens = max(1, int(np.max(span_end - span_begin, initial=1)))
-        tiling = kernel.tiling
+            span_lens = span_end if span_begin is None else span_end - span_begin
+            chunk_tokens = max(1, int(np.max(span_lens, initial=1)))
+        tiling, batch = kernel.tiling, len(kv_lens)
         ctas_per_item, max_ctas = num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
         capacity = self._graph_capacity(spec, batch, int(qo_h[-1]), max(batch, max_ctas // ctas_per_item))
         work = plan_work(span_begin, span_end, qo_h, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
@@ -150,23 +211,7 @@ class BatchDecode:
         elif work.num_work > capacity.work:
             checks.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
                         f"{work.num_work} items of {work.chunk_tokens} tokens")
-
-        self.spec, self.kernel, self.work = spec, kernel, work
-        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
-        self.batch_size, self.num_tokens = batch, work.num_tokens
-        self._q_dtype, self._kv_dtype = _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype)
-        self._q_shape = (work.num_tokens, num_qo_heads, head_dim)
-        self._q_rows = (work.num_tokens, capacity.tokens if self.use_cuda_graph else work.num_tokens)
-        self._kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
-                          else (num_kv_heads, page_size, head_dim))
-        self._num_page_ids = int(indptr_h[-1])
-        self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
-        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
-        buffers.write(work, kv_lens, indptr_h)
-        self._build_args(kernel, loaded, work, params, indices,
-                         (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
-        self._planned = True
-        return self
+        return work, capacity
 
     def _graph_capacity(self, spec, batch: int, tokens: int, one_wave_items: int) -> "_Capacity | None":
         """CUDA-graph mode: the buffer sizes fixed at the first plan (None otherwise)."""
@@ -192,6 +237,8 @@ class BatchDecode:
         return current
 
     def _mask_params(self, mask, window_left, mask_params) -> dict:
+        if not mask.params and not mask_params and window_left is None:
+            return {}  # the common case, a mask without parameters given none, in one test
         params = dict(mask_params or {})
         if window_left is not None:
             params["window_left"] = window_left
@@ -210,11 +257,8 @@ class BatchDecode:
         """Launch arguments: plan pointers and scalars now, tensor pointers patched by run()."""
         import torch
 
-        buffers, p = self._buffers, self._buffers.pointers
-        a = DecodeArgs()
-        for name in ("num_work", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
-                     "req_qo_indptr", "req_work_indptr"):
-            setattr(a, name, p[name])
+        buffers = self._buffers
+        a, m = buffers.decode_args, buffers.merge_args  # the work-list pointers are in already
         if self._graph_indices is not None:  # fixed address for graph replays
             used = int(self._num_page_ids)
             if used > self._graph_indices.numel():
@@ -222,12 +266,11 @@ class BatchDecode:
             self._graph_indices[:used].copy_(indices[:used], non_blocking=True)
             indices = self._graph_indices
         a.page_indices = indices.data_ptr()
-        a.tmp_o, a.tmp_lse = buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr()
-        a.num_qo_heads = self.num_qo_heads
+        a.num_qo_heads = m.num_qo_heads = self.num_qo_heads
         a.sm_scale_log2 = sm_scale_log2
         a.k_scale = a.v_scale = 1.0
-        self._scales_key = None
-        self._decode_args = a
+        self._scales_key = None  # run() sets the scale fields again
+        self._decode_args, self._merge_args, self._merge_params = a, m, buffers.merge_params
         self._indices = indices  # keep alive while planned
 
         self._mask_values, self._mask_tensors = [], []
@@ -244,14 +287,6 @@ class BatchDecode:
         cap = buffers.capacity
         self._decode_grid = (cap.work if graph else work.num_work, self.num_kv_heads, kernel.tiling.row_tiles)
         self._decode_fn = loaded.decode
-
-        m = MergeArgs()
-        m.tmp_o, m.tmp_lse = a.tmp_o, a.tmp_lse
-        m.token_request, m.req_qo_indptr, m.req_work_indptr = p["token_request"], p["req_qo_indptr"], p["req_work_indptr"]
-        m.num_tokens = p["num_tokens"]
-        m.num_qo_heads = self.num_qo_heads
-        self._merge_args = m
-        self._merge_params = (ctypes.c_void_p * 1)(ctypes.addressof(m))
         self._merge_grid = (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1)
         # Graphs always launch the merge (its blocks exit early when nothing was split).
         self._merge_fn = loaded.merge if (graph or work.needs_merge) else None
@@ -398,7 +433,7 @@ class _PlanBuffers:
 
     plan() fills a pinned staging copy and sends it with one asynchronous copy; the next plan()
     waits for that copy before reusing the staging memory. Addresses never change, so CUDA-graph
-    replays read the newest plan.
+    replays read the newest plan. (On a CPU device, for the tests, the copy is a plain one.)
     """
 
     FIELDS = ("num_work", "num_tokens", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
@@ -412,15 +447,27 @@ class _PlanBuffers:
         sizes = (1, 1, w, w, w, b, b, b + 1, b + 1, t)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.offsets = {name: int(offsets[i]) for i, name in enumerate(self.FIELDS)}
-        self.staging = torch.zeros(int(offsets[-1]), dtype=torch.int32).pin_memory()
+        self.starts = tuple(self.offsets.values())
+        self.staging = torch.zeros(int(offsets[-1]), dtype=torch.int32, pin_memory=device.type == "cuda")
         self.host = self.staging.numpy()
         self.device_buffer = torch.zeros(int(offsets[-1]), dtype=torch.int32, device=device)
         base = self.device_buffer.data_ptr()
         self.pointers = {name: base + 4 * off for name, off in self.offsets.items()}
         self.tmp_o = torch.empty(max(1, partial_rows * head_dim), dtype=torch.float32, device=device)
         self.tmp_lse = torch.empty(max(1, partial_rows), dtype=torch.float32, device=device)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
+        self.copies = _StreamCopies(device)
+        # Launch arguments over these buffers; each plan() sets its scalars, each run() its tensors.
+        p = self.pointers
+        self.decode_args = a = DecodeArgs()
+        for name in ("num_work", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
+                     "req_qo_indptr", "req_work_indptr"):
+            setattr(a, name, p[name])
+        a.tmp_o, a.tmp_lse = self.tmp_o.data_ptr(), self.tmp_lse.data_ptr()
+        self.merge_args = m = MergeArgs()
+        m.tmp_o, m.tmp_lse = a.tmp_o, a.tmp_lse
+        m.token_request, m.req_qo_indptr, m.req_work_indptr = p["token_request"], p["req_qo_indptr"], p["req_work_indptr"]
+        m.num_tokens = p["num_tokens"]
+        self.merge_params = (ctypes.c_void_p * 1)(ctypes.addressof(m))
 
     def fits(self, capacity: _Capacity, partial_elems: int) -> bool:
         c = self.capacity
@@ -428,17 +475,53 @@ class _PlanBuffers:
                 and partial_elems <= self.tmp_o.numel())
 
     def write(self, work: WorkPlan, kv_lens, indptr_h):
-        self.copied.synchronize()  # the previous plan's copy has read the staging memory
-        host, off = self.host, self.offsets
-        host[off["num_work"]] = work.num_work
-        host[off["num_tokens"]] = work.num_tokens
-        for name, values in (("work_request", work.work_request), ("work_begin", work.work_begin),
-                             ("work_end", work.work_end), ("req_kv_len", kv_lens), ("req_page_begin", indptr_h[:-1]),
-                             ("req_qo_indptr", work.req_qo_indptr), ("req_work_indptr", work.req_work_indptr),
-                             ("token_request", work.token_request)):
-            host[off[name]:off[name] + len(values)] = values
-        self.device_buffer.copy_(self.staging, non_blocking=True)
-        self.copied.record()
+        self.copies.wait()  # the previous plan's copy has read the staging memory
+        host, (num_work, num_tokens, *starts) = self.host, self.starts
+        host[num_work], host[num_tokens] = work.num_work, work.num_tokens
+        arrays = (work.work_request, work.work_begin, work.work_end, kv_lens, indptr_h[:-1], work.req_qo_indptr,
+                  work.req_work_indptr, work.token_request)  # the FIELDS after the two counts, in order
+        for start, values in zip(starts, arrays):
+            host[start:start + len(values)] = values
+        self.copies.copy(self.device_buffer.data_ptr(), self.staging.data_ptr(), 4 * len(host), _HOST_TO_DEVICE,
+                         mark=True)
+
+
+class _PageIdRange:
+    """The range of a plan's page ids, read from the GPU without a round trip of its own.
+
+    start() queues the read on the device's current stream, after whatever wrote the ids: the ids
+    themselves into pinned memory when they are few and contiguous, else their min and max reduced
+    on the GPU (a host min/max over many ids would cost more than the reduction's launch). wait()
+    returns them once they have landed. plan() does its host work in between, which hides the copy's
+    latency.
+    """
+
+    COPY_LIMIT = 8192  # page ids (32 KiB)
+
+    def __init__(self, device):
+        import torch
+
+        self.host = torch.empty(self.COPY_LIMIT, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.host_array = self.host.numpy()
+        self.reduced = torch.empty(2, dtype=torch.int32, device=device)
+        self.copies = _StreamCopies(device)
+        self.pending = self.host_array[:0]
+
+    def start(self, indices, count: int):
+        if count > self.COPY_LIMIT or (count > 1 and indices.stride(0) != 1):
+            import torch
+
+            torch.aminmax(indices[:count], out=(self.reduced[0], self.reduced[1]))
+            indices, count = self.reduced, 2
+        if count:
+            self.copies.copy(self.host.data_ptr(), indices.data_ptr(), 4 * count, _DEVICE_TO_HOST, mark=True)
+        self.pending = self.host_array[:count]
+
+    def wait(self) -> np.ndarray:
+        """The page ids, or their [min, max]; empty when the plan has none."""
+        if len(self.pending):
+            self.copies.wait()
+        return self.pending
 
 
 def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None = None, engine: Engine | None = None,

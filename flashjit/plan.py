@@ -8,6 +8,7 @@ item writes its output directly, the others write partial states the merge kerne
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -36,7 +37,7 @@ class WorkPlan:
 
     @property
     def needs_merge(self) -> bool:
-        return bool(np.any(np.diff(self.req_work_indptr) > 1))
+        return self.num_work > len(self.req_work_indptr) - 1  # every request has an item: more means a split
 
     @property
     def max_splits(self) -> int:
@@ -44,6 +45,38 @@ class WorkPlan:
 
 
 SPLIT_CANDIDATES = np.concatenate([np.arange(1, 25), [28, 32, 40, 48, 56, 64, 80, 96, 112, 128]])
+_PARTS = tuple(SPLIT_CANDIDATES.tolist())
+
+
+def item_counts(span_lens: np.ndarray, chunks) -> tuple[list[float], list[float]]:
+    """(work items, items at least half a chunk long) of cutting every span into each chunk size.
+
+    A span of len = k * chunk + r makes max(1, ceil(len / chunk)) items, of which k + [2r >= chunk]
+    = floor(len / chunk + 1/2) are long; both are read off one float quotient per span and chunk,
+    exactly for the non-negative spans below 2**31 that plan_work gives. Whole numbers, as floats.
+    """
+    span_lens = np.asarray(span_lens)
+    quotients = np.empty((2, len(chunks), len(span_lens)))
+    np.divide(span_lens, np.asarray(chunks, dtype=np.float64)[:, None], out=quotients[0])
+    np.add(quotients[0], 0.5, out=quotients[1])
+    np.ceil(quotients[0], out=quotients[0])
+    np.floor(quotients[1], out=quotients[1])
+    items, long_items = quotients.sum(2).tolist()
+    empty = len(span_lens) - int(np.count_nonzero(span_lens))  # an empty span is one (empty) item
+    return [n + empty for n in items] if empty else items, long_items
+
+
+def makespans(span_lens: np.ndarray, chunks: list[int], ctas_per_item: int, max_ctas: int,
+              max_items: int | None = None) -> list[float]:
+    """Estimated makespan, in key-equivalents, of each chunk size (see estimate_time); inf for a
+    chunk that makes more than max_items work items."""
+    items, long_items = item_counts(span_lens, chunks)
+    total_len, batch, share = int(span_lens.sum()), len(span_lens), ctas_per_item / max_ctas
+    limit = math.inf if max_items is None else max_items
+    return [max((total_len + n * ITEM_OVERHEAD_TOKENS) * share,  # fluid
+                math.ceil(n_long * ctas_per_item / max_ctas) * (chunk + ITEM_OVERHEAD_TOKENS))  # quantized
+            + (MERGE_COST_TOKENS if n > batch else 0.0) if n <= limit else math.inf
+            for chunk, n, n_long in zip(chunks, items, long_items)]
 
 
 def estimate_time(span_lens: np.ndarray, chunks: np.ndarray, ctas_per_item: int, max_ctas: int) -> np.ndarray:
@@ -53,16 +86,24 @@ def estimate_time(span_lens: np.ndarray, chunks: np.ndarray, ctas_per_item: int,
     waves of near-full chunks one after another (the quantized bound, which catches a grid just
     over one wave). A split adds the merge's cost.
     """
-    lens = np.asarray(span_lens, dtype=np.float64)
-    chunks = np.asarray(chunks, dtype=np.float64)
-    items = np.maximum(np.ceil(np.divide.outer(lens, chunks)), 1.0)
-    total_items = items.sum(0)
-    # items at least half a chunk long: all but the last, and the last if 2 * its length >= chunk
-    short_last = (2.0 * np.subtract.outer(lens, chunks) + chunks < 2.0 * (items - 1.0) * chunks).sum(0)
-    fluid = (lens.sum() + total_items * ITEM_OVERHEAD_TOKENS) * (ctas_per_item / max_ctas)
-    quantized = np.ceil((total_items - short_last) * ctas_per_item / max_ctas) * (chunks + ITEM_OVERHEAD_TOKENS)
-    merge = np.where(total_items > len(lens), MERGE_COST_TOKENS, 0.0)
-    return np.maximum(fluid, quantized) + merge
+    span_lens = np.asarray(span_lens, dtype=np.int64)
+    return np.array(makespans(span_lens, np.asarray(chunks).tolist(), ctas_per_item, max_ctas), dtype=np.float64)
+
+
+def chunk_candidates(longest: int, max_parts: int, granularity: int, floor: int) -> list[int]:
+    """The longest span cut into each of SPLIT_CANDIDATES parts (up to max_parts), rounded up to the
+    granularity and at least floor: a non-increasing sequence, so duplicates are neighbours and
+    dropped, and once floor is reached nothing smaller follows."""
+    chunks = []
+    for parts in _PARTS:
+        if parts > max_parts:
+            break
+        chunk = max(-(-(-(-longest // parts)) // granularity) * granularity, floor)
+        if not chunks or chunk != chunks[-1]:
+            chunks.append(chunk)
+        if chunk == floor:
+            break
+    return chunks
 
 
 def choose_chunk(span_lens: np.ndarray, ctas_per_item: int, max_ctas: int, granularity: int,
@@ -71,7 +112,8 @@ def choose_chunk(span_lens: np.ndarray, ctas_per_item: int, max_ctas: int, granu
 
     Candidates cut the longest span into 1..128 equal parts (never below min_chunk, nor more parts
     than one wave holds); so a batch that already fills the GPU evenly is not split, while one long
-    request among short ones is. max_items caps the work items (CUDA-graph capacity).
+    request among short ones is. max_items caps the work items (CUDA-graph capacity). Ties go to
+    the larger chunk (fewer splits); when no candidate fits max_items, the largest is returned.
     """
     span_lens = np.asarray(span_lens, dtype=np.int64)
     longest = int(span_lens.max(initial=0))
@@ -79,41 +121,49 @@ def choose_chunk(span_lens: np.ndarray, ctas_per_item: int, max_ctas: int, granu
     if longest <= min_chunk:
         return whole
     floor = max(-(-min_chunk // granularity) * granularity, granularity)
-    parts = SPLIT_CANDIDATES[SPLIT_CANDIDATES <= max(1, max_ctas // ctas_per_item)]
-    candidates = np.maximum(-(-(-(-longest // parts)) // granularity) * granularity, floor)
-    cost = estimate_time(span_lens, candidates, ctas_per_item, max_ctas)
-    if max_items is not None:
-        items = np.maximum(-(-span_lens[:, None] // candidates), 1).sum(0)
-        cost = np.where(items <= max_items, cost, np.inf)
-    return int(candidates[int(np.argmin(cost))])  # the first minimum: the fewest splits
+    candidates = chunk_candidates(longest, max(1, max_ctas // ctas_per_item), granularity, floor)
+    costs = makespans(span_lens, candidates, ctas_per_item, max_ctas, max_items)
+    return candidates[costs.index(min(costs))]  # the first minimum: the fewest splits
 
 
-def plan_work(span_begin: np.ndarray, span_end: np.ndarray, qo_indptr: np.ndarray, *,
+def plan_work(span_begin: np.ndarray | None, span_end: np.ndarray, qo_indptr: np.ndarray, *,
               ctas_per_item: int, max_ctas: int, granularity: int, chunk_tokens: int | None = None,
               max_items: int | None = None) -> WorkPlan:
     """Work items for one batch.
 
-    span_begin/span_end: [B] positions each request must read (from the mask's kv_span).
+    span_begin/span_end: [B] positions each request must read (from the mask's kv_span); span_begin
+        None: every span starts at 0.
     ctas_per_item: CTAs one work item launches (KV heads x row tiles).
     max_ctas: CTAs resident at once (SMs x the kernel's occupancy): the grid aims at one wave.
     chunk_tokens: force a chunk size (tests, determinism); None plans it.
     max_items: at most this many work items (fixed CUDA-graph capacity); None for no limit.
     """
-    span_begin = np.asarray(span_begin, dtype=np.int64)
-    span_lens = np.maximum(np.asarray(span_end, dtype=np.int64) - span_begin, 0)
+    span_end = np.asarray(span_end, dtype=np.int64)
+    if span_begin is None:
+        span_end = span_lens = np.maximum(span_end, 0)
+    else:
+        span_begin = np.asarray(span_begin, dtype=np.int64)
+        span_end = np.maximum(span_end, span_begin)  # an inverted span is empty
+        span_lens = span_end - span_begin
     if chunk_tokens is None:
         chunk = choose_chunk(span_lens, ctas_per_item, max_ctas, granularity, max_items=max_items)
     else:
         chunk = int(chunk_tokens)
-    items = np.maximum(1, -(-span_lens // chunk))
-    req_work_indptr = np.zeros(len(span_lens) + 1, dtype=np.int64)
+    items = np.maximum(span_lens + (chunk - 1), chunk) // chunk  # ceil(len / chunk), and one item for an empty span
+    req_work_indptr = np.zeros(len(span_lens) + 1, dtype=np.int32)
     np.cumsum(items, out=req_work_indptr[1:])
-    work_request = np.repeat(np.arange(len(span_lens)), items)
-    nth = np.arange(int(req_work_indptr[-1])) - req_work_indptr[work_request]
-    work_begin = span_begin[work_request] + nth * chunk
-    work_end = np.minimum(work_begin + chunk, span_begin[work_request] + span_lens[work_request])
+    num_work = int(req_work_indptr[-1])
+    requests = np.arange(len(span_lens), dtype=np.int32)
+    if num_work == len(span_lens):  # nothing split: item b is request b
+        work_request, work_begin, work_end = requests, span_end - span_lens, span_end
+    else:
+        work_request = np.repeat(requests, items)
+        work_begin = (np.arange(num_work) - req_work_indptr[work_request]) * chunk
+        if span_begin is not None:
+            work_begin += span_begin[work_request]
+        work_end = np.minimum(work_begin + chunk, span_end[work_request])
     qo_indptr = np.asarray(qo_indptr, dtype=np.int64)
-    token_request = np.repeat(np.arange(len(span_lens)), np.diff(qo_indptr))
+    token_request = np.repeat(requests, qo_indptr[1:] - qo_indptr[:-1])
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-    return WorkPlan(i32(work_request), i32(work_begin), i32(work_end), i32(req_work_indptr), i32(qo_indptr),
-                    i32(token_request), chunk)
+    return WorkPlan(work_request, i32(work_begin), i32(work_end), req_work_indptr, i32(qo_indptr), token_request,
+                    chunk)

@@ -108,6 +108,30 @@ class DecodeSpec:
         if self.mask not in masks:
             raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)")
 
+    @classmethod
+    def cached(cls, head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch,
+               tensor_cores) -> "DecodeSpec":
+        """DecodeSpec(...) of these exact arguments, validated once: plan() asks for the same spec at
+        every step, and validation costs more than the rest of a planned step's bookkeeping.
+
+        Keys hold each argument's type as well (128.0 == 128 and True == 1, yet only the ints are
+        accepted), so a memo hit answers exactly what construction would. Failures are not kept, nor
+        specs of arch=None (that is the current GPU's arch, which is not an argument).
+        """
+        args = (head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch, tensor_cores)
+        key = (args, tuple(map(type, args)))
+        try:
+            return _CACHED_SPECS[key]
+        except KeyError:
+            spec = cls(*args)
+        except TypeError:  # an unhashable argument: construction names what is wrong with it
+            return cls(*args)
+        if arch is not None:
+            if len(_CACHED_SPECS) >= _CACHED_SPECS_MAX:
+                _CACHED_SPECS.clear()
+            _CACHED_SPECS[key] = spec
+        return spec
+
     @property
     def kv_is_fp8(self) -> bool:
         return self.kv_dtype in FP8_DTYPES
@@ -153,6 +177,10 @@ class DecodeSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_CACHED_SPECS: dict = {}
+_CACHED_SPECS_MAX = 1024  # distinct plan() argument sets kept; a serving process uses a handful
 
 
 def _normalize_arch(arch) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from flashjit import checks
 from flashjit.checks import host_int_array, indptr_array, rows_16b_aligned, tensor
+from planner_oracle import reference_page_table
 
 
 @pytest.mark.parametrize("value", [[0, 3, 5], np.array([0, 3, 5], dtype=np.int32), torch.tensor([0, 3, 5]),
@@ -150,3 +151,31 @@ def test_query_indptr():
         checks.query_indptr(None, 0, 2)
     with pytest.raises(ValueError, match="qo_indptr: expected length 3, got 2"):
         checks.query_indptr([0, 1], None, 2)
+
+
+def outcome(fn, *args):
+    try:
+        return fn(*args)
+    except ValueError as error:
+        return str(error)
+
+
+def test_page_table_matches_the_reference_on_random_tables():
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        batch, page_size = int(rng.integers(0, 40)), int(rng.choice([1, 2, 16, 64, 256]))
+        pages = rng.integers(0, 20, size=batch) * (rng.random(batch) > 0.2)
+        indptr = np.concatenate([[0], np.cumsum(pages)])
+        if batch and rng.random() < 0.1:
+            indptr[rng.integers(1, batch + 1)] -= 30  # decreasing somewhere
+        last = np.where(pages > 0, rng.integers(1, page_size + 1, size=batch),
+                        rng.integers(0, page_size + 1, size=batch))
+        if batch and rng.random() < 0.3:
+            last[rng.integers(batch)] = rng.choice([-1, 0, page_size + 1])
+        as_input = rng.choice([list, np.asarray, torch.tensor])
+        new = outcome(checks.page_table, as_input(indptr.tolist()), as_input(last.tolist()), page_size)
+        old = outcome(reference_page_table, as_input(indptr.tolist()), as_input(last.tolist()), page_size)
+        if isinstance(old, str):
+            assert new == old
+        else:
+            assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(new, old))

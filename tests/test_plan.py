@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from flashjit.plan import MIN_CHUNK_TOKENS, WorkPlan, choose_chunk, estimate_time, plan_work
+from planner_oracle import reference_choose_chunk, reference_estimate_time, reference_plan_work
 
 GRANULARITIES = (1, 16, 32, 64, 48)
 
@@ -183,3 +184,100 @@ def test_plan_is_deterministic():
     for field in ("work_request", "work_begin", "work_end", "req_work_indptr", "req_qo_indptr", "token_request"):
         assert np.array_equal(getattr(a, field), getattr(b, field))
     assert a.chunk_tokens == b.chunk_tokens
+
+
+# ---- the faster planner against the oracle (today's planner as it was, in planner_oracle.py) ---------
+
+def random_spans(rng, batch):
+    """Span lengths of the shapes serving sees: uniform, log-uniform, one long among short, some empty."""
+    kind = rng.integers(4)
+    if kind == 0:
+        lens = np.full(batch, rng.integers(1, 40_000))
+    elif kind == 1:
+        lens = np.exp(rng.uniform(0, np.log(200_000), size=batch)).astype(np.int64)
+    elif kind == 2:
+        lens = rng.integers(1, 600, size=batch)
+        lens[rng.integers(batch)] = rng.integers(5_000, 300_000)
+    else:
+        lens = rng.integers(0, 40_000, size=batch) * (rng.random(batch) > 0.2)
+    return lens
+
+
+def test_choose_chunk_matches_the_reference_on_random_batches():
+    rng = np.random.default_rng(2026)
+    for _ in range(3000):
+        lens = random_spans(rng, int(rng.integers(1, 300)))
+        ctas_per_item = int(rng.choice([1, 2, 4, 8, 16, 32, 64]))
+        max_ctas = int(rng.choice([2, 8, 132, 264, 396, 528, 1056]))
+        granularity = int(rng.choice(GRANULARITIES))
+        max_items = None if rng.random() < 0.5 else int(rng.integers(1, 2 * len(lens) + 200))
+        args = (lens, ctas_per_item, max_ctas, granularity)
+        assert choose_chunk(*args, max_items=max_items) == reference_choose_chunk(*args, max_items=max_items), \
+            (lens.tolist(), ctas_per_item, max_ctas, granularity, max_items)
+
+
+def test_estimate_time_matches_the_reference():
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        lens = random_spans(rng, int(rng.integers(1, 100)))
+        chunks = rng.integers(1, 50_000, size=int(rng.integers(1, 40)))
+        ctas_per_item, max_ctas = int(rng.choice([1, 4, 8])), int(rng.choice([132, 264, 528]))
+        assert np.array_equal(estimate_time(lens, chunks, ctas_per_item, max_ctas),
+                              reference_estimate_time(lens, chunks, ctas_per_item, max_ctas))
+
+
+def test_the_benchmark_batch_plans_as_before():
+    """The 64 requests of `benchmarks/decode.py compile` (lengths 128 + 6i), on the H200's 132 SMs."""
+    lens = np.array([128 + 6 * i for i in range(64)])
+    for ctas_per_item, max_ctas, granularity in ((8, 264, 64), (8, 132, 64), (16, 264, 16), (8, 264, 1)):
+        for max_items in (None, 64, 65, 100, 1000):
+            assert (choose_chunk(lens, ctas_per_item, max_ctas, granularity, max_items=max_items)
+                    == reference_choose_chunk(lens, ctas_per_item, max_ctas, granularity, max_items=max_items))
+
+
+PLAN_FIELDS = ("work_request", "work_begin", "work_end", "req_work_indptr", "req_qo_indptr", "token_request")
+
+
+def test_plan_work_matches_the_reference_on_random_batches():
+    rng = np.random.default_rng(99)
+    for _ in range(1500):
+        batch = int(rng.integers(0, 200))
+        lens = random_spans(rng, batch) if batch else np.zeros(0, dtype=np.int64)
+        begins = rng.integers(0, 5000, size=batch) * (rng.random(batch) < 0.3)
+        inverted = rng.integers(0, 3, size=batch) * (rng.random(batch) < 0.05) * (begins + 1)
+        ends = begins + lens - inverted  # a few spans end before they begin
+        q_lens = rng.integers(1, 5, size=batch) if rng.random() < 0.5 else np.ones(batch, dtype=np.int64)
+        qo_indptr = np.concatenate([[0], np.cumsum(q_lens)]).astype(rng.choice([np.int32, np.int64]))
+        kwargs = dict(ctas_per_item=int(rng.choice([1, 4, 8, 16])), max_ctas=int(rng.choice([132, 264, 528])),
+                      granularity=int(rng.choice(GRANULARITIES)),
+                      chunk_tokens=None if rng.random() < 0.7 else int(rng.integers(1, 20_000)),
+                      max_items=None if rng.random() < 0.5 else int(rng.integers(batch, 2 * batch + 100)))
+        new, old = plan_work(begins, ends, qo_indptr, **kwargs), reference_plan_work(begins, ends, qo_indptr, **kwargs)
+        assert new.chunk_tokens == old.chunk_tokens
+        for field in PLAN_FIELDS:
+            a, b = getattr(new, field), getattr(old, field)
+            assert a.dtype == b.dtype == np.int32 and a.flags.c_contiguous and np.array_equal(a, b), field
+        counts = np.diff(old.req_work_indptr)  # needs_merge and max_splits as they were defined
+        assert (new.num_work, new.num_tokens, new.needs_merge, new.max_splits) == \
+               (old.num_work, old.num_tokens, bool(np.any(counts > 1)), int(counts.max(initial=0)))
+
+
+@pytest.mark.parametrize("lens, merge", [([100, 300, 50], True), ([100, 200, 50], False), ([300], True), ([], False)])
+def test_needs_merge_when_one_request_is_split_in_two(lens, merge):
+    plan = plan_for(lens, chunk_tokens=200)
+    assert plan.needs_merge is merge and plan.num_work == len(lens) + merge
+
+
+def test_no_span_begin_means_spans_from_zero():
+    rng = np.random.default_rng(17)
+    for _ in range(300):
+        batch = int(rng.integers(0, 100))
+        ends = random_spans(rng, batch) if batch else np.zeros(0, dtype=np.int64)
+        qo_indptr = np.arange(batch + 1)
+        kwargs = dict(ctas_per_item=8, max_ctas=264, granularity=int(rng.choice(GRANULARITIES)),
+                      chunk_tokens=None if rng.random() < 0.7 else int(rng.integers(1, 20_000)))
+        new = plan_work(None, ends, qo_indptr, **kwargs)
+        old = reference_plan_work(np.zeros_like(ends), ends, qo_indptr, **kwargs)
+        assert new.chunk_tokens == old.chunk_tokens
+        for field in PLAN_FIELDS:
+            assert np.array_equal(getattr(new, field), getattr(old, field)), field

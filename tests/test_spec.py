@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,3 +190,58 @@ def test_to_dict_is_canonical():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_listed_arch_is_accepted(arch):
     assert DecodeSpec(64, arch=arch).arch == arch
+
+
+# ---- DecodeSpec.cached: plan()'s memo of validated specs ------------------------------------------
+
+CACHED_ARGS = dict(head_dim=128, dtype="bf16", kv_dtype=None, mask="causal", page_size=16, group_size=4, max_q_len=1,
+                   kv_layout="NHD", arch="sm_90", tensor_cores=None)
+
+
+def cached(**changes) -> DecodeSpec:
+    return DecodeSpec.cached(**{**CACHED_ARGS, **changes})
+
+
+def test_cached_equals_construction_and_is_kept():
+    spec = cached()
+    assert spec == DecodeSpec(**CACHED_ARGS) and cached() is spec
+
+
+@pytest.mark.parametrize("field, value", [("head_dim", 64), ("dtype", "fp16"), ("kv_dtype", "fp16"), ("mask", "none"),
+                                          ("page_size", 1), ("group_size", 8), ("max_q_len", 4), ("kv_layout", "HND"),
+                                          ("arch", "sm_80"), ("tensor_cores", False)])
+def test_cached_follows_every_argument(field, value):
+    base, changed = cached(), cached(**{field: value})
+    assert changed == DecodeSpec(**{**CACHED_ARGS, field: value}) and changed != base
+    assert cached() is base and cached(**{field: value}) is changed
+
+
+@pytest.mark.parametrize("field, value", [("head_dim", 128.0), ("page_size", True), ("group_size", 4.0),
+                                          ("max_q_len", True), ("head_dim", np.int64(128))])
+def test_cached_rejects_what_construction_rejects_even_when_equal_to_a_kept_key(field, value):
+    cached()  # the int version is kept; an equal key of another type must still be validated
+    with pytest.raises(SpecError) as info:
+        cached(**{field: value})
+    assert str(info.value) == str(pytest.raises(SpecError, DecodeSpec, **{**CACHED_ARGS, field: value}).value)
+
+
+def test_cached_keeps_no_failures():
+    for _ in range(2):
+        with pytest.raises(SpecError, match="mask"):
+            cached(mask="no_such_mask")
+    with pytest.raises(SpecError, match="kv_layout"):
+        cached(kv_layout=["NHD"])  # unhashable: still the construction's message
+
+
+def test_cached_does_not_keep_specs_of_the_current_gpu(monkeypatch):
+    monkeypatch.setattr(spec_module, "current_arch", lambda: "sm_90")
+    assert cached(arch=None).arch == "sm_90"
+    monkeypatch.setattr(spec_module, "current_arch", lambda: "sm_80")
+    assert cached(arch=None).arch == "sm_80"
+
+
+def test_cached_is_bounded(monkeypatch):
+    monkeypatch.setattr(spec_module, "_CACHED_SPECS", {})
+    monkeypatch.setattr(spec_module, "_CACHED_SPECS_MAX", 3)
+    specs = [cached(max_q_len=n) for n in range(1, 8)]
+    assert len(spec_module._CACHED_SPECS) <= 3 and [s.max_q_len for s in specs] == list(range(1, 8))

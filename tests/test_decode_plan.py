@@ -1,0 +1,289 @@
+"""BatchDecode.plan() end to end on the CPU: the work list, the staging copy, the launch arguments, the errors.
+
+BatchDecode needs a GPU to construct, so `cpu_decoder` sets the attributes __init__ sets, with the
+CPU as its device (plan()'s copies are then plain copies) and a fake occupancy for the kernel
+(132 SMs x 2 CTAs, the H200's). NVRTC is faked: the kernels' code does not matter here. Expected
+values come from planner_oracle, plan()'s host path as it was before the host-cost work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flashjit import DecodeSpec
+from flashjit.decode import LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
+from flashjit.kernel import Kernel, LoadedKernel
+from flashjit.registry import masks
+from flashjit.tiling import decode_tiling
+from planner_oracle import reference_page_table, reference_plan_work
+
+NUM_SMS, CTAS_PER_SM, DECODE_FN, MERGE_FN = 132, 2, 0xD0, 0xE0
+CPU = torch.device("cpu")
+
+
+def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pages=None, max_tokens=None):
+    decoder = BatchDecode.__new__(BatchDecode)
+    decoder.engine, decoder.device, decoder._arch = engine, CPU, "sm_90"
+    decoder.use_cuda_graph = use_cuda_graph
+    decoder._max_batch_size, decoder._max_tokens = max_batch_size, max_tokens
+    decoder._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32) if use_cuda_graph else None
+    decoder._buffers, decoder._page_range = None, _PageIdRange(CPU)
+    decoder._kv_checked, decoder._planned = {}, False
+    return decoder
+
+
+@pytest.fixture
+def planner(engine, fake_nvrtc, monkeypatch):
+    """An engine whose kernels 'load' instantly with the H200's occupancy."""
+    monkeypatch.setattr(Kernel, "loaded", lambda self, device: LoadedKernel(None, DECODE_FN, MERGE_FN, CTAS_PER_SM,
+                                                                            NUM_SMS))
+    return engine
+
+
+def tables(kv_lens, page_size, rng, spare_pages=3):
+    """indptr, indices (shuffled page ids), last_page_len of a batch."""
+    pages = [-(-n // page_size) for n in kv_lens]
+    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    ids = rng.permutation(sum(pages) + spare_pages)[: sum(pages)].astype(np.int32)
+    last = [n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)]
+    return torch.from_numpy(indptr), torch.from_numpy(ids), torch.tensor(last, dtype=torch.int32)
+
+
+def expected_work(indptr, last, page_size, q_lens, mask, params, num_qo_heads, num_kv_heads, head_dim,
+                  chunk_tokens=None, max_items=None):
+    """The work plan of the old host path, and the kv_lens and indptr it packs beside it."""
+    indptr_h, kv_lens = reference_page_table(indptr, last, page_size)
+    q_lens = np.asarray(q_lens, dtype=np.int64)
+    spec = DecodeSpec(head_dim, mask=mask, page_size=page_size, group_size=num_qo_heads // num_kv_heads,
+                      max_q_len=max(1, int(q_lens.max(initial=1))), arch="sm_90")
+    tiling, mask_def = decode_tiling(spec), masks.get(mask)
+    begin, end = np.zeros_like(kv_lens), kv_lens
+    if mask_def.kv_span is not None:
+        begin, end = mask_def.kv_span(kv_lens, q_lens, params)
+        end = np.minimum(end, np.iinfo(np.int32).max)
+    work = reference_plan_work(begin, end, np.concatenate([[0], np.cumsum(q_lens)]),
+                               ctas_per_item=num_kv_heads * tiling.row_tiles, max_ctas=NUM_SMS * CTAS_PER_SM,
+                               granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens, max_items=max_items)
+    return work, kv_lens, indptr_h, tiling
+
+
+WORK_FIELDS = ("work_request", "work_begin", "work_end", "req_work_indptr", "req_qo_indptr", "token_request")
+
+
+def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_heads, num_kv_heads, sm_scale_log2):
+    """decoder holds `work`, its GPU copy holds the packed work list, and the arguments point at it."""
+    for field in WORK_FIELDS:
+        assert np.array_equal(getattr(decoder.work, field), getattr(work, field)), field
+    assert decoder.work.chunk_tokens == work.chunk_tokens
+    buffers = decoder._buffers
+    device, off = buffers.device_buffer.numpy(), buffers.offsets
+    assert device[off["num_work"]] == work.num_work and device[off["num_tokens"]] == work.num_tokens
+    packed = {"work_request": work.work_request, "work_begin": work.work_begin, "work_end": work.work_end,
+              "req_kv_len": kv_lens, "req_page_begin": indptr_h[:-1], "req_qo_indptr": work.req_qo_indptr,
+              "req_work_indptr": work.req_work_indptr, "token_request": work.token_request}
+    for name, values in packed.items():
+        assert np.array_equal(device[off[name]:off[name] + len(values)], values), name
+
+    a, m, p = decoder._decode_args, decoder._merge_args, buffers.pointers
+    for name in ("num_work", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
+                 "req_qo_indptr", "req_work_indptr"):
+        assert getattr(a, name) == p[name], name
+    assert (m.token_request, m.req_qo_indptr, m.req_work_indptr, m.num_tokens) == (
+        p["token_request"], p["req_qo_indptr"], p["req_work_indptr"], p["num_tokens"])
+    assert a.page_indices == (decoder._graph_indices if decoder.use_cuda_graph else indices).data_ptr()
+    assert (a.tmp_o, a.tmp_lse) == (m.tmp_o, m.tmp_lse) == (buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr())
+    assert a.num_qo_heads == m.num_qo_heads == num_qo_heads
+    assert a.sm_scale_log2 == ctypes.c_float(sm_scale_log2).value
+    graph = decoder.use_cuda_graph
+    cap = buffers.capacity
+    assert decoder._decode_grid == (cap.work if graph else work.num_work, num_kv_heads, tiling.row_tiles)
+    assert decoder._merge_grid == (cap.tokens if graph else work.num_tokens, num_qo_heads, 1)
+    assert decoder._decode_fn == DECODE_FN
+    assert decoder._merge_fn == (MERGE_FN if graph or work.num_work > len(kv_lens) else None)
+    assert decoder._max_page == (int(indices[: int(indptr_h[-1])].max()) if indptr_h[-1] else -1)
+
+
+MASK_CASES = [("none", {}), ("causal", {}), ("sliding_window", {"window_left": 300})]
+
+
+def test_plans_random_batches_as_the_old_host_path_did(planner):
+    rng = np.random.default_rng(11)
+    decoder = cpu_decoder(planner)
+    for step in range(40):
+        batch = int(rng.integers(1, 70))
+        kv_lens = (rng.integers(0, 9000, size=batch) * (rng.random(batch) > 0.1)).tolist()
+        page_size = int(rng.choice([1, 16]))
+        num_kv_heads, group = int(rng.choice([1, 8])), int(rng.choice([1, 4]))
+        head_dim, q_len = int(rng.choice([64, 128])), int(rng.choice([1, 2]))
+        mask, params = MASK_CASES[step % len(MASK_CASES)]
+        chunk_tokens = None if rng.random() < 0.8 else int(rng.integers(16, 4000))
+        indptr, indices, last = tables(kv_lens, page_size, rng)
+        decoder.plan(indptr, indices, last, num_kv_heads * group, num_kv_heads, head_dim, page_size, q_len=q_len,
+                     mask=mask, mask_params=params, chunk_tokens=chunk_tokens)
+        expected = expected_work(indptr, last, page_size, [q_len] * batch, mask, params, num_kv_heads * group,
+                                 num_kv_heads, head_dim, chunk_tokens)
+        assert_planned(decoder, *expected, indices, num_kv_heads * group, num_kv_heads, LOG2E / math.sqrt(head_dim))
+
+
+def test_plans_the_benchmark_batch(planner):
+    """`benchmarks/decode.py compile`'s plan(): 64 requests of 128 + 6i tokens, 32/8 heads, head_dim 128."""
+    kv_lens = [128 + 6 * i for i in range(64)]
+    indptr, indices, last = tables(kv_lens, 16, np.random.default_rng(0))
+    decoder = cpu_decoder(planner)
+    for _ in range(3):  # the same spec and buffers again
+        decoder.plan(indptr, indices, last, 32, 8, 128, 16)
+        expected = expected_work(indptr, last, 16, [1] * 64, "none", {}, 32, 8, 128)
+        assert_planned(decoder, *expected, indices, 32, 8, LOG2E / math.sqrt(128))
+    assert decoder.work.num_work > 64  # split: the merge runs
+
+
+def test_qo_indptr_and_sm_scale(planner):
+    rng = np.random.default_rng(3)
+    kv_lens, q_lens = [40, 5000, 0, 700], [1, 3, 2, 4]
+    indptr, indices, last = tables(kv_lens, 16, rng)
+    qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32)
+    decoder = cpu_decoder(planner)
+    decoder.plan(indptr, indices, last, 8, 2, 64, 16, qo_indptr=qo_indptr, mask="causal", sm_scale=0.25)
+    expected = expected_work(indptr, last, 16, q_lens, "causal", {}, 8, 2, 64)
+    assert_planned(decoder, *expected, indices, 8, 2, 0.25 * LOG2E)
+    assert decoder.spec.max_q_len == 4 and decoder.num_tokens == sum(q_lens)
+
+
+def test_cuda_graph_mode_plans_within_the_first_capacity(planner):
+    rng = np.random.default_rng(5)
+    decoder = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=8, max_num_pages=4000)
+    for kv_lens in ([100, 3000, 17], [5000, 1, 40, 900, 0, 20000, 16, 33], [1]):
+        indptr, indices, last = tables(kv_lens, 16, rng)
+        decoder.plan(indptr, indices, last, 32, 8, 128, 16, mask="sliding_window", window_left=700)
+        cap = decoder._buffers.capacity
+        expected = expected_work(indptr, last, 16, [1] * len(kv_lens), "sliding_window", {"window_left": 700}, 32, 8,
+                                 128, max_items=cap.work)
+        assert_planned(decoder, *expected, indices, 32, 8, LOG2E / math.sqrt(128))
+        assert torch.equal(decoder._graph_indices[: len(indices)], indices)
+    assert cap == decoder._buffers.capacity and cap.batch == 8
+    indptr, indices, last = tables([10], 16, rng)
+    with pytest.raises(ValueError, match="the first plan's kernel"):
+        decoder.plan(indptr, indices, last, 32, 8, 64, 16, mask="sliding_window", window_left=700)
+
+
+# ---- the spec memo -----------------------------------------------------------------------------------------
+
+def test_the_same_arguments_reuse_the_spec_and_others_change_it(planner):
+    rng = np.random.default_rng(1)
+    indptr, indices, last = tables([300, 20, 4000], 16, rng)
+    decoder = cpu_decoder(planner)
+    decoder.plan(indptr, indices, last, 32, 8, 128, 16)
+    first = decoder.spec
+    decoder.plan(indptr, indices, last, 32, 8, 128, 16)
+    assert decoder.spec is first
+    for changes, field, value in ((dict(head_dim=64), "head_dim", 64), (dict(q_dtype="fp16"), "dtype", "float16"),
+                                  (dict(mask="causal"), "mask", "causal"), (dict(kv_layout="HND"), "kv_layout", "HND"),
+                                  (dict(q_len=2), "max_q_len", 2), (dict(tensor_cores=False), "tensor_cores", False),
+                                  (dict(num_kv_heads=4), "group_size", 8)):
+        args = {**dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16), **changes}
+        decoder.plan(indptr, indices, last, **args)
+        assert getattr(decoder.spec, field) == value and decoder.spec != first
+        assert decoder.kernel.spec == decoder.spec
+
+
+# ---- the page-id range ---------------------------------------------------------------------------------------
+
+def test_negative_page_id_names_the_smallest(planner):
+    indptr, indices, last = tables([40, 90], 16, np.random.default_rng(1))
+    with pytest.raises(ValueError, match=r"^indices: expected page ids >= 0, got -100$"):
+        cpu_decoder(planner).plan(indptr, indices - 100, last, 8, 2, 128, 16)
+
+
+def test_negative_page_id_is_reported_before_later_argument_errors(planner):
+    """As when the range was read before anything else: the page-id error, the later one as its context."""
+    indptr, indices, last = tables([40, 90], 16, np.random.default_rng(1))
+    with pytest.raises(ValueError, match="page ids >= 0") as info:
+        cpu_decoder(planner).plan(indptr, indices - 100, last, 8, 2, 128, 16, mask_params={"window_left": 3})
+    assert "mask_params" in str(info.value.__context__)
+    with pytest.raises(ValueError, match="mask_params"):  # and that error alone with valid ids
+        cpu_decoder(planner).plan(indptr, indices, last, 8, 2, 128, 16, mask_params={"window_left": 3})
+
+
+def test_a_rejected_plan_leaves_the_previous_one_in_place(planner):
+    rng = np.random.default_rng(2)
+    decoder = cpu_decoder(planner)
+    indptr, indices, last = tables([5000, 30, 700], 16, rng)
+    decoder.plan(indptr, indices, last, 32, 8, 128, 16)
+    work, args = decoder.work, bytes(decoder._decode_args)
+    device = decoder._buffers.device_buffer.clone()
+    other = tables([9000, 9000], 16, rng)
+    with pytest.raises(ValueError, match="page ids >= 0"):
+        decoder.plan(other[0], other[1] - 50, other[2], 32, 8, 128, 16)
+    assert decoder.work is work and bytes(decoder._decode_args) == args
+    assert torch.equal(decoder._buffers.device_buffer, device) and decoder._max_page == int(indices.max())
+
+
+def test_no_pages_means_no_largest_page(planner):
+    decoder = cpu_decoder(planner)
+    decoder.plan(torch.tensor([0, 0, 0]), torch.zeros(0, dtype=torch.int32), torch.tensor([0, 0]), 8, 2, 128, 16)
+    assert decoder._max_page == -1 and decoder.work.num_work == 2
+
+
+def test_many_page_ids_are_reduced_before_the_copy(planner, monkeypatch):
+    monkeypatch.setattr(_PageIdRange, "COPY_LIMIT", 16)
+    rng = np.random.default_rng(4)
+    indptr, indices, last = tables([300, 200], 8, rng)  # 38 + 25 page ids
+    decoder = cpu_decoder(planner)
+    decoder.plan(indptr, indices, last, 8, 2, 128, 8)
+    assert decoder._max_page == int(indices.max()) and decoder._page_range.host.numel() == 16
+    bad = indices.clone()
+    bad[20] = -7
+    with pytest.raises(ValueError, match=r"got -7$"):
+        decoder.plan(indptr, bad, last, 8, 2, 128, 8)
+
+
+def test_strided_page_ids_are_reduced_as_tensors(planner):
+    """A view with gaps between its ids cannot be copied as one run: its min and max are taken instead."""
+    rng = np.random.default_rng(6)
+    indptr, indices, last = tables([300, 200], 16, rng)
+    strided = torch.stack([indices, torch.full_like(indices, -1)], dim=1).reshape(-1)[::2]
+    decoder = cpu_decoder(planner)
+    decoder.plan(indptr, strided, last, 8, 2, 128, 16)
+    assert strided.stride(0) == 2 and decoder._max_page == int(indices.max())
+
+
+def test_page_id_range_reads_only_the_used_prefix():
+    reader = _PageIdRange(CPU)
+    ids = torch.tensor([4, 9, 2, -1, 50], dtype=torch.int32)
+    reader.start(ids, 3)
+    assert list(reader.wait()) == [4, 9, 2]
+    reader.start(ids, 0)
+    assert len(reader.wait()) == 0
+
+
+# ---- the staging copy ----------------------------------------------------------------------------------------
+
+def test_plan_buffers_pack_every_field_at_its_offset():
+    from flashjit.decode import _Capacity
+    from flashjit.plan import plan_work
+
+    buffers = _PlanBuffers(_Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, device=CPU)
+    offsets = list(buffers.offsets.values())
+    assert offsets == [0, 1, 2, 11, 20, 29, 33, 37, 42, 47]  # fields in FIELDS order, each at its capacity
+    assert buffers.device_buffer.numel() == 47 + 6 and buffers.tmp_o.numel() == 640 and buffers.tmp_lse.numel() == 10
+    work = plan_work(np.zeros(3), np.array([300, 5, 129]), np.array([0, 2, 3, 5]), ctas_per_item=4, max_ctas=8,
+                     granularity=16, chunk_tokens=128)
+    buffers.write(work, np.array([300, 5, 129]), np.array([0, 19, 20, 29]))
+    assert buffers.device_buffer.tolist() == [
+        6, 5,                            # num_work, num_tokens
+        0, 0, 0, 1, 2, 2, 0, 0, 0,       # work_request
+        0, 128, 256, 0, 0, 128, 0, 0, 0,  # work_begin
+        128, 256, 300, 5, 128, 129, 0, 0, 0,  # work_end
+        300, 5, 129, 0,                  # req_kv_len
+        0, 19, 20, 0,                    # req_page_begin
+        0, 2, 3, 5, 0,                   # req_qo_indptr
+        0, 3, 4, 6, 0,                   # req_work_indptr
+        0, 0, 1, 2, 2, 0]                # token_request
+    base = buffers.device_buffer.data_ptr()
+    assert buffers.pointers == {name: base + 4 * off for name, off in buffers.offsets.items()}
+    assert buffers.fits(_Capacity(4, 6, 9), 640) and not buffers.fits(_Capacity(5, 6, 9), 640)
