@@ -155,6 +155,10 @@ class BatchDecode:
         num_page_ids = int(indptr_h[-1])
         if indices.shape[0] < num_page_ids:
             checks.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
+        if num_page_ids > 1 and indices.stride(0) != 1:  # the kernel reads them as one run
+            checks.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
+        if self._graph_indices is not None and num_page_ids > self._graph_indices.numel():
+            checks.fail("indices", f"at most max_num_pages={self._graph_indices.numel()} page ids", num_page_ids)
         # The page-id range travels to the host while the host plans, instead of in a round trip of
         # its own; a negative id is still reported ahead of any later argument error.
         self._page_range.start(indices, num_page_ids)
@@ -169,8 +173,11 @@ class BatchDecode:
             work, capacity = self._split_work(spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads,
                                               chunk_tokens, disable_split_kv)
         finally:
-            self._max_page = checks.largest_page_id(self._page_range.wait())  # run() checks the cache against it
+            max_page = checks.largest_page_id(self._page_range.wait())  # run() checks the cache against it
+        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
 
+        # Every argument is valid: from here on the new plan replaces the previous one.
+        self._max_page = max_page
         self.spec, self.kernel, self.work = spec, kernel, work
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.batch_size, self.num_tokens = batch, work.num_tokens
@@ -181,7 +188,6 @@ class BatchDecode:
                           else (num_kv_heads, page_size, head_dim))
         self._num_page_ids = num_page_ids
         self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
-        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
         buffers.write(work, kv_lens, indptr_h)
         self._build_args(kernel, loaded, work, params, indices,
                          (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
@@ -251,18 +257,20 @@ class BatchDecode:
             value = params[p.name]
             if p.kind == "int" and (not isinstance(value, (int, np.integer)) or value < 0):
                 checks.fail(f"mask param {p.name}", "a non-negative int", value)
+            if p.kind == "int_tensor":
+                import torch
+
+                checks.tensor(f"mask param {p.name}", value, dtype=torch.int32, device=self.device, ndim=1)
+                if value.numel() > 1 and value.stride(0) != 1:
+                    checks.fail(f"mask param {p.name}", "a contiguous tensor (stride 1)", f"stride {value.stride(0)}")
         return params
 
     def _build_args(self, kernel, loaded, work: WorkPlan, params: dict, indices, sm_scale_log2: float):
         """Launch arguments: plan pointers and scalars now, tensor pointers patched by run()."""
-        import torch
-
         buffers = self._buffers
         a, m = buffers.decode_args, buffers.merge_args  # the work-list pointers are in already
-        if self._graph_indices is not None:  # fixed address for graph replays
+        if self._graph_indices is not None:  # fixed address for graph replays (capacity checked by plan())
             used = int(self._num_page_ids)
-            if used > self._graph_indices.numel():
-                checks.fail("indices", f"at most max_num_pages={self._graph_indices.numel()} page ids", used)
             self._graph_indices[:used].copy_(indices[:used], non_blocking=True)
             indices = self._graph_indices
         a.page_indices = indices.data_ptr()
@@ -276,8 +284,7 @@ class BatchDecode:
         self._mask_values, self._mask_tensors = [], []
         for param in kernel.mask.params:
             value = params[param.name]
-            if param.kind == "int_tensor":
-                checks.tensor(f"mask param {param.name}", value, dtype=torch.int32, device=self.device, ndim=1)
+            if param.kind == "int_tensor":  # validated by _mask_params
                 self._mask_tensors.append(value)  # keep alive while planned
                 value = value.data_ptr()
             self._mask_values.append(MASK_PARAM_CTYPES[param.kind](value))

@@ -242,14 +242,40 @@ def test_many_page_ids_are_reduced_before_the_copy(planner, monkeypatch):
         decoder.plan(indptr, bad, last, 8, 2, 128, 8)
 
 
-def test_strided_page_ids_are_reduced_as_tensors(planner):
-    """A view with gaps between its ids cannot be copied as one run: its min and max are taken instead."""
+def test_strided_page_ids_are_refused(planner):
+    """The kernel reads the page ids as one run: a view with gaps between them would be misread."""
     rng = np.random.default_rng(6)
     indptr, indices, last = tables([300, 200], 16, rng)
     strided = torch.stack([indices, torch.full_like(indices, -1)], dim=1).reshape(-1)[::2]
-    decoder = cpu_decoder(planner)
-    decoder.plan(indptr, strided, last, 8, 2, 128, 16)
-    assert strided.stride(0) == 2 and decoder._max_page == int(indices.max())
+    with pytest.raises(ValueError, match=r"^indices: expected a contiguous tensor \(stride 1\), got stride 2$"):
+        cpu_decoder(planner).plan(indptr, strided, last, 8, 2, 128, 16)
+
+
+@pytest.mark.parametrize("late_error", ["mask tensor", "graph page ids"])
+def test_late_errors_leave_the_previous_plan_in_place(planner, late_error):
+    """Errors found late in plan() (a mask tensor, the CUDA-graph page-id capacity) are found before
+    anything of the previous plan is overwritten."""
+    rng = np.random.default_rng(7)
+    graph = late_error == "graph page ids"
+    decoder = cpu_decoder(planner, use_cuda_graph=graph, max_batch_size=4, max_num_pages=40)
+    indptr, indices, last = tables([300, 200], 16, rng)
+    mask = "block_sparse"
+    params = {"block_size": 16, "block_indptr": torch.tensor([0, 1, 2], dtype=torch.int32),
+              "block_indices": torch.tensor([0, 0], dtype=torch.int32)}
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask=mask, mask_params=params)
+    work, args = decoder.work, bytes(decoder._decode_args)
+    device = decoder._buffers.device_buffer.clone()
+    if graph:
+        big = tables([400, 400], 16, rng)  # 50 page ids > max_num_pages
+        with pytest.raises(ValueError, match=r"^indices: expected at most max_num_pages=40 page ids, got 50$"):
+            decoder.plan(*big, 8, 2, 128, 16, mask=mask, mask_params=params)
+    else:
+        other = tables([5000, 17], 16, rng)  # a different work list, so an overwrite would show
+        bad = dict(params, block_indices=params["block_indices"].long())
+        with pytest.raises(ValueError, match=r"^mask param block_indices: expected dtype torch.int32"):
+            decoder.plan(*other, 8, 2, 128, 16, mask=mask, mask_params=bad)
+    assert decoder.work is work and bytes(decoder._decode_args) == args
+    assert torch.equal(decoder._buffers.device_buffer, device)
 
 
 def test_page_id_range_reads_only_the_used_prefix():
