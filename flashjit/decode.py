@@ -22,7 +22,7 @@ import numpy as np
 
 from . import checks
 from .engine import Engine
-from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, launch
+from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, PreparedLaunch
 from .plan import WorkPlan, plan_work
 from .spec import KV_DTYPES, DecodeSpec, normalize_dtype
 
@@ -290,13 +290,14 @@ class BatchDecode:
             self._mask_values.append(MASK_PARAM_CTYPES[param.kind](value))
         self._decode_params = (ctypes.c_void_p * (1 + len(self._mask_values)))(
             ctypes.addressof(a), *(ctypes.addressof(v) for v in self._mask_values))
-        graph = self.use_cuda_graph
-        cap = buffers.capacity
-        self._decode_grid = (cap.work if graph else work.num_work, self.num_kv_heads, kernel.tiling.row_tiles)
-        self._decode_fn = loaded.decode
-        self._merge_grid = (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1)
+        graph, cap, tiling = self.use_cuda_graph, buffers.capacity, kernel.tiling
+        self._decode_launch = PreparedLaunch(
+            loaded.decode, (cap.work if graph else work.num_work, self.num_kv_heads, tiling.row_tiles), tiling.block,
+            self._decode_params, tiling.smem_bytes)
         # Graphs always launch the merge (its blocks exit early when nothing was split).
-        self._merge_fn = loaded.merge if (graph or work.needs_merge) else None
+        self._merge_launch = PreparedLaunch(
+            loaded.merge, (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1), tiling.merge_block,
+            self._merge_params) if graph or work.needs_merge else None
 
     # ---- run --------------------------------------------------------------------------------
 
@@ -308,9 +309,11 @@ class BatchDecode:
 
         k_scale, v_scale: the cache holds K / k_scale and V / v_scale (required for fp8 caches,
         default 1 otherwise). Each a positive float, or a float32 tensor of 1 or num_kv_heads values
-        on the cache's device, read at launch: a captured run() sees the values at replay time. With use_cuda_graph=True, q/out may have up to max_tokens rows (rows
-        past the plan's tokens are left alone), and a captured run() replays correctly after a new
-        plan(); the graph keeps the tensors it was captured with, so refill those between replays.
+        on the cache's device, read at launch: a captured run() sees the values at replay time.
+
+        With use_cuda_graph=True, q/out may have up to max_tokens rows (rows past the plan's tokens
+        are left alone), and a captured run() replays correctly after a new plan(); the graph keeps
+        the tensors it was captured with, so refill those between replays.
         """
         if not self._planned:
             raise RuntimeError("BatchDecode.run() called before plan()")
@@ -334,12 +337,11 @@ class BatchDecode:
         a.out, a.out_stride = out.data_ptr(), out.stride(0)
         a.lse = lse.data_ptr() if lse is not None else 0
         stream = _current_stream(self.device.index)
-        t = self.kernel.tiling
-        launch(self._decode_fn, self._decode_grid, t.block, self._decode_params, stream, t.smem_bytes)
-        if self._merge_fn is not None:
+        self._decode_launch(stream)
+        if self._merge_launch is not None:
             m = self._merge_args
             m.out, m.out_stride, m.lse = a.out, a.out_stride, a.lse
-            launch(self._merge_fn, self._merge_grid, t.merge_block, self._merge_params, stream)
+            self._merge_launch(stream)
         return (out, lse) if return_lse else out
 
     def _set_scales(self, a, k_scale, v_scale):
@@ -350,11 +352,10 @@ class BatchDecode:
         import torch
 
         required, heads = self.spec.kv_is_fp8, self.num_kv_heads
-        checking = not torch.cuda.is_current_stream_capturing()
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             host, pointer, stride = checks.kv_scale(name, value, num_kv_heads=heads, device=self.device,
                                                     required=required)
-            if pointer and checking:
+            if pointer and not torch.cuda.is_current_stream_capturing():  # a capture cannot synchronize
                 checks.tensor_scale_values(name, value)
             setattr(a, name, host)
             setattr(a, name + "_ptr", pointer)
@@ -383,24 +384,25 @@ class BatchDecode:
         """Point the arguments at K and V; a cache tensor is validated once, then recognised."""
         if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
             k, v = kv_cache
-            k_strides = self._checked_strides("k_cache", k, 4)
-            if self._checked_strides("v_cache", v, 4) != k_strides:
+            a.k, k_strides = self._checked("k_cache", k, 4)
+            a.v, v_strides = self._checked("v_cache", v, 4)
+            if v_strides != k_strides:
                 checks.fail("v_cache", f"the shape and strides of k_cache {tuple(k.shape)}/{k.stride()}",
                             f"{tuple(v.shape)}/{v.stride()}")
-            a.k, a.v = k.data_ptr(), v.data_ptr()
         elif isinstance(kv_cache, (tuple, list)):
             checks.fail("kv_cache", "a (k_cache, v_cache) pair or one [pages, 2, ...] tensor", f"{len(kv_cache)} tensors")
         else:
-            k_strides = self._checked_strides("kv_cache", kv_cache, 5)
-            a.k = kv_cache.data_ptr()
+            a.k, k_strides = self._checked("kv_cache", kv_cache, 5)
             a.v = a.k + kv_cache.stride(1) * kv_cache.element_size()
         a.page_stride, a.slot_stride, a.head_stride = k_strides
 
-    def _checked_strides(self, name: str, t, ndim: int):
-        """(page, slot, head) element strides of a validated cache tensor."""
+    def _checked(self, name: str, t, ndim: int):
+        """(data_ptr, (page, slot, head) element strides) of a validated cache tensor."""
         seen = self._kv_checked.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t.data_ptr() and seen[2] == (t.dtype, t.shape):
-            return seen[3]
+        if seen is not None and seen[0]() is t:
+            pointer = t.data_ptr()
+            if pointer == seen[1] and t.dtype is seen[2] and t.shape == seen[3]:  # not re-pointed by .set_()
+                return pointer, seen[4]
         checks.tensor(name, t, dtype=self._kv_dtype, device=self.device, ndim=ndim)
         if ndim == 5 and t.shape[1] != 2:
             checks.fail(name, "shape [pages, 2, ...] (K then V)", f"shape {tuple(t.shape)}")
@@ -417,8 +419,8 @@ class BatchDecode:
         strides = (page_view.stride(0), page_view.stride(slot_dim), page_view.stride(head_dim))
         if len(self._kv_checked) > 1024:
             self._kv_checked.clear()
-        self._kv_checked[id(t)] = (weakref.ref(t), t.data_ptr(), (t.dtype, t.shape), strides)
-        return strides
+        self._kv_checked[id(t)] = (weakref.ref(t), t.data_ptr(), t.dtype, t.shape, strides)
+        return t.data_ptr(), strides
 
 
 def _scale_key(value):

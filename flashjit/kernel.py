@@ -152,9 +152,19 @@ class Kernel:
             return loaded
 
 
-def launch(function: int, grid, block, params, stream: int, smem: int = 0):
-    """cuLaunchKernel with a prebuilt void*[] of argument addresses."""
-    status = (_cu_launch or _launcher())(function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
-                                         stream, params, None)
-    if status:
-        check(status, "cuLaunchKernel")
+class PreparedLaunch:
+    """One kernel's launch with its arguments converted to ctypes once, at plan time: a call
+    passes only the stream. (Converting the eleven Python values on every call costs ~1.5 us.)"""
+
+    def __init__(self, function: int, grid, block, params, smem: int = 0):
+        self.function, self.grid, self.block, self.smem = function, tuple(grid), tuple(block), smem
+        self.params = params  # the void*[] of argument addresses, kept alive here
+        self._head = (ctypes.c_void_p(function), *(ctypes.c_uint(x) for x in (*self.grid, *self.block, smem)))
+        self._stream, self._stream_handle = ctypes.c_void_p(0), 0
+
+    def __call__(self, stream: int):
+        if stream != self._stream_handle:
+            self._stream.value, self._stream_handle = stream, stream
+        status = (_cu_launch or _launcher())(*self._head, self._stream, self.params, None)
+        if status:
+            check(status, "cuLaunchKernel")

@@ -101,10 +101,13 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     assert a.sm_scale_log2 == ctypes.c_float(sm_scale_log2).value
     graph = decoder.use_cuda_graph
     cap = buffers.capacity
-    assert decoder._decode_grid == (cap.work if graph else work.num_work, num_kv_heads, tiling.row_tiles)
-    assert decoder._merge_grid == (cap.tokens if graph else work.num_tokens, num_qo_heads, 1)
-    assert decoder._decode_fn == DECODE_FN
-    assert decoder._merge_fn == (MERGE_FN if graph or work.num_work > len(kv_lens) else None)
+    decode, merge = decoder._decode_launch, decoder._merge_launch
+    assert decode.grid == (cap.work if graph else work.num_work, num_kv_heads, tiling.row_tiles)
+    assert decode.function == DECODE_FN and decode.block == tiling.block and decode.smem == tiling.smem_bytes
+    if graph or work.num_work > len(kv_lens):
+        assert merge.function == MERGE_FN and merge.grid == (cap.tokens if graph else work.num_tokens, num_qo_heads, 1)
+    else:
+        assert merge is None
     assert decoder._max_page == (int(indices[: int(indptr_h[-1])].max()) if indptr_h[-1] else -1)
 
 
@@ -313,3 +316,21 @@ def test_plan_buffers_pack_every_field_at_its_offset():
     base = buffers.device_buffer.data_ptr()
     assert buffers.pointers == {name: base + 4 * off for name, off in buffers.offsets.items()}
     assert buffers.fits(_Capacity(4, 6, 9), 640) and not buffers.fits(_Capacity(5, 6, 9), 640)
+
+
+def test_prepared_launch_passes_its_ctypes_arguments_and_the_current_stream(monkeypatch):
+    from flashjit import kernel
+
+    calls = []
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append([getattr(x, "value", x) for x in args]) or 0)
+    params = (ctypes.c_void_p * 1)()
+    launch = kernel.PreparedLaunch(0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
+    launch(0x5)
+    launch(0x5)
+    launch(0x9)
+    assert calls[0][:8] == [0xD0, 7, 8, 1, 128, 1, 1, 4096]
+    assert [c[8] for c in calls] == [0x5, 0x5, 0x9] and all(c[9] is params and c[10] is None for c in calls)
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: 1)
+    monkeypatch.setattr(kernel, "check", lambda status, what: (_ for _ in ()).throw(RuntimeError(f"{what} {status}")))
+    with pytest.raises(RuntimeError, match="cuLaunchKernel 1"):
+        launch(0x9)
