@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from .decode import BatchDecode, decode, default_engine  # noqa: E402
+from .batch_decode import BatchDecode, decode, default_engine  # noqa: E402
 from .engine import Engine, PrewarmResult  # noqa: E402
 from .quantize import dequantize_kv, quantize_kv  # noqa: E402
 from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError  # noqa: E402

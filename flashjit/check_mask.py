@@ -78,7 +78,7 @@ def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *,
     """BatchDecode on a flashjit.batches.PagedBatch; out and lse start as NaN. Returns (out, lse, decoder)."""
     import torch
 
-    from .decode import BatchDecode
+    from .batch_decode import BatchDecode
 
     q = batch.q if q is None else q
     num_kv_heads = batch.k_cache.shape[2 if batch.kv_layout == "NHD" else 1]

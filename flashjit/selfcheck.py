@@ -34,7 +34,7 @@ def decode_check(engine, *, device="cuda", kv_lens=KV_LENS, mask: str = "none", 
     """Plan and run BatchDecode on random bf16 data and compare with decode_reference."""
     import torch
 
-    from .decode import BatchDecode
+    from .batch_decode import BatchDecode
     from .reference import decode_reference
 
     gen = torch.Generator().manual_seed(seed)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from flashjit import DecodeSpec
-from flashjit.decode import LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
+from flashjit.batch_decode import LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
 from flashjit.kernel import Kernel, LoadedKernel
 from flashjit.registry import masks
 from flashjit.tiling import decode_tiling
@@ -293,7 +293,7 @@ def test_page_id_range_reads_only_the_used_prefix():
 # ---- the staging copy ----------------------------------------------------------------------------------------
 
 def test_plan_buffers_pack_every_field_at_its_offset():
-    from flashjit.decode import _Capacity
+    from flashjit.batch_decode import _Capacity
     from flashjit.plan import plan_work
 
     buffers = _PlanBuffers(_Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, device=CPU)

@@ -9,7 +9,6 @@ check-mask CLI test then hits) and the worked example's mask once.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import io
 import itertools
@@ -521,8 +520,9 @@ class _ReferenceDecoder:
 
 @pytest.mark.parametrize("name", ["tree", "sink_window"])
 def test_check_batch_wiring_on_cpu(name, monkeypatch, isolated_masks):
-    # flashjit.decode is also a function name in the package: patch the module itself
-    monkeypatch.setattr(importlib.import_module("flashjit.decode"), "BatchDecode", _ReferenceDecoder)
+    from flashjit import batch_decode
+
+    monkeypatch.setattr(batch_decode, "BatchDecode", _ReferenceDecoder)
     rng = random.Random(0)
     kv_lens = cm.random_lengths(rng, 16)
     q_lens = [min(4, n) for n in kv_lens]
