@@ -39,8 +39,8 @@ FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
 
 // Copies one pipeline stage (TILE keys x HEAD_DIM of K and of V, in 16-byte chunks) from the paged
 // cache into shared-memory rows of K_PITCH and V_PITCH bytes. locate() resolves each of the
-// thread's chunks to a physical token (page * PAGE_SIZE + slot; -1 past the span, zero-filled) through the mask's
-// kv_position and the page table; issue() starts the copies.
+// thread's chunks to a physical token (page * PAGE_SIZE + slot; -1 past the span, zero-filled)
+// through the mask's kv_position and the page table; issue() starts the copies.
 template <int TILE, int K_PITCH, int V_PITCH, int NT>
 struct PagedKVStage {
   static constexpr int ELEMS = 16 / sizeof(kv_t);  // values per 16-byte chunk

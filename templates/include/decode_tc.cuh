@@ -184,7 +184,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem, tid, request, v_end, kv_len, page_begin};
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
+                                                 tid, request, v_end, kv_len, page_begin};
 
   float o[NTILES][4];
 #pragma unroll

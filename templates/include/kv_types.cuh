@@ -46,7 +46,9 @@ template <typename T> struct Kv {
   using mma_t = T;
   static constexpr bool FP8 = false;
   static constexpr float UNIT = 1.f;
-  FJ_INLINE static void load8(const unsigned char* p, float* out) { unpack8<T>(*reinterpret_cast<const uint4*>(p), out); }
+  FJ_INLINE static void load8(const unsigned char* p, float* out) {
+    unpack8<T>(*reinterpret_cast<const uint4*>(p), out);
+  }
 };
 
 template <typename T> struct KvFp8 {
