@@ -106,6 +106,25 @@ def test_fp8_kernels_compile_without_spills(arch, kv_dtype, head_dim, group):
     assert spills and not any(spills), compiled.log
 
 
+def ptx_of(spec) -> str:
+    from cupy.cuda import nvrtc
+
+    program = nvrtc.createProgram(render(spec), "k.cu", [], [])
+    try:
+        nvrtc.compileProgram(program, [f"-arch=compute_{spec.arch_number}", "--std=c++17"])
+        return nvrtc.getPTX(program).decode()
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+@pytest.mark.parametrize("arch, native", [("sm_80", False), ("sm_86", False), ("sm_89", True), ("sm_90", True)])
+def test_e4m3_uses_the_paired_hardware_conversion_from_sm89(arch, native):
+    ptx = ptx_of(DecodeSpec(128, kv_dtype="e4m3", group_size=4, arch=arch))
+    assert ("cvt.rn.f16x2.e4m3x2" in ptx) == native
+    # e5m2 needs no conversion instruction anywhere: its bytes are placed with prmt
+    assert "e5m2x2" not in ptx_of(DecodeSpec(128, kv_dtype="e5m2", group_size=4, arch=arch))
+
+
 # ---- quantize helper -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_dtype, bound", [("float8_e4m3fn", 2.0 ** -4), ("float8_e5m2", 2.0 ** -3)])
