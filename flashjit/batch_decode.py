@@ -105,14 +105,17 @@ class BatchDecode:
     """
 
     def __init__(self, engine: Engine | None = None, device="cuda", *, use_cuda_graph: bool = False,
-                 max_batch_size: int | None = None, max_num_pages: int | None = None, max_tokens: int | None = None):
+                 max_batch_size: int | None = None, max_num_pages: int | None = None, max_tokens: int | None = None,
+                 max_q_len: int | None = None):
         """use_cuda_graph: run() launches fixed-size grids over fixed buffers, so a captured run()
         replays correctly after a new plan() with other lengths and page tables. Needs
         max_batch_size (requests) and max_num_pages (page ids in one plan's indices; plan() copies
-        them into a buffer of that size), optionally max_tokens (query tokens, default
-        max_batch_size x the first plan's q_len). Every plan() must then use the same kernel (heads,
-        head_dim, dtypes, mask, page size); scalars such as sm_scale and window_left, and mask
-        tensors, are part of the captured launch, so keep them (and the tensors) the same too."""
+        them into a buffer of that size), optionally max_q_len (query tokens per request any plan
+        may have, default the first plan's largest) and max_tokens (query tokens in all, default
+        max_batch_size x max_q_len). Every plan() then uses one kernel, built for max_q_len, so
+        the heads, head_dim, dtypes, mask and page size must stay the same, while the query tokens
+        per request may vary up to max_q_len (speculative decoding). Scalars such as sm_scale and
+        window_left, and mask tensors, are part of the captured launch: keep them the same too."""
         import torch
 
         self.engine = engine or default_engine()
@@ -126,6 +129,9 @@ class BatchDecode:
         for name, value in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages)):
             if use_cuda_graph and (not isinstance(value, int) or value < 1):
                 checks.fail(name, "a positive int when use_cuda_graph=True", value)
+        if max_q_len is not None and (not use_cuda_graph or not isinstance(max_q_len, int) or max_q_len < 1):
+            checks.fail("max_q_len", "a positive int, with use_cuda_graph=True", max_q_len)
+        self._graph_q_len = max_q_len  # the CUDA-graph kernel's query tokens per request, once known
         self._max_batch_size, self._max_tokens = max_batch_size, max_tokens
         self._graph_indices = (torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
                                if use_cuda_graph else None)
@@ -164,7 +170,7 @@ class BatchDecode:
         self._page_range.start(indices, num_page_ids)
         try:
             spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
-                                     max(1, int(q_lens.max(initial=1))), kv_layout, self._arch, tensor_cores)
+                                     self._kernel_q_len(q_lens), kv_layout, self._arch, tensor_cores)
             if self.use_cuda_graph and self._planned and spec != self.spec:
                 checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
             kernel = self.engine.get_kernel(spec)
@@ -178,6 +184,8 @@ class BatchDecode:
 
         # Every argument is valid: from here on the new plan replaces the previous one.
         self._max_page = max_page
+        if self.use_cuda_graph:
+            self._graph_q_len = spec.max_q_len
         self.spec, self.kernel, self.work = spec, kernel, work
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.batch_size, self.num_tokens = batch, work.num_tokens
@@ -193,6 +201,18 @@ class BatchDecode:
                          (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
         self._planned = True
         return self
+
+    def _kernel_q_len(self, q_lens) -> int:
+        """The kernel's query tokens per request: the batch's largest, or in CUDA-graph mode the
+        fixed max_q_len, which also serves batches with fewer (one kernel for every replay)."""
+        largest = max(1, int(q_lens.max(initial=1)))
+        fixed = self._graph_q_len if self.use_cuda_graph else None
+        if fixed is None:
+            return largest
+        if largest > fixed:
+            checks.fail("plan() with use_cuda_graph=True", f"at most max_q_len={fixed} query tokens per request "
+                        "(set max_q_len when constructing BatchDecode)", largest)
+        return fixed
 
     def _split_work(self, spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads: int, chunk_tokens,
                     disable_split_kv: bool) -> "tuple[WorkPlan, _Capacity]":

@@ -26,7 +26,8 @@ NUM_SMS, CTAS_PER_SM, DECODE_FN, MERGE_FN = 132, 2, 0xD0, 0xE0
 CPU = torch.device("cpu")
 
 
-def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pages=None, max_tokens=None):
+def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pages=None, max_tokens=None,
+                max_q_len=None):
     decoder = BatchDecode.__new__(BatchDecode)
     decoder.engine, decoder.device, decoder._arch = engine, CPU, "sm_90"
     decoder.use_cuda_graph = use_cuda_graph
@@ -34,6 +35,7 @@ def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pa
     decoder._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32) if use_cuda_graph else None
     decoder._buffers, decoder._page_range = None, _PageIdRange(CPU)
     decoder._kv_checked, decoder._planned = {}, False
+    decoder._graph_q_len = max_q_len
     return decoder
 
 
@@ -334,3 +336,35 @@ def test_prepared_launch_passes_its_ctypes_arguments_and_the_current_stream(monk
     monkeypatch.setattr(kernel, "check", lambda status, what: (_ for _ in ()).throw(RuntimeError(f"{what} {status}")))
     with pytest.raises(RuntimeError, match="cuLaunchKernel 1"):
         launch(0x9)
+
+
+def test_cuda_graph_plans_vary_query_tokens_up_to_max_q_len(planner):
+    """One kernel for every replay: plans with fewer query tokens per request use the max_q_len kernel."""
+    rng = np.random.default_rng(8)
+    indptr, indices, last = tables([300, 200, 40], 16, rng)
+    decoder = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=4, max_num_pages=64, max_q_len=4)
+    specs = []
+    for q_len in (1, 4, 2):
+        decoder.plan(indptr, indices, last, 8, 2, 128, 16, q_len=q_len)
+        specs.append(decoder.spec)
+        assert decoder.num_tokens == 3 * q_len
+    assert specs[0] == specs[1] == specs[2] and specs[0].max_q_len == 4
+    assert decoder._buffers.capacity.tokens == 16  # max_batch_size x max_q_len
+    with pytest.raises(ValueError, match=r"at most max_q_len=4 query tokens per request .*got 5$"):
+        decoder.plan(indptr, indices, last, 8, 2, 128, 16, q_len=5)
+    assert decoder.spec == specs[0] and decoder.num_tokens == 6  # the q_len=2 plan is still in place
+
+
+def test_without_max_q_len_the_first_cuda_graph_plan_fixes_it(planner):
+    rng = np.random.default_rng(9)
+    indptr, indices, last = tables([300, 200], 16, rng)
+    decoder = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=4, max_num_pages=64)
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16, q_len=3)
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16, q_len=1)
+    assert decoder.spec.max_q_len == 3 and decoder.num_tokens == 2
+    with pytest.raises(ValueError, match="at most max_q_len=3"):
+        decoder.plan(indptr, indices, last, 8, 2, 128, 16, q_len=4)
+    other = cpu_decoder(planner)  # without graphs the kernel follows the batch
+    other.plan(indptr, indices, last, 8, 2, 128, 16, q_len=3)
+    other.plan(indptr, indices, last, 8, 2, 128, 16, q_len=1)
+    assert other.spec.max_q_len == 1
