@@ -46,25 +46,20 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
   const int tid = (tz * ROWS_PAD + ty) * BDX + tx;
 
-  const int request = __ldg(a.work_request + w);
-  const int v_begin = __ldg(a.work_begin + w), v_end = __ldg(a.work_end + w);
-  const int kv_len = __ldg(a.req_kv_len + request);
-  const int page_begin = __ldg(a.req_page_begin + request);
-  const int q_begin = __ldg(a.req_qo_indptr + request);
-  const int q_len = __ldg(a.req_qo_indptr + request + 1) - q_begin;
-  const bool direct = __ldg(a.req_work_indptr + request + 1) - __ldg(a.req_work_indptr + request) == 1;
+  const WorkItem item(a, w);
 
   // This thread's query row: rows are (token, head-in-group), heads fastest.
   const int row = blockIdx.z * ROWS + ty;
   const int q_tok = row / cfg::GROUP_SIZE;
   const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
-  const bool row_valid = ty < ROWS && row < ROWS_TOTAL && q_tok < q_len;
-  const int q_pos = kv_len - q_len + q_tok;
+  const bool row_valid = ty < ROWS && row < ROWS_TOTAL && q_tok < item.q_len;
+  const int q_pos = item.kv_len - item.q_len + q_tok;
   const HeadScales scales(a, kv_head);
 
   float q[VEC];
   if (row_valid && tx < CPR) {
-    uint4 raw = *reinterpret_cast<const uint4*>(a.q + (i64)(q_begin + q_tok) * a.q_stride + qo_head * D + tx * VEC);
+    const q_t* q_row = a.q + (i64)(item.q_begin + q_tok) * a.q_stride + qo_head * D;
+    uint4 raw = *reinterpret_cast<const uint4*>(q_row + tx * VEC);
     unpack8<q_t>(raw, q);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) q[i] *= scales.score;
@@ -77,12 +72,12 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
 
   PagedKVStage<TILE, ROW_BYTES, ROW_BYTES, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
-                                                     tid, request, v_end, kv_len, page_begin};
+                                                     tid, item.request, item.v_end, item.kv_len, item.page_begin};
   float m = FJ_NEG_INF, dsum = 0.f, o[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;
 
-  stream_tiles<STAGES, TILE>(loader, v_begin, ceil_div(v_end - v_begin, TILE), [&](int stage, int t) {
+  stream_tiles<STAGES, TILE>(loader, item.v_begin, ceil_div(item.v_end - item.v_begin, TILE), [&](int stage, int t) {
     float s[TPZ];
     float tile_max = FJ_NEG_INF;
 #pragma unroll
@@ -97,11 +92,12 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
       }
 #pragma unroll
       for (int off = BDX / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      const int vpos = v_begin + t * TILE + tok;
-      bool visible = row_valid && vpos < v_end;
+      const int vpos = item.v_begin + t * TILE + tok;
+      bool visible = row_valid && vpos < item.v_end;
       if (visible) {
-        const int pos = mask_kv_position(params, request, vpos);
-        visible = pos >= 0 && pos < kv_len && mask_visible(params, request, q_tok, q_len, q_pos, pos, kv_len);
+        const int pos = mask_kv_position(params, item.request, vpos);
+        visible = pos >= 0 && pos < item.kv_len &&
+                  mask_visible(params, item.request, q_tok, item.q_len, q_pos, pos, item.kv_len);
       }
       s[j] = visible ? dot : FJ_NEG_INF;
       tile_max = fmaxf(tile_max, s[j]);
@@ -159,8 +155,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] *= inv;
-  const int token = q_begin + q_tok;
-  if (direct) {
+  const int token = item.q_begin + q_tok;
+  if (item.direct) {
     if (tx < CPR)
       *reinterpret_cast<uint4*>(a.out + (i64)token * a.out_stride + qo_head * D + tx * VEC) = pack8<out_t>(o);
     if (a.lse != nullptr && tx == 0) a.lse[(i64)token * a.num_qo_heads + qo_head] = lse2 * FJ_LN2;

@@ -33,6 +33,22 @@ struct HeadScales {
   }
 };
 
+// One work item: its request, the span [v_begin, v_end) it reads, and the request's geometry.
+struct WorkItem {
+  int request, v_begin, v_end, kv_len, page_begin, q_begin, q_len;
+  bool direct;  // the request's only item: it writes the output, not a partial for the merge
+  FJ_INLINE WorkItem(const Args& a, int w) {
+    request = __ldg(a.work_request + w);
+    v_begin = __ldg(a.work_begin + w);
+    v_end = __ldg(a.work_end + w);
+    kv_len = __ldg(a.req_kv_len + request);
+    page_begin = __ldg(a.req_page_begin + request);
+    q_begin = __ldg(a.req_qo_indptr + request);
+    q_len = __ldg(a.req_qo_indptr + request + 1) - q_begin;
+    direct = __ldg(a.req_work_indptr + request + 1) - __ldg(a.req_work_indptr + request) == 1;
+  }
+};
+
 FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
   return (i64)page * a.page_stride + (i64)slot * a.slot_stride;
 }

@@ -146,13 +146,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
-  const int request = __ldg(a.work_request + w);
-  const int v_begin = __ldg(a.work_begin + w), v_end = __ldg(a.work_end + w);
-  const int kv_len = __ldg(a.req_kv_len + request);
-  const int page_begin = __ldg(a.req_page_begin + request);
-  const int q_begin = __ldg(a.req_qo_indptr + request);
-  const int q_len = __ldg(a.req_qo_indptr + request + 1) - q_begin;
-  const bool direct = __ldg(a.req_work_indptr + request + 1) - __ldg(a.req_work_indptr + request) == 1;
+  const WorkItem item(a, w);
   const HeadScales scales(a, kv_head);
 
   // The two query rows this thread's fragments touch: quad and quad + 8.
@@ -163,8 +157,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     const int row = blockIdx.z * M + quad + 8 * h;
     row_tok[h] = row / cfg::GROUP_SIZE;
     row_head[h] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
-    row_valid[h] = row < ROWS_TOTAL && row_tok[h] < q_len;
-    row_pos[h] = kv_len - q_len + row_tok[h];
+    row_valid[h] = row < ROWS_TOTAL && row_tok[h] < item.q_len;
+    row_pos[h] = item.kv_len - item.q_len + row_tok[h];
   }
 
   // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)] (for fp8
@@ -177,7 +171,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
       const int h = r & 1, col = FP8 ? k_dim(k, lane % 4) + (r >> 1) * 2 : 16 * k + pair + (r >> 1) * 8;
       qa[k][r] = row_valid[h]
           ? QueryPair<q_t, mma_t>::convert(
-                *reinterpret_cast<const u32*>(a.q + (i64)(q_begin + row_tok[h]) * a.q_stride + row_head[h] * D + col))
+                *reinterpret_cast<const u32*>(a.q + (i64)(item.q_begin + row_tok[h]) * a.q_stride
+                                              + row_head[h] * D + col))
           : 0u;
     }
   }
@@ -185,7 +180,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
   PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
-                                                 tid, request, v_end, kv_len, page_begin};
+                                                 tid, item.request, item.v_end, item.kv_len, item.page_begin};
 
   float o[NTILES][4];
 #pragma unroll
@@ -197,9 +192,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * K_PITCH + (mat & 1) * 16;  // K: [keys][dims]
   const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * V_PITCH + (mat >> 1) * 16;  // V: transposed
 
-  stream_tiles<STAGES, TILE>(loader, v_begin, ceil_div(v_end - v_begin, TILE), [&](int stage, int t) {
-    const int key0 = v_begin + t * TILE + warp * 16;  // this warp's first key
-    if (key0 < v_end) {
+  stream_tiles<STAGES, TILE>(loader, item.v_begin, ceil_div(item.v_end - item.v_begin, TILE), [&](int stage, int t) {
+    const int key0 = item.v_begin + t * TILE + warp * 16;  // this warp's first key
+    if (key0 < item.v_end) {
       const unsigned char* ks = k_smem + stage * TILE * K_PITCH;
       const unsigned char* vs = v_smem + stage * TILE * V_PITCH;
       // S = Q K^T for 16 keys: s[j][0..1] rows quad, s[j][2..3] rows quad+8, keys 8j + pair (+1).
@@ -222,11 +217,11 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1, vpos = key0 + 8 * j + pair + (e & 1);
-          bool visible = row_valid[h] && vpos < v_end;
+          bool visible = row_valid[h] && vpos < item.v_end;
           if (visible) {
-            const int pos = mask_kv_position(params, request, vpos);
-            visible = pos >= 0 && pos < kv_len &&
-                      mask_visible(params, request, row_tok[h], q_len, row_pos[h], pos, kv_len);
+            const int pos = mask_kv_position(params, item.request, vpos);
+            visible = pos >= 0 && pos < item.kv_len &&
+                      mask_visible(params, item.request, row_tok[h], item.q_len, row_pos[h], pos, item.kv_len);
           }
           s[j][e] = visible ? s[j][e] * scales.score : FJ_NEG_INF;
           tile_max[h] = fmaxf(tile_max[h], s[j][e]);
@@ -299,11 +294,11 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 
   // Each thread finishes 4 columns of some rows.
   constexpr int COLS4 = D / 4;
-  for (int item = tid; item < M * COLS4; item += NT) {
-    const int row_in = item / COLS4, col = (item % COLS4) * 4;
+  for (int cell = tid; cell < M * COLS4; cell += NT) {
+    const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
     const int row = blockIdx.z * M + row_in;
     const int q_tok = row / cfg::GROUP_SIZE;
-    if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
+    if (row >= ROWS_TOTAL || q_tok >= item.q_len) continue;
     const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     float m_all = FJ_NEG_INF;
 #pragma unroll
@@ -319,8 +314,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     }
     const float inv = d_all > 0.f ? scales.value / d_all : 0.f;
     const float lse2 = d_all > 0.f ? m_ref + log2_approx(d_all) : FJ_NEG_INF;
-    const int token = q_begin + q_tok;
-    if (direct) {
+    const int token = item.q_begin + q_tok;
+    if (item.direct) {
       uint2 packed;
       packed.x = (u32)Convert<out_t>::from_float(acc[0] * inv) | ((u32)Convert<out_t>::from_float(acc[1] * inv) << 16);
       packed.y = (u32)Convert<out_t>::from_float(acc[2] * inv) | ((u32)Convert<out_t>::from_float(acc[3] * inv) << 16);
