@@ -16,7 +16,7 @@ from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantiz
 
 # (head_dim, fp8 cache) -> (warps, stages) variants; the first is the current choice
 VARIANTS = {(128, False): [(4, 3), (4, 2), (2, 4), (8, 2)], (64, False): [(4, 4), (4, 3), (8, 2)],
-            (128, True): [(4, 3), (4, 4), (4, 2), (8, 2)]}
+            (128, True): [(4, 3), (4, 4), (4, 2), (8, 2), (2, 4), (2, 6)]}
 SHAPES = ["b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform 128..32768", "b16 L8192 d64",
           "b16 L8192 e4m3", "b64 L8192 e4m3", "b16 L8192 e4m3 HND"]
 

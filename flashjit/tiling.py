@@ -58,7 +58,7 @@ class DecodeTiling:
         return self.bdx * self.rows_pad * self.bdz
 
 
-TC_ROWS = 16  # MMA M: query rows per tensor-core CTA
+TC_ROWS = 16  # MMA M: query rows per tensor-core CTA (16-bit K/V)
 TC_WARPS = {64: 4, 128: 4, 256: 2}
 TC_STAGES = {64: 4, 128: 3, 256: 3}
 # fp8: CTAs per SM matter more than bytes in flight per CTA (H200, benchmarks/tiling_sweep.py:
@@ -71,13 +71,24 @@ L2_PREFETCH_FP8 = 128
 def tc_row_pitches(head_dim: int, kv_bytes: int) -> tuple[int, int]:
     """Shared-memory bytes per K and V row, padded so the kernel's loads are bank-conflict free.
 
-    16-bit: 8 elements of padding for ldmatrix. fp8 (8-byte loads, see decode_tc.cuh): a K pitch
-    of 32 mod 64 bytes spreads the 4 key rows one half-warp reads; a V pitch of 16 mod 64 spreads
-    the 4 rows, two apart, that the lanes of one column read.
+    16-bit: 8 elements of padding for ldmatrix. fp8 (decode_tc_fp8.cuh): the lanes of one
+    quarter-warp read two K rows (16 bytes each, 32 apart, or 16 apart at head_dim 64), so the
+    pitch interleaves the two rows: 16 mod 32 bytes (64 mod 128 at head_dim 64). They read V rows
+    two apart at 16 consecutive bytes each (8 at head_dim 64): a pitch of 16 mod 64 spreads them.
     """
     if kv_bytes == 2:
         return (head_dim + 8) * 2, (head_dim + 8) * 2
-    return head_dim + 32, head_dim + 16
+    return (head_dim if head_dim == 64 else head_dim + 16), head_dim + 16
+
+
+def tc_rows(spec: DecodeSpec) -> int:
+    """Query rows per tensor-core CTA: the MMA's M for 16-bit K/V. For fp8, where the rows are the
+    MMA's N, one n-tile of 8 when the group's rows fit, else two where the registers allow: at
+    head_dim <= 128 with the hardware conversion (sm_89+; the bit path of sm_80 spills)."""
+    if not spec.kv_is_fp8:
+        return TC_ROWS
+    two_fit = spec.head_dim <= 128 and spec.arch_number >= 89
+    return 16 if two_fit and spec.group_size * spec.max_q_len > 8 else 8
 
 
 def _l2_prefetch(spec: DecodeSpec) -> int:
@@ -94,10 +105,11 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         stages = (TC_STAGES_FP8 if spec.kv_is_fp8 else TC_STAGES)[spec.head_dim]
         tile = 16 * warps
         k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes)
-        reduction = warps * TC_ROWS * spec.head_dim * 4  # the warps' fp32 states, in the same memory
+        rows = tc_rows(spec)
+        reduction = warps * rows * spec.head_dim * 4  # the warps' fp32 states, in the same memory
         smem = max(stages * tile * (k_pitch + v_pitch), reduction)
-        return DecodeTiling(vec=8, chunks_per_row=spec.head_dim // 8, bdx=32 * warps, rows=TC_ROWS, rows_pad=1, bdz=1,
-                            row_tiles=-(-rows_total // TC_ROWS), tile_tokens=tile, stages=stages, tensor_cores=True,
+        return DecodeTiling(vec=8, chunks_per_row=spec.head_dim // 8, bdx=32 * warps, rows=rows, rows_pad=1, bdz=1,
+                            row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=stages, tensor_cores=True,
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
                             **merge)
     vec = 8

@@ -1,4 +1,4 @@
-"""fp8 KV caches on the CPU: spec names, kernel layouts and pitches, compiles per arch, the
+"""fp8 KV caches on the CPU: spec names, stage memory, compiles per arch, the
 quantize helper and the scale checks. The kernels themselves run in tests/gpu/test_fp8_gpu.py."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from flashjit import DecodeSpec, SpecError, checks
 from flashjit.compile import compile_source
 from flashjit.quantize import FP8_MAX, dequantize_kv, quantize_kv
 from flashjit.render import render
-from flashjit.tiling import decode_tiling, tc_row_pitches
+from flashjit.tiling import decode_tiling
 
 
 @pytest.mark.parametrize("value, canonical", [
@@ -32,55 +32,7 @@ def test_fp8_queries_are_refused_with_a_reason():
     assert info.value.field == "dtype" and "bfloat16" in info.value.accepted
 
 
-# ---- shared-memory layouts of the tensor-core kernel's fp8 loads (decode_tc.cuh) -------------------
-
-def conflicts(addresses, width: int) -> int:
-    """Extra shared-memory wavefronts of one warp-wide load of `width` bytes per lane.
-
-    Lanes are served in phases of 128 bytes (8 lanes of 16 bytes, 16 of 8); within a phase two
-    lanes conflict when they touch the same bank (4-byte word mod 32) in different words."""
-    per_phase = 128 // width
-    extra = 0
-    for start in range(0, 32, per_phase):
-        banks: dict[int, set[int]] = {}
-        for address in addresses[start:start + per_phase]:
-            for word in range(address // 4, (address + width) // 4):
-                banks.setdefault(word % 32, set()).add(word)
-        extra += max(len(words) for words in banks.values()) - 1
-    return extra
-
-
-def k_load_addresses(pitch: int, load: int) -> list[int]:
-    """Byte addresses of the fp8 K loads of `scores_fp8` (key row lane/4)."""
-    return [(lane // 4) * pitch + 8 * (lane % 4) + 32 * load for lane in range(32)]
-
-
-def v_load_addresses(pitch: int, load: int, key: int) -> list[int]:
-    """Byte addresses of the fp8 V loads of `accumulate_fp8` for key row `key` in 0, 1, 8, 9."""
-    return [((lane % 4) * 2 + key) * pitch + 8 * (lane // 4) + 64 * load for lane in range(32)]
-
-
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fp8_row_pitches_make_every_load_conflict_free(head_dim):
-    k_pitch, v_pitch = tc_row_pitches(head_dim, kv_bytes=1)
-    assert k_pitch >= head_dim and v_pitch >= head_dim and k_pitch % 16 == v_pitch % 16 == 0
-    for load in range(head_dim // 32):
-        assert conflicts(k_load_addresses(k_pitch, load), 8) == 0
-    for load in range(head_dim // 64):
-        for key in (0, 1, 8, 9):
-            assert conflicts(v_load_addresses(v_pitch, load, key), 8) == 0
-    # the naive pitch (no padding) would conflict, so the check has teeth
-    assert conflicts(v_load_addresses(head_dim, 0, 0), 8) > 0 and conflicts(k_load_addresses(head_dim, 0), 8) > 0
-
-
-def test_fp8_layout_covers_every_head_dim_once():
-    """The permuted K order (k_dim) and V order (v_dim) of decode_tc.cuh are permutations."""
-    for d in (64, 128, 256):
-        k_dims = sorted(32 * (ks // 2) + 8 * t + 4 * (ks % 2) + e for ks in range(d // 16) for t in range(4)
-                        for e in range(4))
-        v_dims = sorted(64 * (nt // 8) + 8 * n + nt % 8 for nt in range(d // 8) for n in range(8))
-        assert k_dims == list(range(d)) and v_dims == list(range(d))
-
+# ---- tiling (the kernel's register layouts and pitches: tests/test_fp8_layout.py) -------------------
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_fp8_stage_memory_fits_two_ctas_per_sm(head_dim):
@@ -92,13 +44,14 @@ def test_fp8_stage_memory_fits_two_ctas_per_sm(head_dim):
 # ---- compiles ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("kv_dtype, head_dim, group", [
-    ("e4m3", 128, 4), ("e5m2", 128, 8), ("e4m3", 64, 4), ("e4m3", 256, 4),  # tensor cores
-    ("e4m3", 128, 1), ("e5m2", 96, 4),                                       # CUDA cores
+@pytest.mark.parametrize("kv_dtype, head_dim, group, q_len", [
+    ("e4m3", 128, 4, 1), ("e5m2", 128, 8, 1), ("e4m3", 64, 4, 1), ("e4m3", 256, 4, 1),  # tensor cores, 8 rows
+    ("e4m3", 128, 8, 2), ("e5m2", 64, 4, 3), ("e4m3", 256, 8, 2),                     # 16 rows (or 2 x 8)
+    ("e4m3", 128, 1, 1), ("e5m2", 96, 4, 1),                                         # CUDA cores
 ])
-def test_fp8_kernels_compile_without_spills(arch, kv_dtype, head_dim, group):
+def test_fp8_kernels_compile_without_spills(arch, kv_dtype, head_dim, group, q_len):
     """sm_80 takes the bit-manipulation conversion, sm_90 the paired hardware one."""
-    spec = DecodeSpec(head_dim, dtype="bf16", kv_dtype=kv_dtype, group_size=group, max_q_len=1, arch=arch)
+    spec = DecodeSpec(head_dim, dtype="bf16", kv_dtype=kv_dtype, group_size=group, max_q_len=q_len, arch=arch)
     source = render(spec)
     assert "typedef fj::%s_t kv_t;" % kv_dtype in source
     compiled = compile_source(source, arch, spec.name, extra_options=("--ptxas-options=-v",))

@@ -33,7 +33,8 @@ FJ_INLINE void combine(const Args& a) {
   const int w0 = __ldg(a.req_work_indptr + request), w1 = __ldg(a.req_work_indptr + request + 1);
   if (w1 - w0 <= 1) return;
   const int q_tok = token - __ldg(a.req_qo_indptr + request);
-  auto slot = [&](int w) { return ((i64)w * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + head; };
+  const i64 item_stride = (i64)cfg::MAX_Q_LEN * a.num_qo_heads, slot0 = (i64)q_tok * a.num_qo_heads + head;
+  auto slot = [=](int w) { return w * item_stride + slot0; };  // of work item w's partial
 
   float m = FJ_NEG_INF;
   for (int w = w0; w < w1; ++w) m = fmaxf(m, __ldg(a.tmp_lse + slot(w)));
