@@ -82,13 +82,10 @@ def tc_row_pitches(head_dim: int, kv_bytes: int) -> tuple[int, int]:
 
 
 def tc_rows(spec: DecodeSpec) -> int:
-    """Query rows per tensor-core CTA: the MMA's M for 16-bit K/V. For fp8, where the rows are the
-    MMA's N, one n-tile of 8 when the group's rows fit, else two where the registers allow: at
-    head_dim <= 128 with the hardware conversion (sm_89+; the bit path of sm_80 spills)."""
-    if not spec.kv_is_fp8:
-        return TC_ROWS
-    two_fit = spec.head_dim <= 128 and spec.arch_number >= 89
-    return 16 if two_fit and spec.group_size * spec.max_q_len > 8 else 8
+    """Query rows per tensor-core CTA: the MMA's M (16) for 16-bit K/V. For fp8, where the rows
+    are the MMA's N, one n-tile of 8: more rows take more row tiles (two n-tiles per CTA would
+    share the K/V conversions, but spill registers)."""
+    return 8 if spec.kv_is_fp8 else TC_ROWS
 
 
 def _l2_prefetch(spec: DecodeSpec) -> int:

@@ -46,7 +46,7 @@ def test_fp8_stage_memory_fits_two_ctas_per_sm(head_dim):
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("kv_dtype, head_dim, group, q_len", [
     ("e4m3", 128, 4, 1), ("e5m2", 128, 8, 1), ("e4m3", 64, 4, 1), ("e4m3", 256, 4, 1),  # tensor cores, 8 rows
-    ("e4m3", 128, 8, 2), ("e5m2", 64, 4, 3), ("e4m3", 256, 8, 2),                     # 16 rows (or 2 x 8)
+    ("e4m3", 128, 8, 2), ("e5m2", 64, 4, 3), ("e4m3", 256, 8, 2),                     # 2 row tiles
     ("e4m3", 128, 1, 1), ("e5m2", 96, 4, 1),                                         # CUDA cores
 ])
 def test_fp8_kernels_compile_without_spills(arch, kv_dtype, head_dim, group, q_len):

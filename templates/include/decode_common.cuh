@@ -54,15 +54,20 @@ FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
 }
 
 // Copies one pipeline stage (TILE keys x HEAD_DIM of K and of V, in 16-byte chunks) from the paged
-// cache into shared-memory rows of K_PITCH and V_PITCH bytes. locate() resolves each of the
-// thread's chunks to a physical token (page * PAGE_SIZE + slot; -1 past the span, zero-filled)
-// through the mask's kv_position and the page table; issue() starts the copies.
+// cache into shared-memory rows of K_PITCH and V_PITCH bytes. locate() resolves the thread's keys
+// to cache offsets through the mask's kv_position and the page table; issue() starts the copies.
+//
+// Where the block allows it (EVEN), a thread copies one 16-byte column of LOADS consecutive keys.
+// Those usually sit at consecutive positions of one page: then one page-table read and one offset
+// serve them all (a "run"), which keeps the address arithmetic per stage to a few instructions.
+// Otherwise (a page boundary, a mask's jump, the span's end) each key is resolved on its own.
 template <int TILE, int K_PITCH, int V_PITCH, int NT>
 struct PagedKVStage {
   static constexpr int ELEMS = 16 / sizeof(kv_t);  // values per 16-byte chunk
   static constexpr int CPR = cfg::HEAD_DIM / ELEMS;
   static constexpr int CHUNKS = TILE * CPR;
   static constexpr int LOADS = ceil_div(CHUNKS, NT);
+  static constexpr bool EVEN = NT % CPR == 0 && TILE % (NT / CPR) == 0;
   static_assert(CPR * ELEMS == cfg::HEAD_DIM, "a K/V row is whole 16-byte chunks");
 
   const Args& a;
@@ -70,38 +75,58 @@ struct PagedKVStage {
   const kv_t* k_head; const kv_t* v_head;
   unsigned char* k_smem; unsigned char* v_smem;
   int tid, request, v_end, kv_len, page_begin;
-  int phys[LOADS];
+  int phys[LOADS];  // physical token (page * PAGE_SIZE + slot) of each key, -1: zero-fill
+  bool run;         // EVEN: the keys are consecutive tokens of one page, starting at run_offset
+  i64 run_offset;
 
-  // Chunk i of this thread is chunk tid + i * NT of the stage: key (row) and 16-byte column.
-  // When NT is a multiple of CPR the column is the same for every i (and the key a simple step).
-  static constexpr bool EVEN = NT % CPR == 0;
+  // Chunk i of this thread: its key (row) in the stage and its 16-byte column.
   FJ_INLINE bool owns(int i) const { return CHUNKS % NT == 0 || tid + i * NT < CHUNKS; }
-  FJ_INLINE int key(int i) const { return EVEN ? tid / CPR + i * (NT / CPR) : (tid + i * NT) / CPR; }
+  FJ_INLINE int key(int i) const { return EVEN ? (tid / CPR) * LOADS + i : (tid + i * NT) / CPR; }
   FJ_INLINE int column(int i) const { return EVEN ? tid % CPR : (tid + i * NT) % CPR; }
 
   FJ_INLINE void locate(int tile_v0) {
+    int pos[LOADS];
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int vpos = tile_v0 + key(i);
+      pos[i] = owns(i) && vpos < v_end ? mask_kv_position(params, request, vpos) : -1;
+    }
+    if constexpr (EVEN) {
+      run = pos[0] >= 0 && pos[LOADS - 1] < kv_len && pos[0] / cfg::PAGE_SIZE == pos[LOADS - 1] / cfg::PAGE_SIZE;
+#pragma unroll
+      for (int i = 1; i < LOADS; ++i) run = run && pos[i] == pos[0] + i;
+      if (run) {
+        run_offset = token_offset(a, __ldg(a.page_indices + page_begin + pos[0] / cfg::PAGE_SIZE),
+                                  pos[0] % cfg::PAGE_SIZE);
+        return;
+      }
+    }
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       phys[i] = -1;
-      if (!owns(i)) continue;
-      const int vpos = tile_v0 + key(i);
-      if (vpos < v_end) {
-        const int pos = mask_kv_position(params, request, vpos);
-        if (pos >= 0 && pos < kv_len)
-          phys[i] = __ldg(a.page_indices + page_begin + pos / cfg::PAGE_SIZE) * cfg::PAGE_SIZE + pos % cfg::PAGE_SIZE;
-      }
+      if (pos[i] >= 0 && pos[i] < kv_len)
+        phys[i] = __ldg(a.page_indices + page_begin + pos[i] / cfg::PAGE_SIZE) * cfg::PAGE_SIZE + pos[i] % cfg::PAGE_SIZE;
     }
   }
 
+  FJ_INLINE void copy(int stage, int i, i64 offset, bool pred) {
+    const int col = column(i);
+    const i64 at = pred ? offset + col * ELEMS : 0;
+    cp_async_16<cfg::L2_PREFETCH>(k_smem + (stage * TILE + key(i)) * K_PITCH + col * 16, k_head + at, pred);
+    cp_async_16<cfg::L2_PREFETCH>(v_smem + (stage * TILE + key(i)) * V_PITCH + col * 16, v_head + at, pred);
+  }
+
   FJ_INLINE void issue(int stage) {
+    if (EVEN && run) {
+#pragma unroll
+      for (int i = 0; i < LOADS; ++i) copy(stage, i, run_offset + i * a.slot_stride, true);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       if (!owns(i)) continue;
-      const int col = column(i);
       const bool pred = phys[i] >= 0;
-      const i64 offset = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + col * ELEMS : 0;
-      cp_async_16<cfg::L2_PREFETCH>(k_smem + (stage * TILE + key(i)) * K_PITCH + col * 16, k_head + offset, pred);
-      cp_async_16<cfg::L2_PREFETCH>(v_smem + (stage * TILE + key(i)) * V_PITCH + col * 16, v_head + offset, pred);
+      copy(stage, i, pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) : 0, pred);
     }
   }
 };

@@ -1,8 +1,8 @@
 // Paged-KV decode attention on tensor cores for fp8 K/V (e4m3, e5m2; mma.sync m16n8k16 in f16,
-// sm_80+): one CTA per (work item, KV head, tile of ROWS = 8 or 16 query rows).
+// sm_80+): one CTA per (work item, KV head, tile of 8 query rows).
 //
 // The MMA's operands are swapped relative to decode_tc.cuh: S^T = K Q^T and O^T += V^T P^T, so
-// keys and head dims fill the MMA's M = 16 and the query rows its N = 8 (one or two n-tiles).
+// keys and head dims fill the MMA's M = 16 and the query rows its N = 8.
 // A GQA group of 4-8 rows then leaves at most half of each MMA idle rather than three quarters,
 // the MMAs per key halve, and O^T costs 4 registers per 16 head dims instead of 8, which buys
 // CTAs per SM: an fp8 cache is read twice as fast as a 16-bit one, so the arithmetic per byte
@@ -36,8 +36,7 @@ constexpr int K_PITCH = cfg::K_PITCH;
 constexpr int V_PITCH = cfg::V_PITCH;
 constexpr int WARPS = cfg::WARPS;
 constexpr int NT = 32 * WARPS;
-constexpr int M = cfg::ROWS;              // query rows per CTA
-constexpr int NTILES = M / 8;             // MMA n-tiles of query rows
+constexpr int M = cfg::ROWS;              // query rows per CTA: the MMA's N
 constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
 constexpr int TILE = 16 * WARPS;          // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
@@ -48,7 +47,7 @@ constexpr int K_BYTES = BLOCK / 4;        // bytes of a key row one lane reads p
 constexpr int V_BYTES = BLOCK / 8;        // bytes of a value row one lane reads per block
 
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 1, "16-bit queries, fp8 K/V");
-static_assert(M == 8 || M == 16, "one or two n-tiles of query rows");
+static_assert(M == 8, "one n-tile of query rows");
 static_assert(D % BLOCK == 0 && (BLOCK == 64 || BLOCK == 128), "head_dim 64, 128 or 256");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= WARPS * M * D * 4, "the warps' reduction fits in the ring");
 
@@ -57,13 +56,10 @@ FJ_INLINE int o_dim(int mt, int r) {
   return BLOCK * (mt / BLOCK_STEPS) + V_BYTES * (r % 8) + 2 * (mt % BLOCK_STEPS) + r / 8;
 }
 
-// S^T = K Q^T for the warp's 16 keys: s[n][0..1] key g, s[n][2..3] key g + 8, each for query rows
-// 8n + 2t and + 1. With one n-tile, even and odd k-steps accumulate apart, halving the chain of
-// dependent MMAs (two n-tiles make two chains already).
-FJ_INLINE void scores(float (*s)[4], const u32 (*qb)[STEPS][2], const unsigned char* keys, int g, int t) {
-  float odd[NTILES][4];
-#pragma unroll
-  for (int n = 0; n < NTILES; ++n) odd[n][0] = odd[n][1] = odd[n][2] = odd[n][3] = 0.f;
+// S^T = K Q^T for the warp's 16 keys: s[0..1] key g, s[2..3] key g + 8, each for query rows 2t and
+// 2t + 1. Even and odd k-steps accumulate apart, halving the chain of dependent MMAs.
+FJ_INLINE void scores(float* s, const u32 (*qb)[2], const unsigned char* keys, int g, int t) {
+  float odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int b = 0; b < D / BLOCK; ++b) {
 #pragma unroll
@@ -78,20 +74,17 @@ FJ_INLINE void scores(float (*s)[4], const u32 (*qb)[STEPS][2], const unsigned c
         u32 ka[4];  // A fragment: rows (keys) g, g + 8; k-slots 2t, 2t + 1 | 2t + 8, 2t + 9
         Fp8<kv_t>::to_f16x4(w0[j], ka[0], ka[2]);
         Fp8<kv_t>::to_f16x4(w1[j], ka[1], ka[3]);
-#pragma unroll
-        for (int n = 0; n < NTILES; ++n) Mma<half_t>::run(NTILES == 1 && ks % 2 ? odd[n] : s[n], ka, qb[n][ks][0], qb[n][ks][1]);
+        Mma<half_t>::run(ks % 2 ? odd : s, ka, qb[ks][0], qb[ks][1]);
       }
     }
   }
 #pragma unroll
-  for (int n = 0; n < NTILES; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[n][e] += odd[n][e];
+  for (int e = 0; e < 4; ++e) s[e] += odd[e];
 }
 
 // O^T += V^T P^T for the warp's 16 keys. The lane reads keys 2t, 2t + 1 (the A fragment's k-slots
 // of its first half) and 2t + 8, 2t + 9 (second half) at its V_BYTES dims of each block.
-FJ_INLINE void accumulate(float (*o)[STEPS][4], const u32 (*pb)[2], const unsigned char* values, int g, int t) {
+FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* values, int g, int t) {
   constexpr int WORDS = V_BYTES / 4;
 #pragma unroll
   for (int b = 0; b < D / BLOCK; ++b) {
@@ -113,8 +106,7 @@ FJ_INLINE void accumulate(float (*o)[STEPS][4], const u32 (*pb)[2], const unsign
       u32 va[4];
       Fp8<kv_t>::to_f16x4(prmt(w[0][i / 2], w[1][i / 2], pick), va[0], va[1]);
       Fp8<kv_t>::to_f16x4(prmt(w[2][i / 2], w[3][i / 2], pick), va[2], va[3]);
-#pragma unroll
-      for (int n = 0; n < NTILES; ++n) Mma<half_t>::run(o[n][BLOCK_STEPS * b + i], va, pb[n][0], pb[n][1]);
+      Mma<half_t>::run(o[BLOCK_STEPS * b + i], va, pb[0], pb[1]);
     }
   }
 }
@@ -134,31 +126,30 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const WorkItem item(a, w);
   const HeadScales scales(a, kv_head);
 
-  // The query rows of this lane's S^T and O^T columns: 8n + 2t + j (c = 2n + j).
-  constexpr int COLS = 2 * NTILES;
+  // The query rows of this lane's S^T and O^T columns: 2t + c.
+  constexpr int COLS = 2;
   int col_tok[COLS], col_pos[COLS];
   bool col_valid[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
-    const int row = blockIdx.z * M + 8 * (c / 2) + 2 * t + c % 2;
+    const int row = blockIdx.z * M + 2 * t + c;
     col_tok[c] = row / cfg::GROUP_SIZE;
     col_valid[c] = row < ROWS_TOTAL && col_tok[c] < item.q_len;
     col_pos[c] = item.kv_len - item.q_len + col_tok[c];
   }
 
-  // Q as B fragments, loaded once: qb[n][ks] = Q[row 8n + g][k_byte(ks, t) + 0..1 | 2..3], in f16.
-  u32 qb[NTILES][STEPS][2];
-#pragma unroll
-  for (int n = 0; n < NTILES; ++n) {
-    const int row = blockIdx.z * M + 8 * n + g, tok = row / cfg::GROUP_SIZE;
+  // Q as B fragments, loaded once: qb[ks] = Q[row g][k_byte(ks, t) + 0..1 | 2..3], in f16.
+  u32 qb[STEPS][2];
+  {
+    const int row = blockIdx.z * M + g, tok = row / cfg::GROUP_SIZE;
     const bool valid = row < ROWS_TOTAL && tok < item.q_len;
     const q_t* q_row = a.q + (i64)(item.q_begin + tok) * a.q_stride + (kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE) * D;
 #pragma unroll
     for (int ks = 0; ks < STEPS; ++ks)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        qb[n][ks][h] = valid ? QueryPair<q_t, half_t>::convert(*reinterpret_cast<const u32*>(q_row + k_byte(ks, t) + 2 * h))
-                             : 0u;
+        qb[ks][h] = valid ? QueryPair<q_t, half_t>::convert(*reinterpret_cast<const u32*>(q_row + k_byte(ks, t) + 2 * h))
+                          : 0u;
   }
 
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
@@ -166,11 +157,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
                                                  tid, item.request, item.v_end, item.kv_len, item.page_begin};
 
-  float o[NTILES][STEPS][4];
+  float o[STEPS][4];  // O^T: o[mt][0..1] dim o_dim(mt, g), o[mt][2..3] dim o_dim(mt, g + 8); rows 2t, 2t + 1
 #pragma unroll
-  for (int n = 0; n < NTILES; ++n)
-#pragma unroll
-    for (int mt = 0; mt < STEPS; ++mt) o[n][mt][0] = o[n][mt][1] = o[n][mt][2] = o[n][mt][3] = 0.f;
+  for (int mt = 0; mt < STEPS; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
   float m[COLS], dsum[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) m[c] = FJ_NEG_INF, dsum[c] = 0.f;
@@ -178,9 +167,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   stream_tiles<STAGES, TILE>(loader, item.v_begin, ceil_div(item.v_end - item.v_begin, TILE), [&](int stage, int tile) {
     const int key0 = item.v_begin + tile * TILE + warp * 16;  // this warp's first key
     if (key0 >= item.v_end) return;
-    float s[NTILES][4];
-#pragma unroll
-    for (int n = 0; n < NTILES; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
     scores(s, qb, k_smem + (stage * TILE + warp * 16) * K_PITCH, g, t);
 
     // Scale, mask, and the online-softmax update, per column (reduced over the 8 lanes of a t).
@@ -188,19 +175,16 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
     for (int c = 0; c < COLS; ++c) tile_max[c] = FJ_NEG_INF;
 #pragma unroll
-    for (int n = 0; n < NTILES; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = 2 * n + (e & 1), vpos = key0 + g + 8 * (e >> 1);
-        bool visible = col_valid[c] && vpos < item.v_end;
-        if (visible) {
-          const int pos = mask_kv_position(params, item.request, vpos);
-          visible = pos >= 0 && pos < item.kv_len &&
-                    mask_visible(params, item.request, col_tok[c], item.q_len, col_pos[c], pos, item.kv_len);
-        }
-        s[n][e] = visible ? s[n][e] * scales.score : FJ_NEG_INF;
-        tile_max[c] = fmaxf(tile_max[c], s[n][e]);
+    for (int e = 0; e < 4; ++e) {
+      const int c = e & 1, vpos = key0 + g + 8 * (e >> 1);
+      bool visible = col_valid[c] && vpos < item.v_end;
+      if (visible) {
+        const int pos = mask_kv_position(params, item.request, vpos);
+        visible = pos >= 0 && pos < item.kv_len &&
+                  mask_visible(params, item.request, col_tok[c], item.q_len, col_pos[c], pos, item.kv_len);
       }
+      s[e] = visible ? s[e] * scales.score : FJ_NEG_INF;
+      tile_max[c] = fmaxf(tile_max[c], s[e]);
     }
     float m_ref[COLS], rescale[COLS];
     bool grew = false;
@@ -218,24 +202,17 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     // After the first tiles the running max rarely grows: skip O's rescale when no column's did.
     if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-      for (int n = 0; n < NTILES; ++n)
+      for (int mt = 0; mt < STEPS; ++mt)
 #pragma unroll
-        for (int mt = 0; mt < STEPS; ++mt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[n][mt][e] *= rescale[2 * n + (e & 1)];
+        for (int e = 0; e < 4; ++e) o[mt][e] *= rescale[e & 1];
     }
-    // P^T's B fragments: key rows 2t, 2t + 1 (pb[n][0]) and 2t + 8, 2t + 9 (pb[n][1]) of query row 8n + g.
-    u32 pb[NTILES][2];
+    // P^T's B fragment: key rows 2t, 2t + 1 (pb[0]) and 2t + 8, 2t + 9 (pb[1]) of query row g.
 #pragma unroll
-    for (int n = 0; n < NTILES; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[n][e] = exp2_approx(s[n][e] - m_ref[2 * n + (e & 1)]);
-        dsum[2 * n + (e & 1)] += s[n][e];
-      }
-      pb[n][0] = movmatrix_trans(Mma<half_t>::pack(s[n][0], s[n][1]));
-      pb[n][1] = movmatrix_trans(Mma<half_t>::pack(s[n][2], s[n][3]));
+    for (int e = 0; e < 4; ++e) {
+      s[e] = exp2_approx(s[e] - m_ref[e & 1]);
+      dsum[e & 1] += s[e];
     }
+    const u32 pb[2] = {movmatrix_trans(Mma<half_t>::pack(s[0], s[1])), movmatrix_trans(Mma<half_t>::pack(s[2], s[3]))};
     accumulate(o, pb, v_smem + (stage * TILE + warp * 16) * V_PITCH, g, t);
   });
 
@@ -243,14 +220,14 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   float* red_o = reinterpret_cast<float*>(smem);  // [WARPS][M][D]
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
-    const int row = 8 * (c / 2) + 2 * t + c % 2;
+    const int row = 2 * t + c;
 #pragma unroll
     for (int mask = 4; mask < 32; mask *= 2) dsum[c] += __shfl_xor_sync(0xffffffffu, dsum[c], mask);
     if (g == 0) { red_m[warp][row] = m[c]; red_d[warp][row] = dsum[c]; }
     float* red_row = red_o + (warp * M + row) * D;
 #pragma unroll
     for (int mt = 0; mt < STEPS; ++mt)  // C fragment: dims o_dim(mt, g) and + 1 (row g + 8)
-      *reinterpret_cast<float2*>(red_row + o_dim(mt, g)) = make_float2(o[c / 2][mt][c % 2], o[c / 2][mt][2 + c % 2]);
+      *reinterpret_cast<float2*>(red_row + o_dim(mt, g)) = make_float2(o[mt][c], o[mt][2 + c]);
   }
   __syncthreads();
 
