@@ -23,7 +23,7 @@ import numpy as np
 from . import checks
 from .engine import Engine
 from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, PreparedLaunch
-from .plan import WorkPlan, plan_work
+from .plan import WorkPlan, largest, plan_work
 from .spec import KV_DTYPES, DecodeSpec, normalize_dtype
 
 LOG2E = 1.4426950408889634
@@ -139,6 +139,8 @@ class BatchDecode:
         self._page_range = _PageIdRange(self.device)
         self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
         self._scales_key = None  # the k_scale/v_scale the arguments hold
+        self._scale_rules = None  # (decode args, fp8 cache, kv heads) they were validated for
+        self._decode_launch = self._merge_prepared = self._merge_launch = None  # kept from plan to plan
         self._planned = False
 
     # ---- plan -------------------------------------------------------------------------------
@@ -205,13 +207,13 @@ class BatchDecode:
     def _kernel_q_len(self, q_lens) -> int:
         """The kernel's query tokens per request: the batch's largest, or in CUDA-graph mode the
         fixed max_q_len, which also serves batches with fewer (one kernel for every replay)."""
-        largest = max(1, int(q_lens.max(initial=1)))
+        largest_q = max(1, largest(q_lens, 1))
         fixed = self._graph_q_len if self.use_cuda_graph else None
         if fixed is None:
-            return largest
-        if largest > fixed:
+            return largest_q
+        if largest_q > fixed:
             checks.fail("plan() with use_cuda_graph=True", f"at most max_q_len={fixed} query tokens per request "
-                        "(set max_q_len when constructing BatchDecode)", largest)
+                        "(set max_q_len when constructing BatchDecode)", largest_q)
         return fixed
 
     def _split_work(self, spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads: int, chunk_tokens,
@@ -225,7 +227,7 @@ class BatchDecode:
             checks.fail("chunk_tokens", "a positive int", chunk_tokens)
         if disable_split_kv:
             span_lens = span_end if span_begin is None else span_end - span_begin
-            chunk_tokens = max(1, int(np.max(span_lens, initial=1)))
+            chunk_tokens = max(1, largest(span_lens, 1))
         tiling, batch = kernel.tiling, len(kv_lens)
         ctas_per_item, max_ctas = num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
         capacity = self._graph_capacity(spec, batch, int(qo_h[-1]), max(batch, max_ctas // ctas_per_item))
@@ -296,28 +298,29 @@ class BatchDecode:
         a.page_indices = indices.data_ptr()
         a.num_qo_heads = m.num_qo_heads = self.num_qo_heads
         a.sm_scale_log2 = sm_scale_log2
-        a.k_scale = a.v_scale = 1.0
-        self._scales_key = None  # run() sets the scale fields again
-        self._decode_args, self._merge_args, self._merge_params = a, m, buffers.merge_params
+        scale_rules = (a, self.spec.kv_is_fp8, self.num_kv_heads)  # what run() validated the scales against
+        if scale_rules != self._scale_rules:
+            self._scales_key, self._scale_rules = None, scale_rules  # run() checks and sets the scales again
+        self._decode_args, self._merge_args = a, m
         self._indices = indices  # keep alive while planned
 
-        self._mask_values, self._mask_tensors = [], []
+        values, self._mask_tensors = [], []
         for param in kernel.mask.params:
             value = params[param.name]
             if param.kind == "int_tensor":  # validated by _mask_params
                 self._mask_tensors.append(value)  # keep alive while planned
                 value = value.data_ptr()
-            self._mask_values.append(MASK_PARAM_CTYPES[param.kind](value))
-        self._decode_params = (ctypes.c_void_p * (1 + len(self._mask_values)))(
-            ctypes.addressof(a), *(ctypes.addressof(v) for v in self._mask_values))
+            values.append(value)
         graph, cap, tiling = self.use_cuda_graph, buffers.capacity, kernel.tiling
-        self._decode_launch = PreparedLaunch(
-            loaded.decode, (cap.work if graph else work.num_work, self.num_kv_heads, tiling.row_tiles), tiling.block,
-            self._decode_params, tiling.smem_bytes)
-        # Graphs always launch the merge (its blocks exit early when nothing was split).
-        self._merge_launch = PreparedLaunch(
-            loaded.merge, (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1), tiling.merge_block,
-            self._merge_params) if graph or work.needs_merge else None
+        self._decode_launch = PreparedLaunch.update(
+            self._decode_launch, loaded.decode, (cap.work if graph else work.num_work, self.num_kv_heads, tiling.row_tiles),
+            tiling.block, buffers.decode_params(kernel.mask.params, values), tiling.smem_bytes)
+        # Graphs always launch the merge (its blocks exit early when nothing was split); a plan
+        # without a split keeps the prepared merge for the next plan that has one.
+        self._merge_prepared = PreparedLaunch.update(
+            self._merge_prepared, loaded.merge, (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1),
+            tiling.merge_block, buffers.merge_params)
+        self._merge_launch = self._merge_prepared if graph or work.needs_merge else None
 
     # ---- run --------------------------------------------------------------------------------
 
@@ -497,6 +500,21 @@ class _PlanBuffers:
         m.token_request, m.req_qo_indptr, m.req_work_indptr = p["token_request"], p["req_qo_indptr"], p["req_work_indptr"]
         m.num_tokens = p["num_tokens"]
         self.merge_params = (ctypes.c_void_p * 1)(ctypes.addressof(m))
+        self._mask_params, self._mask_values, self._decode_params = None, [], None
+
+    def decode_params(self, mask_params: tuple, values: list) -> ctypes.Array:
+        """The decode kernel's void*[]: the Args struct, then each mask parameter's value.
+
+        Kept while the mask's parameters stay the same, the values written in place, so plan()
+        keeps its prepared launch too."""
+        if mask_params != self._mask_params:
+            self._mask_values = [MASK_PARAM_CTYPES[p.kind]() for p in mask_params]
+            self._decode_params = (ctypes.c_void_p * (1 + len(self._mask_values)))(
+                ctypes.addressof(self.decode_args), *(ctypes.addressof(v) for v in self._mask_values))
+            self._mask_params = mask_params
+        for slot, value in zip(self._mask_values, values):
+            slot.value = value
+        return self._decode_params
 
     def fits(self, capacity: _Capacity, partial_elems: int) -> bool:
         c = self.capacity

@@ -35,6 +35,8 @@ def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pa
     decoder._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32) if use_cuda_graph else None
     decoder._buffers, decoder._page_range = None, _PageIdRange(CPU)
     decoder._kv_checked, decoder._planned = {}, False
+    decoder._scales_key = decoder._scale_rules = None
+    decoder._decode_launch = decoder._merge_prepared = decoder._merge_launch = None
     decoder._graph_q_len = max_q_len
     return decoder
 
