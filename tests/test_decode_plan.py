@@ -33,7 +33,7 @@ def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pa
     decoder.use_cuda_graph = use_cuda_graph
     decoder._max_batch_size, decoder._max_tokens = max_batch_size, max_tokens
     decoder._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32) if use_cuda_graph else None
-    decoder._buffers, decoder._page_range = None, _PageIdRange(CPU)
+    decoder._buffers, decoder._page_range, decoder._lse_dtype = None, _PageIdRange(CPU), torch.float32
     decoder._kv_checked, decoder._planned = {}, False
     decoder._scales_key = decoder._scale_rules = None
     decoder._decode_launch = decoder._merge_prepared = decoder._merge_launch = None
