@@ -321,9 +321,10 @@ class BatchDecode:
                 value = value.data_ptr()
             values.append(value)
         graph, cap, tiling = self.use_cuda_graph, buffers.capacity, kernel.tiling
-        self._decode_launch = PreparedLaunch.update(
-            self._decode_launch, loaded.decode, (cap.work if graph else work.num_work, self.num_kv_heads, tiling.row_tiles),
-            tiling.block, buffers.decode_params(kernel.mask.params, values), tiling.smem_bytes)
+        decode_grid = (cap.work if graph else work.num_work, self.num_kv_heads, tiling.row_tiles)
+        decode_params = buffers.decode_params(kernel.mask.params, values)
+        self._decode_launch = PreparedLaunch.update(self._decode_launch, loaded.decode, decode_grid, tiling.block,
+                                                    decode_params, tiling.smem_bytes)
         # Graphs always launch the merge (its blocks exit early when nothing was split); a plan
         # without a split keeps the prepared merge for the next plan that has one.
         self._merge_prepared = PreparedLaunch.update(

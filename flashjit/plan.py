@@ -64,16 +64,16 @@ def item_counts(span_lens: np.ndarray, chunks: list[int]) -> tuple[list[float], 
 
     A span of len = k * chunk + r makes max(1, ceil(len / chunk)) items, of which k + [2r >= chunk]
     = floor(len / chunk + 1/2) are long. All come from one array of quotients, floored and summed
-    by one product: len / -chunk (ceil(x) = -floor(-x)), len / chunk + 1/2, and len / 1 for the
-    total. Exact for the non-negative spans below 2**31 that plan_work gives (every quotient is
-    correctly rounded, far from the next integer unless on it, and every sum a whole number below
-    2**53). Whole numbers, as floats.
+    once: len / -chunk (ceil(x) = -floor(-x)), len / chunk + 1/2, and len / 1 for the total. Exact
+    for the non-negative spans below 2**31 that plan_work gives (every quotient is correctly
+    rounded, far from the next integer unless on it, and every sum a whole number below 2**53).
+    Whole numbers, as floats.
     """
     span_lens = np.asarray(span_lens)
     n = len(chunks)
     quotients = span_lens / np.array([-c for c in chunks] + chunks + [1], dtype=np.float64)[:, None]
     quotients[n:2 * n] += 0.5
-    sums = np.floor(quotients, out=quotients).dot(np.ones(len(span_lens))).tolist()
+    sums = np.floor(quotients, out=quotients).sum(1).tolist()
     empty = len(span_lens) - int(np.count_nonzero(span_lens))  # an empty span is one (empty) item
     return [empty - x for x in sums[:n]], sums[n:2 * n], sums[-1]
 
