@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import math
 import weakref
 
@@ -23,7 +24,7 @@ import numpy as np
 from . import checks
 from .engine import Engine
 from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, PreparedLaunch
-from .plan import WorkPlan, plan_work
+from .plan import WorkPlan, largest, plan_work
 from .spec import KV_DTYPES, DecodeSpec, normalize_dtype
 
 LOG2E = 1.4426950408889634
@@ -44,10 +45,17 @@ def _torch_dtype(name: str):
 
 
 def _current_stream(device_index: int) -> int:
+    return _stream_getter()(device_index)
+
+
+@functools.cache
+def _stream_getter():
+    """torch's raw current-stream getter (0.2 us instead of ~5 us for the stream object), looked up
+    once: the import and getattr cost twice the call."""
     import torch
 
-    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # 0.2 us instead of ~5 us
-    return getter(device_index) if getter else torch.cuda.current_stream(device_index).cuda_stream
+    return getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+        lambda index: torch.cuda.current_stream(index).cuda_stream)
 
 
 _HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
@@ -137,8 +145,11 @@ class BatchDecode:
                                if use_cuda_graph else None)
         self._buffers: _PlanBuffers | None = None
         self._page_range = _PageIdRange(self.device)
+        self._lse_dtype = torch.float32
         self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
         self._scales_key = None  # the k_scale/v_scale the arguments hold
+        self._scale_rules = None  # (decode args, fp8 cache, kv heads) they were validated for
+        self._decode_launch = self._merge_prepared = self._merge_launch = None  # kept from plan to plan
         self._planned = False
 
     # ---- plan -------------------------------------------------------------------------------
@@ -205,13 +216,13 @@ class BatchDecode:
     def _kernel_q_len(self, q_lens) -> int:
         """The kernel's query tokens per request: the batch's largest, or in CUDA-graph mode the
         fixed max_q_len, which also serves batches with fewer (one kernel for every replay)."""
-        largest = max(1, int(q_lens.max(initial=1)))
+        largest_q = max(1, largest(q_lens, 1))
         fixed = self._graph_q_len if self.use_cuda_graph else None
         if fixed is None:
-            return largest
-        if largest > fixed:
+            return largest_q
+        if largest_q > fixed:
             checks.fail("plan() with use_cuda_graph=True", f"at most max_q_len={fixed} query tokens per request "
-                        "(set max_q_len when constructing BatchDecode)", largest)
+                        "(set max_q_len when constructing BatchDecode)", largest_q)
         return fixed
 
     def _split_work(self, spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads: int, chunk_tokens,
@@ -225,7 +236,7 @@ class BatchDecode:
             checks.fail("chunk_tokens", "a positive int", chunk_tokens)
         if disable_split_kv:
             span_lens = span_end if span_begin is None else span_end - span_begin
-            chunk_tokens = max(1, int(np.max(span_lens, initial=1)))
+            chunk_tokens = max(1, largest(span_lens, 1))
         tiling, batch = kernel.tiling, len(kv_lens)
         ctas_per_item, max_ctas = num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
         capacity = self._graph_capacity(spec, batch, int(qo_h[-1]), max(batch, max_ctas // ctas_per_item))
@@ -296,28 +307,30 @@ class BatchDecode:
         a.page_indices = indices.data_ptr()
         a.num_qo_heads = m.num_qo_heads = self.num_qo_heads
         a.sm_scale_log2 = sm_scale_log2
-        a.k_scale = a.v_scale = 1.0
-        self._scales_key = None  # run() sets the scale fields again
-        self._decode_args, self._merge_args, self._merge_params = a, m, buffers.merge_params
+        scale_rules = (a, self.spec.kv_is_fp8, self.num_kv_heads)  # what run() validated the scales against
+        if scale_rules != self._scale_rules:
+            self._scales_key, self._scale_rules = None, scale_rules  # run() checks and sets the scales again
+        self._decode_args, self._merge_args = a, m
         self._indices = indices  # keep alive while planned
 
-        self._mask_values, self._mask_tensors = [], []
+        values, self._mask_tensors = [], []
         for param in kernel.mask.params:
             value = params[param.name]
             if param.kind == "int_tensor":  # validated by _mask_params
                 self._mask_tensors.append(value)  # keep alive while planned
                 value = value.data_ptr()
-            self._mask_values.append(MASK_PARAM_CTYPES[param.kind](value))
-        self._decode_params = (ctypes.c_void_p * (1 + len(self._mask_values)))(
-            ctypes.addressof(a), *(ctypes.addressof(v) for v in self._mask_values))
+            values.append(value)
         graph, cap, tiling = self.use_cuda_graph, buffers.capacity, kernel.tiling
-        self._decode_launch = PreparedLaunch(
-            loaded.decode, (cap.work if graph else work.num_work, self.num_kv_heads, tiling.row_tiles), tiling.block,
-            self._decode_params, tiling.smem_bytes)
-        # Graphs always launch the merge (its blocks exit early when nothing was split).
-        self._merge_launch = PreparedLaunch(
-            loaded.merge, (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1), tiling.merge_block,
-            self._merge_params) if graph or work.needs_merge else None
+        decode_grid = (cap.work if graph else work.num_work, self.num_kv_heads, tiling.row_tiles)
+        decode_params = buffers.decode_params(kernel.mask.params, values)
+        self._decode_launch = PreparedLaunch.update(self._decode_launch, loaded.decode, decode_grid, tiling.block,
+                                                    decode_params, tiling.smem_bytes)
+        # Graphs always launch the merge (its blocks exit early when nothing was split); a plan
+        # without a split keeps the prepared merge for the next plan that has one.
+        self._merge_prepared = PreparedLaunch.update(
+            self._merge_prepared, loaded.merge, (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1),
+            tiling.merge_block, buffers.merge_params)
+        self._merge_launch = self._merge_prepared if graph or work.needs_merge else None
 
     # ---- run --------------------------------------------------------------------------------
 
@@ -340,27 +353,19 @@ class BatchDecode:
         a = self._decode_args
         self._set_cache(kv_cache, a)
         self._set_scales(a, k_scale, v_scale)
-        if not self._fast_ok(q):
-            self._check_query("q", q)
+        a.q, a.q_stride = self._query_args("q", q)
         if out is None:
             out = q.new_empty((q.shape[0],) + self._q_shape[1:])
-        elif not self._fast_ok(out):
-            self._check_query("out", out)
+        a.out, a.out_stride = out_pointer, out_stride = self._query_args("out", out)
         if return_lse and lse is None:
-            lse = q.new_empty(out.shape[:2], dtype=_torch_dtype("float32"))
-        if lse is not None:
-            checks.tensor("lse", lse, dtype=_torch_dtype("float32"), device=self.device, shape=tuple(out.shape[:2]))
-            if not lse.is_contiguous():
-                checks.fail("lse", "a contiguous tensor", f"strides {lse.stride()}")
+            lse = q.new_empty(out.shape[:2], dtype=self._lse_dtype)
+        a.lse = lse_pointer = 0 if lse is None else self._lse_pointer(lse, out)
 
-        a.q, a.q_stride = q.data_ptr(), q.stride(0)
-        a.out, a.out_stride = out.data_ptr(), out.stride(0)
-        a.lse = lse.data_ptr() if lse is not None else 0
         stream = _current_stream(self.device.index)
         self._decode_launch(stream)
         if self._merge_launch is not None:
             m = self._merge_args
-            m.out, m.out_stride, m.lse = a.out, a.out_stride, a.lse
+            m.out, m.out_stride, m.lse = out_pointer, out_stride, lse_pointer
             self._merge_launch(stream)
         return (out, lse) if return_lse else out
 
@@ -382,15 +387,33 @@ class BatchDecode:
             setattr(a, name + "_stride", stride)
         self._scales_key = key
 
-    def _fast_ok(self, t) -> bool:
-        """The common valid case in a few attribute reads; anything else gets the full checks."""
+    def _query_args(self, name: str, t) -> tuple[int, int]:
+        """(data_ptr, row stride) of q or out. The common valid case costs one read of each attribute
+        (torch's stride(i) costs twice stride()); anything else gets the full checks."""
         try:
-            return (t.dtype is self._q_dtype and t.get_device() == self.device.index
-                    and t.shape[1:] == self._q_shape[1:] and self._q_rows[0] <= t.shape[0] <= self._q_rows[1]
-                    and t.stride(2) == 1 and t.stride(1) == self.head_dim and t.stride(0) % 8 == 0
-                    and t.data_ptr() % 16 == 0)
-        except (AttributeError, TypeError):
-            return False
+            pointer, (rows, heads, dim), (row_stride, head_stride, unit) = t.data_ptr(), t.shape, t.stride()
+            low, high = self._q_rows
+            if (t.dtype is self._q_dtype and t.get_device() == self.device.index and heads == self.num_qo_heads
+                    and dim == self.head_dim and low <= rows <= high and head_stride == dim and unit == 1
+                    and row_stride % 8 == 0 and pointer % 16 == 0):  # 16-byte rows of 2-byte values
+                return pointer, row_stride
+        except (AttributeError, TypeError, ValueError):  # not a 3-d tensor: the checks say what it is
+            pass
+        self._check_query(name, t)
+        return t.data_ptr(), t.stride(0)
+
+    def _lse_pointer(self, lse, out) -> int:
+        """data_ptr of lse, a contiguous float32 [out's rows, qo_heads]; the common valid case in a few reads."""
+        try:
+            if (lse.dtype is self._lse_dtype and lse.get_device() == self.device.index and lse.shape == out.shape[:2]
+                    and lse.is_contiguous()):
+                return lse.data_ptr()
+        except AttributeError:  # not a tensor: the checks say what it is
+            pass
+        checks.tensor("lse", lse, dtype=self._lse_dtype, device=self.device, shape=tuple(out.shape[:2]))
+        if not lse.is_contiguous():
+            checks.fail("lse", "a contiguous tensor", f"strides {lse.stride()}")
+        return lse.data_ptr()
 
     def _check_query(self, name: str, t):
         low, high = self._q_rows
@@ -497,6 +520,21 @@ class _PlanBuffers:
         m.token_request, m.req_qo_indptr, m.req_work_indptr = p["token_request"], p["req_qo_indptr"], p["req_work_indptr"]
         m.num_tokens = p["num_tokens"]
         self.merge_params = (ctypes.c_void_p * 1)(ctypes.addressof(m))
+        self._mask_params, self._mask_values, self._decode_params = None, [], None
+
+    def decode_params(self, mask_params: tuple, values: list) -> ctypes.Array:
+        """The decode kernel's void*[]: the Args struct, then each mask parameter's value.
+
+        Kept while the mask's parameters stay the same, the values written in place, so plan()
+        keeps its prepared launch too."""
+        if mask_params != self._mask_params:
+            self._mask_values = [MASK_PARAM_CTYPES[p.kind]() for p in mask_params]
+            self._decode_params = (ctypes.c_void_p * (1 + len(self._mask_values)))(
+                ctypes.addressof(self.decode_args), *(ctypes.addressof(v) for v in self._mask_values))
+            self._mask_params = mask_params
+        for slot, value in zip(self._mask_values, values):
+            slot.value = value
+        return self._decode_params
 
     def fits(self, capacity: _Capacity, partial_elems: int) -> bool:
         c = self.capacity

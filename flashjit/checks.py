@@ -8,6 +8,8 @@ import numbers
 
 import numpy as np
 
+from .plan import largest, smallest
+
 
 def fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
@@ -31,18 +33,19 @@ def indptr_array(name: str, value, *, length: int | None = None) -> np.ndarray:
     return _indptr_and_steps(name, value, length)[0]
 
 
-def _indptr_and_steps(name: str, value, length: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """A validated CSR offset array and its steps (the entries of each row)."""
+def _indptr_and_steps(name: str, value, length: int | None) -> tuple[np.ndarray, np.ndarray, int]:
+    """A validated CSR offset array, its steps (the entries of each row) and the smallest step."""
     array = host_int_array(name, value, length)
     if len(array) < 1:
         fail(name, "at least one entry (batch_size + 1)", "an empty array")
     if array[0] != 0:
         fail(name, "to start at 0", int(array[0]))
     steps = array[1:] - array[:-1]
-    if steps.size and steps.min() < 0:
+    fewest = smallest(steps)
+    if fewest < 0:
         at = int(np.argmax(steps < 0))
         fail(name, "non-decreasing values", f"{name}[{at}]={array[at]} > {name}[{at + 1}]={array[at + 1]}")
-    return array, steps
+    return array, steps, fewest
 
 
 def tensor(name: str, t, *, dtype=None, device=None, ndim=None, shape=None) -> None:
@@ -80,16 +83,18 @@ def head_counts(num_qo_heads, num_kv_heads, page_size) -> None:
 
 def page_table(indptr, last_page_len, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(indptr, kv_lens) on the host from a CSR page table and each request's last-page fill."""
-    indptr_h, pages = _indptr_and_steps("indptr", indptr, None)
+    indptr_h, pages, fewest_pages = _indptr_and_steps("indptr", indptr, None)
     last = host_int_array("last_page_len", last_page_len, len(pages))
-    if len(last) and (last.min() < 1 or last.max() > page_size):  # else every value is valid: skip the details
+    if smallest(last, 1) < 1 or largest(last) > page_size:  # else every value is valid: skip the details
         bad = (last > page_size) | (last < 0) | ((last < 1) & (pages > 0))
         if np.any(bad):
             at = int(np.argmax(bad))
             fail("last_page_len", f"values in 1..page_size={page_size} (0 only for requests with no pages)",
                  f"last_page_len[{at}]={last[at]}")
     kv_lens = (pages - 1) * page_size + last
-    return indptr_h, np.maximum(kv_lens, 0, out=kv_lens)  # no pages: last <= page_size, so no tokens
+    if fewest_pages == 0:  # a request without pages has no tokens (its last <= page_size: clamp at 0)
+        np.maximum(kv_lens, 0, out=kv_lens)
+    return indptr_h, kv_lens
 
 
 def query_indptr(qo_indptr, q_len, batch: int) -> np.ndarray:
@@ -136,9 +141,7 @@ def tensor_scale_values(name: str, t) -> None:
 
 def largest_page_id(ids: np.ndarray) -> int:
     """The largest of a plan's page ids (or of their [min, max]), -1 for none; a negative id fails."""
-    if len(ids) == 0:
-        return -1
-    low = int(ids.min())
+    low = smallest(ids)
     if low < 0:
         fail("indices", "page ids >= 0", low)
-    return int(ids.max())
+    return largest(ids, -1)

@@ -48,30 +48,42 @@ SPLIT_CANDIDATES = np.concatenate([np.arange(1, 25), [28, 32, 40, 48, 56, 64, 80
 _PARTS = tuple(SPLIT_CANDIDATES.tolist())
 
 
-def item_counts(span_lens: np.ndarray, chunks) -> tuple[list[float], list[float]]:
-    """(work items, items at least half a chunk long) of cutting every span into each chunk size.
+def largest(values: np.ndarray, empty: int = 0) -> int:
+    """The largest value (empty for none), found through argmax: numpy's max is a ufunc reduction
+    whose set-up costs ~1 us, several times argmax's plain loop over the tens of values plan() has."""
+    return int(values[values.argmax()]) if len(values) else empty
+
+
+def smallest(values: np.ndarray, empty: int = 0) -> int:
+    """The smallest value (empty for none); see largest."""
+    return int(values[values.argmin()]) if len(values) else empty
+
+
+def item_counts(span_lens: np.ndarray, chunks: list[int]) -> tuple[list[float], list[float], float]:
+    """(work items, items at least half a chunk long, total length) of cutting every span into each chunk size.
 
     A span of len = k * chunk + r makes max(1, ceil(len / chunk)) items, of which k + [2r >= chunk]
-    = floor(len / chunk + 1/2) are long; both are read off one float quotient per span and chunk,
-    exactly for the non-negative spans below 2**31 that plan_work gives. Whole numbers, as floats.
+    = floor(len / chunk + 1/2) are long. All come from one array of quotients, floored and summed
+    once: len / -chunk (ceil(x) = -floor(-x)), len / chunk + 1/2, and len / 1 for the total. Exact
+    for the non-negative spans below 2**31 that plan_work gives (every quotient is correctly
+    rounded, far from the next integer unless on it, and every sum a whole number below 2**53).
+    Whole numbers, as floats.
     """
     span_lens = np.asarray(span_lens)
-    quotients = np.empty((2, len(chunks), len(span_lens)))
-    np.divide(span_lens, np.asarray(chunks, dtype=np.float64)[:, None], out=quotients[0])
-    np.add(quotients[0], 0.5, out=quotients[1])
-    np.ceil(quotients[0], out=quotients[0])
-    np.floor(quotients[1], out=quotients[1])
-    items, long_items = quotients.sum(2).tolist()
+    n = len(chunks)
+    quotients = span_lens / np.array([-c for c in chunks] + chunks + [1], dtype=np.float64)[:, None]
+    quotients[n:2 * n] += 0.5
+    sums = np.floor(quotients, out=quotients).sum(1).tolist()
     empty = len(span_lens) - int(np.count_nonzero(span_lens))  # an empty span is one (empty) item
-    return [n + empty for n in items] if empty else items, long_items
+    return [empty - x for x in sums[:n]], sums[n:2 * n], sums[-1]
 
 
 def makespans(span_lens: np.ndarray, chunks: list[int], ctas_per_item: int, max_ctas: int,
               max_items: int | None = None) -> list[float]:
     """Estimated makespan, in key-equivalents, of each chunk size (see estimate_time); inf for a
     chunk that makes more than max_items work items."""
-    items, long_items = item_counts(span_lens, chunks)
-    total_len, batch, share = int(span_lens.sum()), len(span_lens), ctas_per_item / max_ctas
+    items, long_items, total_len = item_counts(span_lens, chunks)
+    batch, share = len(span_lens), ctas_per_item / max_ctas
     limit = math.inf if max_items is None else max_items
     return [max((total_len + n * ITEM_OVERHEAD_TOKENS) * share,  # fluid
                 math.ceil(n_long * ctas_per_item / max_ctas) * (chunk + ITEM_OVERHEAD_TOKENS))  # quantized
@@ -116,7 +128,7 @@ def choose_chunk(span_lens: np.ndarray, ctas_per_item: int, max_ctas: int, granu
     the larger chunk (fewer splits); when no candidate fits max_items, the largest is returned.
     """
     span_lens = np.asarray(span_lens, dtype=np.int64)
-    longest = int(span_lens.max(initial=0))
+    longest = largest(span_lens)
     whole = -(-max(longest, 1) // granularity) * granularity
     if longest <= min_chunk:
         return whole
@@ -151,7 +163,7 @@ def plan_work(span_begin: np.ndarray | None, span_end: np.ndarray, qo_indptr: np
         chunk = int(chunk_tokens)
     items = np.maximum(span_lens + (chunk - 1), chunk) // chunk  # ceil(len / chunk), and one item for an empty span
     req_work_indptr = np.zeros(len(span_lens) + 1, dtype=np.int32)
-    np.cumsum(items, out=req_work_indptr[1:])
+    np.add.accumulate(items, out=req_work_indptr[1:])  # np.cumsum's wrapper costs three times this
     num_work = int(req_work_indptr[-1])
     requests = np.arange(len(span_lens), dtype=np.int32)
     if num_work == len(span_lens):  # nothing split: item b is request b
@@ -164,6 +176,6 @@ def plan_work(span_begin: np.ndarray | None, span_end: np.ndarray, qo_indptr: np
         work_end = np.minimum(work_begin + chunk, span_end[work_request])
     qo_indptr = np.asarray(qo_indptr, dtype=np.int64)
     token_request = np.repeat(requests, qo_indptr[1:] - qo_indptr[:-1])
-    i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+    i32 = lambda a: a.astype(np.int32)  # noqa: E731  (a new contiguous array)
     return WorkPlan(work_request, i32(work_begin), i32(work_end), req_work_indptr, i32(qo_indptr), token_request,
                     chunk)

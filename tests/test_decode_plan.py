@@ -33,8 +33,10 @@ def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pa
     decoder.use_cuda_graph = use_cuda_graph
     decoder._max_batch_size, decoder._max_tokens = max_batch_size, max_tokens
     decoder._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32) if use_cuda_graph else None
-    decoder._buffers, decoder._page_range = None, _PageIdRange(CPU)
+    decoder._buffers, decoder._page_range, decoder._lse_dtype = None, _PageIdRange(CPU), torch.float32
     decoder._kv_checked, decoder._planned = {}, False
+    decoder._scales_key = decoder._scale_rules = None
+    decoder._decode_launch = decoder._merge_prepared = decoder._merge_launch = None
     decoder._graph_q_len = max_q_len
     return decoder
 
@@ -336,6 +338,39 @@ def test_prepared_launch_passes_its_ctypes_arguments_and_the_current_stream(monk
     monkeypatch.setattr(kernel, "check", lambda status, what: (_ for _ in ()).throw(RuntimeError(f"{what} {status}")))
     with pytest.raises(RuntimeError, match="cuLaunchKernel 1"):
         launch(0x9)
+
+
+def test_prepared_launch_is_kept_for_the_same_kernel_and_arguments(monkeypatch):
+    """A new plan re-aims the launch at its grid; another function, block, smem or params array gets a new one."""
+    from flashjit import kernel
+
+    calls = []
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append([getattr(x, "value", x) for x in args]) or 0)
+    params = (ctypes.c_void_p * 1)()
+    launch = kernel.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
+    again = kernel.PreparedLaunch.update(launch, 0xD0, (9, 8, 2), (128, 1, 1), params, 4096)
+    assert again is launch and launch.grid == (9, 8, 2)
+    launch(0x5)
+    assert calls[-1][:8] == [0xD0, 9, 8, 2, 128, 1, 1, 4096]
+    others = ((0xD1, (9, 8, 2), (128, 1, 1), params, 4096), (0xD0, (9, 8, 2), (64, 1, 1), params, 4096),
+              (0xD0, (9, 8, 2), (128, 1, 1), params, 0), (0xD0, (9, 8, 2), (128, 1, 1), (ctypes.c_void_p * 1)(), 4096))
+    for other in others:
+        fresh = kernel.PreparedLaunch.update(launch, *other)
+        assert fresh is not launch and (fresh.function, fresh.grid, fresh.block, fresh.params, fresh.smem) == other
+    assert launch.grid == (9, 8, 2)
+
+
+def test_plans_keep_their_launches_and_mask_values_in_place(planner):
+    rng = np.random.default_rng(12)
+    decoder = cpu_decoder(planner)
+    indptr, indices, last = tables([9000, 7000, 40, 8000], 16, rng)
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask="sliding_window", window_left=4000)
+    decode, merge, params = decoder._decode_launch, decoder._merge_launch, decoder._decode_launch.params
+    indptr, indices, last = tables([300, 5000, 40], 16, rng)  # within the first plan's buffers
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask="sliding_window", window_left=2000)
+    assert decoder._decode_launch is decode and decoder._merge_prepared is merge and decode.params is params
+    assert ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int))[0] == 2000  # window_left, written in place
+    assert decode.grid[0] == decoder.work.num_work and merge.grid[0] == decoder.num_tokens
 
 
 def test_cuda_graph_plans_vary_query_tokens_up_to_max_q_len(planner):

@@ -1,0 +1,124 @@
+"""BatchDecode.run() on the CPU: the arguments it writes, the launches, and the checks of its tensors.
+
+The decoder is test_decode_plan's CPU stand-in, the launches are recorded instead of made. run()
+recognises the common valid q/out/lse in a few attribute reads and sends anything else through
+the full checks; `fast` runs each case both ways (a CPU tensor's get_device() is -1, the CPU
+device's index None, so the quick path is taken only when get_device() is patched to match).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flashjit import batch_decode, kernel
+from test_decode_plan import cpu_decoder, planner, tables  # noqa: F401  (planner: a fixture)
+
+HEADS, KV_HEADS, DIM, PAGE = 8, 2, 64, 16
+
+
+@pytest.fixture(params=[False, True], ids=["full checks", "quick path"])
+def fast(request, monkeypatch):
+    if request.param:
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda self: None)
+    return request.param
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """(function, grid, stream) of each launch, with the argument structs as they were then."""
+    calls = []
+
+    def record(function, *rest):
+        grid = tuple(x.value for x in rest[:3])
+        calls.append((function.value, grid, rest[7].value))
+        return 0
+
+    monkeypatch.setattr(kernel, "_cu_launch", record)
+    monkeypatch.setattr(batch_decode, "_current_stream", lambda index: 0x77)
+    return calls
+
+
+def planned(engine, kv_lens):
+    decoder = cpu_decoder(engine)
+    indptr, indices, last = tables(kv_lens, PAGE, np.random.default_rng(0))
+    decoder.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE)
+    pages = int(indices.max()) + 1
+    q = torch.randn(len(kv_lens), HEADS, DIM, dtype=torch.bfloat16)
+    k, v = (torch.zeros(pages, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16) for _ in range(2))
+    return decoder, q, k, v
+
+
+def test_run_points_the_arguments_at_its_tensors(planner, launches, fast):
+    decoder, q, k, v = planned(planner, [5000, 30, 700])  # split: the merge runs too
+    out, lse = torch.empty_like(q), torch.empty(3, HEADS)
+    for _ in range(2):  # the second time every tensor is recognised
+        assert decoder.run(q, (k, v), out=out, lse=lse, return_lse=True) == (out, lse)
+        a, m = decoder._decode_args, decoder._merge_args
+        assert (a.q, a.q_stride, a.out, a.out_stride, a.lse) == (q.data_ptr(), HEADS * DIM, out.data_ptr(),
+                                                                 HEADS * DIM, lse.data_ptr())
+        assert (a.k, a.v) == (k.data_ptr(), v.data_ptr())
+        assert (a.page_stride, a.slot_stride, a.head_stride) == (PAGE * KV_HEADS * DIM, KV_HEADS * DIM, DIM)
+        assert (m.out, m.out_stride, m.lse) == (a.out, a.out_stride, a.lse)
+    decode, merge = decoder._decode_launch, decoder._merge_launch
+    assert launches == [(decode.function, decode.grid, 0x77), (merge.function, merge.grid, 0x77)] * 2
+
+
+def test_run_allocates_out_and_lse_when_not_given(planner, launches, fast):
+    decoder, q, k, v = planned(planner, [40, 90])
+    out, lse = decoder.run(q, (k, v), return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, HEADS) and lse.dtype == torch.float32
+    assert (decoder._decode_args.out, decoder._decode_args.lse) == (out.data_ptr(), lse.data_ptr())
+    combined = torch.stack([k, v], dim=1)  # one [pages, 2, ...] tensor
+    decoder.run(q, combined)
+    a = decoder._decode_args
+    assert a.k == combined.data_ptr() and a.v == combined.data_ptr() + combined.stride(1) * 2 and a.lse is None  # NULL
+
+
+def _wider(q):
+    """q's values in a [tokens, heads, 2 * head_dim] tensor: heads not packed densely."""
+    return torch.zeros(q.shape[0], HEADS, 2 * DIM, dtype=q.dtype)[:, :, :DIM]
+
+
+BAD_QUERIES = [
+    (lambda q: q.float(), r"^q: expected dtype torch.bfloat16, got torch.float32$"),
+    (lambda q: q[:1], r"^q: expected shape \(2, 8, 64\), got shape \(1, 8, 64\)$"),
+    (lambda q: q[:, :4], r"^q: expected shape \(2, 8, 64\), got shape \(2, 4, 64\)$"),
+    (lambda q: q.reshape(2, HEADS * DIM), r"^q: expected shape \(2, 8, 64\), got shape \(2, 512\)$"),
+    (lambda q: q.transpose(1, 2).contiguous().transpose(1, 2), r"^q: expected a contiguous last dimension"),
+    (_wider, r"^q: expected heads packed densely \(stride\(1\) == head_dim == 64\)"),
+    (lambda q: torch.zeros(2 * HEADS * DIM + 1, dtype=q.dtype)[1:].view(2, HEADS, DIM),
+     r"^q: expected 16-byte aligned rows"),
+    (lambda q: q.float().numpy(), r"^q: expected a torch.Tensor, got ndarray$"),
+]
+
+
+@pytest.mark.parametrize("make, message", BAD_QUERIES)
+def test_run_refuses_bad_queries_and_outputs(planner, launches, fast, make, message):
+    decoder, q, k, v = planned(planner, [40, 90])
+    with pytest.raises(ValueError, match=message):
+        decoder.run(make(q), (k, v))
+    with pytest.raises(ValueError, match=message.replace("^q:", "^out:")):
+        decoder.run(q, (k, v), out=make(torch.empty_like(q)))
+    assert launches == []
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda lse: lse.double(), r"^lse: expected dtype torch.float32, got torch.float64$"),
+    (lambda lse: lse[:1], r"^lse: expected shape \(2, 8\), got shape \(1, 8\)$"),
+    (lambda lse: lse.t().contiguous().t(), r"^lse: expected a contiguous tensor, got strides \(1, 2\)$"),
+])
+def test_run_refuses_a_bad_lse(planner, launches, fast, make, message):
+    decoder, q, k, v = planned(planner, [40, 90])
+    with pytest.raises(ValueError, match=message):
+        decoder.run(q, (k, v), lse=make(torch.empty(2, HEADS)))
+    assert launches == []
+
+
+def test_a_recognised_cache_is_checked_again_once_re_pointed(planner, launches):
+    decoder, q, k, v = planned(planner, [40, 90])
+    decoder.run(q, (k, v))
+    k.set_(torch.zeros(1, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16))  # too few pages for the plan's ids
+    with pytest.raises(ValueError, match="k_cache: expected more than"):
+        decoder.run(q, (k, v))
