@@ -57,15 +57,17 @@ FJ_INLINE float exp2_approx(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;"
 FJ_INLINE float log2_approx(float x) { float y; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 
 // 16-byte global->shared copy that bypasses L1. src_bytes == 0 writes zeros and reads nothing.
-// L2_PREFETCH (128 or 256): bytes the L2 fetches around the copy.
+// L2_PREFETCH (0, 128 or 256): bytes the L2 fetches around the copy (0: no hint).
 template <int L2_PREFETCH = 128>
 FJ_INLINE void cp_async_16(void* smem, const void* gmem, bool pred) {
   u32 dst = (u32)__cvta_generic_to_shared(smem);
   int src_bytes = pred ? 16 : 0;
   if constexpr (L2_PREFETCH == 256)
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(gmem), "r"(src_bytes));
-  else
+  else if constexpr (L2_PREFETCH == 128)
     asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(gmem), "r"(src_bytes));
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(gmem), "r"(src_bytes));
 }
 FJ_INLINE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> FJ_INLINE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
