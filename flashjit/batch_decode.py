@@ -321,7 +321,7 @@ class BatchDecode:
                 value = value.data_ptr()
             values.append(value)
         graph, cap, tiling = self.use_cuda_graph, buffers.capacity, kernel.tiling
-        decode_grid = (cap.work if graph else work.num_work, self.num_kv_heads, tiling.row_tiles)
+        decode_grid = tiling.grid(cap.work if graph else work.num_work, self.num_kv_heads)
         decode_params = buffers.decode_params(kernel.mask.params, values)
         self._decode_launch = PreparedLaunch.update(self._decode_launch, loaded.decode, decode_grid, tiling.block,
                                                     decode_params, tiling.smem_bytes)

@@ -37,7 +37,8 @@ class DecodeTiling:
     smem_bytes: int     # dynamic shared memory (tensor-core kernel)
     k_pitch: int        # bytes per K row in shared memory (tensor-core kernel)
     v_pitch: int        # bytes per V row
-    l2_prefetch: int    # bytes the L2 fetches around each 16-byte copy (128 or 256)
+    l2_prefetch: int    # bytes the L2 fetches around each 16-byte copy (0: no hint, 128 or 256)
+    heads_first: bool   # grid x runs the KV heads of a work item side by side (see CtaCoords)
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
 
@@ -48,6 +49,12 @@ class DecodeTiling:
     @property
     def merge_block(self) -> tuple[int, int, int]:
         return (self.merge_lanes, self.merge_split_lanes, 1)
+
+    def grid(self, work_items: int, kv_heads: int) -> tuple[int, int, int]:
+        """The decode kernel's grid for work_items x kv_heads x row tiles (matching CtaCoords)."""
+        if self.heads_first:
+            return (work_items * kv_heads, self.row_tiles, 1)
+        return (work_items, kv_heads, self.row_tiles)
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -66,6 +73,7 @@ TC_STAGES = {64: 4, 128: 3, 256: 3}
 TC_STAGES_FP8 = {64: 4, 128: 3, 256: 3}
 L2_PREFETCH = 128
 L2_PREFETCH_FP8 = 128
+HEADS_FIRST = True
 
 
 def tc_row_pitches(head_dim: int, kv_bytes: int) -> tuple[int, int]:
@@ -108,6 +116,7 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         return DecodeTiling(vec=8, chunks_per_row=spec.head_dim // 8, bdx=32 * warps, rows=rows, rows_pad=1, bdz=1,
                             row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=stages, tensor_cores=True,
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
+                            heads_first=HEADS_FIRST,
                             **merge)
     vec = 8
     chunks = spec.head_dim // vec
@@ -122,6 +131,6 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     return DecodeTiling(
         vec=vec, chunks_per_row=chunks, bdx=bdx, rows=rows, rows_pad=rows_pad, bdz=bdz,
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
-        k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec),
+        k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec), heads_first=HEADS_FIRST,
         **merge,
     )

@@ -9,6 +9,8 @@ values come from planner_oracle, plan()'s host path as it was before the host-co
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -106,7 +108,7 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     graph = decoder.use_cuda_graph
     cap = buffers.capacity
     decode, merge = decoder._decode_launch, decoder._merge_launch
-    assert decode.grid == (cap.work if graph else work.num_work, num_kv_heads, tiling.row_tiles)
+    assert decode.grid == tiling.grid(cap.work if graph else work.num_work, num_kv_heads)
     assert decode.function == DECODE_FN and decode.block == tiling.block and decode.smem == tiling.smem_bytes
     if graph or work.num_work > len(kv_lens):
         assert merge.function == MERGE_FN and merge.grid == (cap.tokens if graph else work.num_tokens, num_qo_heads, 1)
@@ -370,7 +372,7 @@ def test_plans_keep_their_launches_and_mask_values_in_place(planner):
     decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask="sliding_window", window_left=2000)
     assert decoder._decode_launch is decode and decoder._merge_prepared is merge and decode.params is params
     assert ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int))[0] == 2000  # window_left, written in place
-    assert decode.grid[0] == decoder.work.num_work and merge.grid[0] == decoder.num_tokens
+    assert decode.grid == decoder.kernel.tiling.grid(decoder.work.num_work, 2) and merge.grid[0] == decoder.num_tokens
 
 
 def test_cuda_graph_plans_vary_query_tokens_up_to_max_q_len(planner):
@@ -403,3 +405,17 @@ def test_without_max_q_len_the_first_cuda_graph_plan_fixes_it(planner):
     other.plan(indptr, indices, last, 8, 2, 128, 16, q_len=3)
     other.plan(indptr, indices, last, 8, 2, 128, 16, q_len=1)
     assert other.spec.max_q_len == 1
+
+
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_decode_grid_names_every_item_head_and_row_tile_once(heads_first):
+    """The grid of tiling.grid, read back as CtaCoords (decode_common.cuh) reads blockIdx."""
+    spec = DecodeSpec(128, group_size=8, max_q_len=3, arch="sm_90")
+    tiling = dataclasses.replace(decode_tiling(spec), heads_first=heads_first)
+    items, heads = 5, 3
+    grid = tiling.grid(items, heads)
+    seen = []
+    for x, y, z in itertools.product(*map(range, grid)):
+        seen.append((x // heads, x % heads, y) if heads_first else (x, y, z))
+    assert sorted(seen) == list(itertools.product(range(items), range(heads), range(tiling.row_tiles)))
+    assert tiling.row_tiles == 2

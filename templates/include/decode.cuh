@@ -40,16 +40,16 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   __shared__ __align__(16) unsigned char v_smem[SMEM_BYTES];
   __shared__ float red_m[BDZ * ROWS_PAD], red_d[BDZ * ROWS_PAD];
 
-  const int w = blockIdx.x;
+  const CtaCoords cta(a);
+  const int w = cta.work, kv_head = cta.kv_head;
   if (w >= __ldg(a.num_work)) return;
-  const int kv_head = blockIdx.y;
   const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
   const int tid = (tz * ROWS_PAD + ty) * BDX + tx;
 
   const WorkItem item(a, w);
 
   // This thread's query row: rows are (token, head-in-group), heads fastest.
-  const int row = blockIdx.z * ROWS + ty;
+  const int row = cta.row_tile * ROWS + ty;
   const int q_tok = row / cfg::GROUP_SIZE;
   const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
   const bool row_valid = ty < ROWS && row < ROWS_TOTAL && q_tok < item.q_len;

@@ -33,6 +33,26 @@ struct HeadScales {
   }
 };
 
+// The CTA's work item, KV head and tile of query rows. A HEADS_FIRST grid runs the KV heads of one
+// work item side by side (x = item * kv_heads + head, y = row tile): the cache keeps a token's
+// heads next to each other (NHD), so the CTAs in flight read neighbouring bytes. Otherwise the
+// grid is (item, head, row tile).
+struct CtaCoords {
+  int work, kv_head, row_tile;
+  FJ_INLINE explicit CtaCoords(const Args& a) {
+    if constexpr (cfg::HEADS_FIRST) {
+      const int heads = a.num_qo_heads / cfg::GROUP_SIZE;
+      work = blockIdx.x / heads;
+      kv_head = blockIdx.x - work * heads;
+      row_tile = blockIdx.y;
+    } else {
+      work = blockIdx.x;
+      kv_head = blockIdx.y;
+      row_tile = blockIdx.z;
+    }
+  }
+};
+
 // One work item: its request, the span [v_begin, v_end) it reads, and the request's geometry.
 struct WorkItem {
   int request, v_begin, v_end, kv_len, page_begin, q_begin, q_len;

@@ -40,9 +40,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   __shared__ float red_m[WARPS][M], red_d[WARPS][M];
 
-  const int w = blockIdx.x;
+  const CtaCoords cta(a);
+  const int w = cta.work, kv_head = cta.kv_head;
   if (w >= __ldg(a.num_work)) return;
-  const int kv_head = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
@@ -54,7 +54,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   bool row_valid[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = blockIdx.z * M + quad + 8 * h;
+    const int row = cta.row_tile * M + quad + 8 * h;
     row_tok[h] = row / cfg::GROUP_SIZE;
     row_head[h] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     row_valid[h] = row < ROWS_TOTAL && row_tok[h] < item.q_len;
@@ -178,7 +178,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   }
   __syncthreads();
 
-  finish_rows<M>(a, item, scales, w, kv_head, red_o, red_m, red_d);
+  finish_rows<M>(a, item, scales, cta, red_o, red_m, red_d);
 }
 
 }  // namespace decode

@@ -47,15 +47,15 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
 // by the online-softmax rule; each thread finishes 4 columns of some rows and writes the output
 // (a request's only item) or a normalized fp32 partial and its base-2 LSE for the merge kernel.
 template <int M>
-FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales& scales, int w, int kv_head,
+FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales& scales, const CtaCoords& cta,
                            const float* red_o, const float (*red_m)[M], const float (*red_d)[M]) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4;
   for (int cell = threadIdx.x; cell < M * COLS4; cell += 32 * cfg::WARPS) {
     const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
-    const int row = blockIdx.z * M + row_in;
+    const int row = cta.row_tile * M + row_in;
     const int q_tok = row / cfg::GROUP_SIZE;
     if (row >= cfg::GROUP_SIZE * cfg::MAX_Q_LEN || q_tok >= item.q_len) continue;
-    const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+    const int qo_head = cta.kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     float m_all = FJ_NEG_INF;
 #pragma unroll
     for (int wi = 0; wi < cfg::WARPS; ++wi) m_all = fmaxf(m_all, red_m[wi][row_in]);
@@ -78,7 +78,7 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
       *reinterpret_cast<uint2*>(a.out + (i64)token * a.out_stride + qo_head * D + col) = packed;
       if (a.lse != nullptr && col == 0) a.lse[(i64)token * a.num_qo_heads + qo_head] = lse2 * FJ_LN2;
     } else {
-      const i64 slot = ((i64)w * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
+      const i64 slot = ((i64)cta.work * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
       *reinterpret_cast<float4*>(a.tmp_o + slot * D + col) = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
       if (col == 0) a.tmp_lse[slot] = lse2;
     }

@@ -117,9 +117,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   __shared__ float red_m[WARPS][M], red_d[WARPS][M];
 
-  const int w = blockIdx.x;
+  const CtaCoords cta(a);
+  const int w = cta.work, kv_head = cta.kv_head;
   if (w >= __ldg(a.num_work)) return;
-  const int kv_head = blockIdx.y;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
 
@@ -132,7 +132,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   bool col_valid[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
-    const int row = blockIdx.z * M + 2 * t + c;
+    const int row = cta.row_tile * M + 2 * t + c;
     col_tok[c] = row / cfg::GROUP_SIZE;
     col_valid[c] = row < ROWS_TOTAL && col_tok[c] < item.q_len;
     col_pos[c] = item.kv_len - item.q_len + col_tok[c];
@@ -141,7 +141,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   // Q as B fragments, loaded once: qb[ks] = Q[row g][k_byte(ks, t) + 0..1 | 2..3], in f16.
   u32 qb[STEPS][2];
   {
-    const int row = blockIdx.z * M + g, tok = row / cfg::GROUP_SIZE;
+    const int row = cta.row_tile * M + g, tok = row / cfg::GROUP_SIZE;
     const bool valid = row < ROWS_TOTAL && tok < item.q_len;
     const q_t* q_row = a.q + (i64)(item.q_begin + tok) * a.q_stride + (kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE) * D;
 #pragma unroll
@@ -231,7 +231,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   }
   __syncthreads();
 
-  finish_rows<M>(a, item, scales, w, kv_head, red_o, red_m, red_d);
+  finish_rows<M>(a, item, scales, cta, red_o, red_m, red_d);
 }
 
 }  // namespace decode
