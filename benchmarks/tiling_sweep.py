@@ -18,7 +18,8 @@ from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantiz
 WARP_STAGES = {(128, False): [(4, 3), (4, 2), (2, 4)], (64, False): [(4, 4), (4, 3), (8, 2)],
             (128, True): [(4, 3), (4, 2), (2, 4)]}
 SHAPES = ["b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform 128..32768", "b16 L8192 d64",
-          "b16 L8192 e4m3", "b64 L8192 e4m3", "b16 L8192 e4m3 HND"]
+          "b16 L8192 e4m3", "b64 L8192 e4m3", "b16 L8192 e4m3 HND", "b16 L32768 window 4096",
+          "b16 L32768 sinks 4 + window 4096"]
 
 
 def set_tiling(tiling, head_dim, stage_table, warps, stages, prefetch, heads_first):
