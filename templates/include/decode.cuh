@@ -72,12 +72,12 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
 
   PagedKVStage<TILE, ROW_BYTES, ROW_BYTES, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
-                                                     tid, item.request, item.v_end, item.kv_len, item.page_begin};
+                                                     tid, item.request, item.v_begin, item.v_end, item.kv_len, item.page_begin};
   float m = FJ_NEG_INF, dsum = 0.f, o[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;
 
-  stream_tiles<STAGES, TILE>(loader, item.v_begin, ceil_div(item.v_end - item.v_begin, TILE), [&](int stage, int t) {
+  stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), [&](int stage, int t) {
     float s[TPZ];
     float tile_max = FJ_NEG_INF;
 #pragma unroll
@@ -92,8 +92,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
       }
 #pragma unroll
       for (int off = BDX / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      const int vpos = item.v_begin + t * TILE + tok;
-      bool visible = row_valid && vpos < item.v_end;
+      const int vpos = item.tile_begin + t * TILE + tok;
+      bool visible = row_valid && item.in_span(vpos);
       if (visible) {
         const int pos = mask_kv_position(params, item.request, vpos);
         visible = pos >= 0 && pos < item.kv_len &&

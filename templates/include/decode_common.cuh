@@ -54,19 +54,25 @@ struct CtaCoords {
 };
 
 // One work item: its request, the span [v_begin, v_end) it reads, and the request's geometry.
+// Its tiles start at tile_begin, v_begin rounded down to a page: a span that starts inside a page
+// (a sliding window) still gives the loader whole pages per thread (runs), and the positions
+// before v_begin are neither read nor attended (in_span).
 struct WorkItem {
-  int request, v_begin, v_end, kv_len, page_begin, q_begin, q_len;
+  int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len;
   bool direct;  // the request's only item: it writes the output, not a partial for the merge
   FJ_INLINE WorkItem(const Args& a, int w) {
     request = __ldg(a.work_request + w);
     v_begin = __ldg(a.work_begin + w);
     v_end = __ldg(a.work_end + w);
+    tile_begin = v_begin - v_begin % cfg::PAGE_SIZE;
     kv_len = __ldg(a.req_kv_len + request);
     page_begin = __ldg(a.req_page_begin + request);
     q_begin = __ldg(a.req_qo_indptr + request);
     q_len = __ldg(a.req_qo_indptr + request + 1) - q_begin;
     direct = __ldg(a.req_work_indptr + request + 1) - __ldg(a.req_work_indptr + request) == 1;
   }
+  FJ_INLINE bool in_span(int vpos) const { return vpos >= v_begin && vpos < v_end; }
+  FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
 
 FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
@@ -94,7 +100,7 @@ struct PagedKVStage {
   const MaskParams& params;
   const kv_t* k_head; const kv_t* v_head;
   unsigned char* k_smem; unsigned char* v_smem;
-  int tid, request, v_end, kv_len, page_begin;
+  int tid, request, v_begin, v_end, kv_len, page_begin;  // the work item's (a reference would cost local memory)
   int phys[LOADS];  // physical token (page * PAGE_SIZE + slot) of each key, -1: zero-fill
   bool run;         // EVEN: the keys are consecutive tokens of one page, starting at run_offset
   i64 run_offset;
@@ -109,7 +115,7 @@ struct PagedKVStage {
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int vpos = tile_v0 + key(i);
-      pos[i] = owns(i) && vpos < v_end ? mask_kv_position(params, request, vpos) : -1;
+      pos[i] = owns(i) && vpos >= v_begin && vpos < v_end ? mask_kv_position(params, request, vpos) : -1;
     }
     if constexpr (EVEN) {
       run = pos[0] >= 0 && pos[LOADS - 1] < kv_len && pos[0] / cfg::PAGE_SIZE == pos[LOADS - 1] / cfg::PAGE_SIZE;

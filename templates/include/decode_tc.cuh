@@ -79,7 +79,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
   PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
-                                                 tid, item.request, item.v_end, item.kv_len, item.page_begin};
+                                                 tid, item.request, item.v_begin, item.v_end, item.kv_len, item.page_begin};
 
   float o[NTILES][4];
 #pragma unroll
@@ -91,8 +91,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * K_PITCH + (mat & 1) * 16;  // K: [keys][dims]
   const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * V_PITCH + (mat >> 1) * 16;  // V: transposed
 
-  stream_tiles<STAGES, TILE>(loader, item.v_begin, ceil_div(item.v_end - item.v_begin, TILE), [&](int stage, int t) {
-    const int key0 = item.v_begin + t * TILE + warp * 16;  // this warp's first key
+  stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), [&](int stage, int t) {
+    const int key0 = item.tile_begin + t * TILE + warp * 16;  // this warp's first key
     if (key0 < item.v_end) {
       const unsigned char* ks = k_smem + stage * TILE * K_PITCH;
       const unsigned char* vs = v_smem + stage * TILE * V_PITCH;
@@ -112,7 +112,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1, vpos = key0 + 8 * j + pair + (e & 1);
-          bool visible = row_valid[h] && vpos < item.v_end;
+          bool visible = row_valid[h] && item.in_span(vpos);
           if (visible) {
             const int pos = mask_kv_position(params, item.request, vpos);
             visible = pos >= 0 && pos < item.kv_len &&

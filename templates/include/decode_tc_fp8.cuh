@@ -155,7 +155,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
   const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
   PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
-                                                 tid, item.request, item.v_end, item.kv_len, item.page_begin};
+                                                 tid, item.request, item.v_begin, item.v_end, item.kv_len, item.page_begin};
 
   float o[STEPS][4];  // O^T: o[mt][0..1] dim o_dim(mt, g), o[mt][2..3] dim o_dim(mt, g + 8); rows 2t, 2t + 1
 #pragma unroll
@@ -164,8 +164,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
   for (int c = 0; c < COLS; ++c) m[c] = FJ_NEG_INF, dsum[c] = 0.f;
 
-  stream_tiles<STAGES, TILE>(loader, item.v_begin, ceil_div(item.v_end - item.v_begin, TILE), [&](int stage, int tile) {
-    const int key0 = item.v_begin + tile * TILE + warp * 16;  // this warp's first key
+  stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), [&](int stage, int tile) {
+    const int key0 = item.tile_begin + tile * TILE + warp * 16;  // this warp's first key
     if (key0 >= item.v_end) return;
     float s[4] = {0.f, 0.f, 0.f, 0.f};
     scores(s, qb, k_smem + (stage * TILE + warp * 16) * K_PITCH, g, t);
@@ -177,7 +177,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int c = e & 1, vpos = key0 + g + 8 * (e >> 1);
-      bool visible = col_valid[c] && vpos < item.v_end;
+      bool visible = col_valid[c] && item.in_span(vpos);
       if (visible) {
         const int pos = mask_kv_position(params, item.request, vpos);
         visible = pos >= 0 && pos < item.kv_len &&
