@@ -460,6 +460,7 @@ class BatchDecode:
         checks.rows_16b_aligned(name, page_view, self.head_dim)
         slot_dim, head_dim = (1, 2) if self.spec.kv_layout == "NHD" else (2, 1)
         strides = (page_view.stride(0), page_view.stride(slot_dim), page_view.stride(head_dim))
+        checks.strides_fit_int32(name, strides)
         if len(self._kv_checked) > 1024:
             self._kv_checked.clear()
         self._kv_checked[id(t)] = (weakref.ref(t), t.data_ptr(), t.dtype, t.shape, strides)

@@ -73,6 +73,15 @@ def rows_16b_aligned(name: str, t, row: int) -> None:
              f"data_ptr % 16 = {t.data_ptr() % 16}, strides {t.stride()}")
 
 
+INT32_MAX = 2**31 - 1
+
+
+def strides_fit_int32(name: str, strides: tuple[int, ...]) -> None:
+    """The kernel multiplies page, slot and head strides in 32 bits (the products are 64-bit)."""
+    if max(strides) > INT32_MAX:
+        fail(name, "page, slot and head strides below 2**31 elements", f"strides {strides}")
+
+
 def head_counts(num_qo_heads, num_kv_heads, page_size) -> None:
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

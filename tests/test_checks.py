@@ -117,6 +117,12 @@ def test_rows_aligned_checks_row_length():
 
 # ---- plan() arguments ---------------------------------------------------------------------------
 
+def test_cache_strides_must_fit_the_kernels_32_bit_multiplies():
+    checks.strides_fit_int32("k_cache", (2**31 - 1, 1024, 128))
+    with pytest.raises(ValueError, match=re.escape("strides below 2**31 elements") + ".*strides \\(2147483648, 1024, 128\\)"):
+        checks.strides_fit_int32("k_cache", (2**31, 1024, 128))
+
+
 def test_page_table_gives_kv_lens():
     indptr_h, kv_lens = checks.page_table([0, 2, 2, 5], [7, 0, 16], 16)
     assert list(indptr_h) == [0, 2, 2, 5] and list(kv_lens) == [16 + 7, 0, 2 * 16 + 16]

@@ -68,11 +68,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     for (int i = 0; i < VEC; ++i) q[i] = 0.f;
   }
 
-  const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
-  const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
-
-  PagedKVStage<TILE, ROW_BYTES, ROW_BYTES, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
-                                                     tid, item.request, item.v_begin, item.v_end, item.kv_len, item.page_begin};
+  PagedKVStage<TILE, ROW_BYTES, ROW_BYTES, NT> loader(a, params, kv_head, k_smem, v_smem, tid, item);
   float m = FJ_NEG_INF, dsum = 0.f, o[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;

@@ -75,8 +75,10 @@ struct WorkItem {
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
 
+// Cache offset (elements) of a token. The host keeps the strides below 2^31 (page_stride included),
+// so the products are 32-bit multiplies into a 64-bit sum.
 FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
-  return (i64)page * a.page_stride + (i64)slot * a.slot_stride;
+  return (i64)page * (int)a.page_stride + slot * (int)a.slot_stride;
 }
 
 // Copies one pipeline stage (TILE keys x HEAD_DIM of K and of V, in 16-byte chunks) from the paged
@@ -94,36 +96,64 @@ struct PagedKVStage {
   static constexpr int CHUNKS = TILE * CPR;
   static constexpr int LOADS = ceil_div(CHUNKS, NT);
   static constexpr bool EVEN = NT % CPR == 0 && TILE % (NT / CPR) == 0;
+  // Tiles start at a page boundary (WorkItem::tile_begin) and a thread's keys start at a multiple of
+  // LOADS, so when LOADS divides the page they are span positions of one page. kv_position is
+  // increasing there (docs/masks.md): the keys are consecutive iff the last is LOADS - 1 past the
+  // first, and two kv_position calls test a run.
+  static constexpr bool RUN_BY_ENDS = EVEN && cfg::PAGE_SIZE % LOADS == 0;
   static_assert(CPR * ELEMS == cfg::HEAD_DIM, "a K/V row is whole 16-byte chunks");
 
   const Args& a;
   const MaskParams& params;
   const kv_t* k_head; const kv_t* v_head;
-  unsigned char* k_smem; unsigned char* v_smem;
+  u32 k_ring, v_ring;  // shared-memory addresses of the K and V rings
   int tid, request, v_begin, v_end, kv_len, page_begin;  // the work item's (a reference would cost local memory)
   int phys[LOADS];  // physical token (page * PAGE_SIZE + slot) of each key, -1: zero-fill
-  bool run;         // EVEN: the keys are consecutive tokens of one page, starting at run_offset
-  i64 run_offset;
+  bool run;         // EVEN: the keys are consecutive tokens of one page: run_page's slots from run_slot
+  int run_page, run_slot;  // the page index as loaded: issue() consumes it, a stage later
+
+  FJ_INLINE PagedKVStage(const Args& a, const MaskParams& params, int kv_head, unsigned char* k_smem,
+                         unsigned char* v_smem, int tid, const WorkItem& item)
+      : a(a), params(params), k_head(a.k + (i64)kv_head * a.head_stride), v_head(a.v + (i64)kv_head * a.head_stride),
+        k_ring((u32)__cvta_generic_to_shared(k_smem)), v_ring((u32)__cvta_generic_to_shared(v_smem)), tid(tid),
+        request(item.request), v_begin(item.v_begin), v_end(item.v_end), kv_len(item.kv_len),
+        page_begin(item.page_begin) {}
 
   // Chunk i of this thread: its key (row) in the stage and its 16-byte column.
   FJ_INLINE bool owns(int i) const { return CHUNKS % NT == 0 || tid + i * NT < CHUNKS; }
   FJ_INLINE int key(int i) const { return EVEN ? (tid / CPR) * LOADS + i : (tid + i * NT) / CPR; }
   FJ_INLINE int column(int i) const { return EVEN ? tid % CPR : (tid + i * NT) % CPR; }
 
+  FJ_INLINE void start_run(int first_pos) {
+    run = true;
+    run_page = __ldg(a.page_indices + page_begin + first_pos / cfg::PAGE_SIZE);
+    run_slot = first_pos % cfg::PAGE_SIZE;
+  }
+
   FJ_INLINE void locate(int tile_v0) {
+    if constexpr (RUN_BY_ENDS) {
+      const int first = tile_v0 + key(0), last = first + LOADS - 1;
+      if (first >= v_begin && last < v_end) {
+        const int p0 = mask_kv_position(params, request, first), p1 = mask_kv_position(params, request, last);
+        if (p0 >= 0 && p1 < kv_len && p1 - p0 == LOADS - 1 && p0 / cfg::PAGE_SIZE == p1 / cfg::PAGE_SIZE) {
+          start_run(p0);
+          return;
+        }
+      }
+    }
+    run = false;
     int pos[LOADS];
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       const int vpos = tile_v0 + key(i);
       pos[i] = owns(i) && vpos >= v_begin && vpos < v_end ? mask_kv_position(params, request, vpos) : -1;
     }
-    if constexpr (EVEN) {
-      run = pos[0] >= 0 && pos[LOADS - 1] < kv_len && pos[0] / cfg::PAGE_SIZE == pos[LOADS - 1] / cfg::PAGE_SIZE;
+    if constexpr (EVEN && !RUN_BY_ENDS) {
+      bool consecutive = pos[0] >= 0 && pos[LOADS - 1] < kv_len && pos[0] / cfg::PAGE_SIZE == pos[LOADS - 1] / cfg::PAGE_SIZE;
 #pragma unroll
-      for (int i = 1; i < LOADS; ++i) run = run && pos[i] == pos[0] + i;
-      if (run) {
-        run_offset = token_offset(a, __ldg(a.page_indices + page_begin + pos[0] / cfg::PAGE_SIZE),
-                                  pos[0] % cfg::PAGE_SIZE);
+      for (int i = 1; i < LOADS; ++i) consecutive = consecutive && pos[i] == pos[0] + i;
+      if (consecutive) {
+        start_run(pos[0]);
         return;
       }
     }
@@ -135,24 +165,27 @@ struct PagedKVStage {
     }
   }
 
-  FJ_INLINE void copy(int stage, int i, i64 offset, bool pred) {
-    const int col = column(i);
-    const i64 at = pred ? offset + col * ELEMS : 0;
-    cp_async_16<cfg::L2_PREFETCH>(k_smem + (stage * TILE + key(i)) * K_PITCH + col * 16, k_head + at, pred);
-    cp_async_16<cfg::L2_PREFETCH>(v_smem + (stage * TILE + key(i)) * V_PITCH + col * 16, v_head + at, pred);
+  FJ_INLINE void copy(int stage, int i, const kv_t* k_src, const kv_t* v_src, bool pred) {
+    const u32 row = stage * TILE + key(i), column_bytes = column(i) * 16;
+    cp_async_16<cfg::L2_PREFETCH>(k_ring + row * K_PITCH + column_bytes, k_src, pred);
+    cp_async_16<cfg::L2_PREFETCH>(v_ring + row * V_PITCH + column_bytes, v_src, pred);
   }
 
   FJ_INLINE void issue(int stage) {
     if (EVEN && run) {
+      const i64 offset = token_offset(a, run_page, run_slot) + column(0) * ELEMS;
+      const kv_t* k_src = k_head + offset;
+      const kv_t* v_src = v_head + offset;
 #pragma unroll
-      for (int i = 0; i < LOADS; ++i) copy(stage, i, run_offset + i * a.slot_stride, true);
+      for (int i = 0; i < LOADS; ++i) copy(stage, i, k_src + i * (int)a.slot_stride, v_src + i * (int)a.slot_stride, true);
       return;
     }
 #pragma unroll
     for (int i = 0; i < LOADS; ++i) {
       if (!owns(i)) continue;
       const bool pred = phys[i] >= 0;
-      copy(stage, i, pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) : 0, pred);
+      const i64 at = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + column(i) * ELEMS : 0;
+      copy(stage, i, k_head + at, v_head + at, pred);
     }
   }
 };

@@ -76,10 +76,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     }
   }
 
-  const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
-  const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
-                                                 tid, item.request, item.v_begin, item.v_end, item.kv_len, item.page_begin};
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader(a, params, kv_head, k_smem, v_smem, tid, item);
 
   float o[NTILES][4];
 #pragma unroll

@@ -152,10 +152,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
                           : 0u;
   }
 
-  const kv_t* k_head = a.k + (i64)kv_head * a.head_stride;
-  const kv_t* v_head = a.v + (i64)kv_head * a.head_stride;
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader{a, params, k_head, v_head, k_smem, v_smem,
-                                                 tid, item.request, item.v_begin, item.v_end, item.kv_len, item.page_begin};
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader(a, params, kv_head, k_smem, v_smem, tid, item);
 
   float o[STEPS][4];  // O^T: o[mt][0..1] dim o_dim(mt, g), o[mt][2..3] dim o_dim(mt, g + 8); rows 2t, 2t + 1
 #pragma unroll

@@ -58,9 +58,9 @@ FJ_INLINE float log2_approx(float x) { float y; asm("lg2.approx.ftz.f32 %0, %1;"
 
 // 16-byte global->shared copy that bypasses L1. src_bytes == 0 writes zeros and reads nothing.
 // L2_PREFETCH (0, 128 or 256): bytes the L2 fetches around the copy (0: no hint).
+// dst: a shared-memory address (__cvta_generic_to_shared), which a loop can compute once.
 template <int L2_PREFETCH = 128>
-FJ_INLINE void cp_async_16(void* smem, const void* gmem, bool pred) {
-  u32 dst = (u32)__cvta_generic_to_shared(smem);
+FJ_INLINE void cp_async_16(u32 dst, const void* gmem, bool pred) {
   int src_bytes = pred ? 16 : 0;
   if constexpr (L2_PREFETCH == 256)
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(gmem), "r"(src_bytes));
