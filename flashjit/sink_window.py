@@ -2,13 +2,15 @@
 
 Query token q_pos sees the first ``num_sink`` keys (the attention sinks) and the keys at most
 ``window_left`` back (q_pos - window_left <= kv_pos), causally. The keys between the sinks and the
-window of the request's first query token are never read: the planner walks a span of
-min(kv_len, num_sink + window_left + q_len) positions, the sinks followed by the window, and the
-kv_position hook maps span position v to key v (v < num_sink) or v + gap, where
+window of the request's first query token are never read: the planner walks the sinks followed by
+the window, and the kv_position hook maps span position v to key v (v < num_sink) or v + gap, where
 
-    gap = max(first_q_pos - window_left - num_sink, 0),   first_q_pos = kv_len - q_len
+    gap = max(first_q_pos - window_left - num_sink, 0) rounded down to a multiple of GAP_ALIGN,
+    first_q_pos = kv_len - q_len
 
-is the number of skipped keys. The kv_position hook sees neither kv_len nor q_len, so each
+is the number of skipped keys. The rounding keeps a span position and its key equal modulo 16, so
+the kernel's loader still copies whole runs of consecutive keys of one page; it reads at most 15
+keys before the window, which the mask hides. The kv_position hook sees neither kv_len nor q_len, so each
 request's first query position arrives as the ``first_q_pos`` int32 tensor parameter
 (sink_window_params builds it); kv_span checks it against the plan.
 """
@@ -21,6 +23,7 @@ from . import checks
 
 MASK = "sink_window"
 PARAMS = {"num_sink": "int", "window_left": "int", "first_q_pos": "int_tensor"}
+GAP_ALIGN = 16  # a multiple of the loader's run length (at most 16 keys); the template rounds the same way
 
 
 def sink_window_params(kv_lens, q_lens=1, *, num_sink: int, window_left: int, device="cuda") -> dict:
@@ -35,7 +38,8 @@ def sink_window_params(kv_lens, q_lens=1, *, num_sink: int, window_left: int, de
 
 def gaps(first_q_pos, num_sink: int, window_left: int) -> np.ndarray:
     """Keys skipped between the sinks and the window, per request (what kv_position adds)."""
-    return np.maximum(np.asarray(first_q_pos, dtype=np.int64) - int(window_left) - int(num_sink), 0)
+    gap = np.maximum(np.asarray(first_q_pos, dtype=np.int64) - int(window_left) - int(num_sink), 0)
+    return gap - gap % GAP_ALIGN
 
 
 def kv_positions(kv_len: int, q_len: int, num_sink: int, window_left: int) -> np.ndarray:

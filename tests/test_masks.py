@@ -28,7 +28,7 @@ from flashjit import DecodeSpec, Engine, SpecError, cli, register_mask
 from flashjit import check_mask as cm
 from flashjit import sink_window, tree
 from flashjit.registry import MaskDef, MaskParam, masks
-from flashjit.render import render
+from flashjit.render import render, template_root
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_cxx = pytest.mark.skipif(cm.host_compiler() is None, reason="no host C++ compiler")
@@ -267,28 +267,37 @@ def test_sink_window_span_skips_the_pages_between():
     kv_len, q_len, page_size, num_sink, window_left = 1000, 1, 16, 4, 37
     params = sink_window.sink_window_params([kv_len], q_len, num_sink=num_sink, window_left=window_left, device="cpu")
     begin, end = sink_window.kv_span(np.array([kv_len]), np.array([q_len]), params)
-    assert begin.tolist() == [0] and end.tolist() == [num_sink + window_left + q_len]
+    # the gap, 999 - 37 - 4 = 958 keys, rounded down to 944 (a multiple of 16): 14 keys before the window
+    assert begin.tolist() == [0] and end.tolist() == [num_sink + window_left + q_len + 14]
     walked = sink_window.kv_positions(kv_len, q_len, num_sink, window_left)
-    assert walked.tolist() == list(range(4)) + list(range(999 - 37, 1000))
-    assert sorted({int(p) // page_size for p in walked}) == [0, 60, 61, 62]  # pages 1..59 are never read
+    assert walked.tolist() == list(range(4)) + list(range(999 - 37 - 14, 1000))
+    assert sorted({int(p) // page_size for p in walked}) == [0, 59, 60, 61, 62]  # pages 1..58 are never read
     visible = np.array(_visibility("sink_window", kv_len, q_len, 0, params), dtype=bool).any(0)
-    assert set(np.flatnonzero(visible)) == set(walked.tolist())  # exactly the visible keys
+    assert set(np.flatnonzero(visible)) == set(walked.tolist()) - set(range(948, 962))  # the visible keys, and 14
 
 
 @pytest.mark.parametrize("kv_len, q_len, num_sink, window_left, span", [
-    (1000, 4, 4, 37, 45),   # several query tokens: the window of the first one
+    (1000, 4, 4, 37, 56),   # several query tokens: the window of the first one (gap 955 -> 944)
     (30, 1, 4, 37, 30),     # window reaches the sinks: the whole request, no gap
     (42, 1, 4, 37, 42),     # window starts right after the sinks
-    (43, 1, 4, 37, 42),     # one key skipped
+    (43, 1, 4, 37, 43),     # one key to skip: rounded down to none
+    (61, 1, 4, 37, 45),     # 19 keys to skip: 16 skipped
     (3, 1, 8, 0, 3),        # sinks longer than the request
-    (500, 1, 0, 0, 1),      # no sinks, no window: only the query's own key
+    (500, 1, 0, 0, 4),      # no sinks, no window: the query's own key and the 3 before it (gap 499 -> 496)
 ])
 def test_sink_window_span_lengths(kv_len, q_len, num_sink, window_left, span):
     params = {"num_sink": num_sink, "window_left": window_left, "first_q_pos": [kv_len - q_len]}
     _, end = sink_window.kv_span(np.array([kv_len]), np.array([q_len]), params)
-    assert end.tolist() == [span] == [min(kv_len, num_sink + window_left + q_len)]
+    tight = min(kv_len, num_sink + window_left + q_len)
+    assert end.tolist() == [span] and tight <= span < tight + sink_window.GAP_ALIGN
     walked = sink_window.kv_positions(kv_len, q_len, num_sink, window_left)
     assert len(walked) == span and np.all(np.diff(walked) > 0) and walked[-1] == kv_len - 1
+    assert np.all((walked - np.arange(span)) % sink_window.GAP_ALIGN == 0)  # key = span position mod 16
+
+
+def test_sink_window_template_rounds_the_gap_like_the_host():
+    template = (template_root() / "masks" / "sink_window.cuh.j2").read_text()
+    assert f"gap - gap % {sink_window.GAP_ALIGN}" in template
 
 
 def test_sink_window_kv_span_rejects_stale_first_q_pos():
