@@ -24,7 +24,8 @@ import numpy as np
 from . import checks
 from .engine import Engine
 from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, PreparedLaunch
-from .plan import WorkPlan, largest, plan_work
+from .plan import WorkPlan, plan_work
+from .small_arrays import largest
 from .spec import KV_DTYPES, DecodeSpec, normalize_dtype
 
 LOG2E = 1.4426950408889634

@@ -8,7 +8,7 @@ import numbers
 
 import numpy as np
 
-from .plan import largest, smallest
+from .small_arrays import largest, smallest
 
 
 def fail(name: str, expected: str, got) -> None:

@@ -12,6 +12,8 @@ import math
 
 import numpy as np
 
+from .small_arrays import largest
+
 MIN_CHUNK_TOKENS = 128  # below this a split costs more in merging than it gains in parallelism
 ITEM_OVERHEAD_TOKENS = 64  # a CTA's fixed cost (prologue, pipeline fill, epilogue) in key-equivalents
 MERGE_COST_TOKENS = 128    # the merge launch, in the same units
@@ -46,17 +48,6 @@ class WorkPlan:
 
 SPLIT_CANDIDATES = np.concatenate([np.arange(1, 25), [28, 32, 40, 48, 56, 64, 80, 96, 112, 128]])
 _PARTS = tuple(SPLIT_CANDIDATES.tolist())
-
-
-def largest(values: np.ndarray, empty: int = 0) -> int:
-    """The largest value (empty for none), found through argmax: numpy's max is a ufunc reduction
-    whose set-up costs ~1 us, several times argmax's plain loop over the tens of values plan() has."""
-    return int(values[values.argmax()]) if len(values) else empty
-
-
-def smallest(values: np.ndarray, empty: int = 0) -> int:
-    """The smallest value (empty for none); see largest."""
-    return int(values[values.argmin()]) if len(values) else empty
 
 
 def item_counts(span_lens: np.ndarray, chunks: list[int]) -> tuple[list[float], list[float], float]:
