@@ -10,8 +10,8 @@ the window, and the kv_position hook maps span position v to key v (v < num_sink
 
 is the number of skipped keys. The rounding keeps a span position and its key equal modulo 16, so
 the kernel's loader still copies whole runs of consecutive keys of one page; it reads at most 15
-keys before the window, which the mask hides. The kv_position hook sees neither kv_len nor q_len, so each
-request's first query position arrives as the ``first_q_pos`` int32 tensor parameter
+keys before the window, which the mask hides. The kv_position hook sees neither kv_len nor q_len,
+so each request's first query position arrives as the ``first_q_pos`` int32 tensor parameter
 (sink_window_params builds it); kv_span checks it against the plan.
 """
 
