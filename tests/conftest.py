@@ -141,3 +141,17 @@ def collect_flashjit_log() -> list[str]:
     logger.setLevel(logging.INFO)
     logger.addHandler(Collect())
     return messages
+
+
+def run_children(children, results, timeout: float = 120) -> list:
+    """Start the processes, collect one report each from the results queue, and reap them (killing
+    any still alive after 30 s), so a hung child fails the test instead of blocking the run."""
+    for child in children:
+        child.start()
+    try:
+        return [results.get(timeout=timeout) for _ in children]
+    finally:
+        for child in children:
+            child.join(30)
+            if child.is_alive():
+                child.kill()

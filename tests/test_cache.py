@@ -20,7 +20,7 @@ from flashjit.compile import compile_options, nvrtc_version
 from flashjit.registry import register_mask
 from flashjit.render import render
 
-from conftest import collect_flashjit_log
+from conftest import collect_flashjit_log, run_children
 
 KEY_ARGS = dict(source="extern \"C\" __global__ void k() {}", arch="sm_90", options=("-arch=sm_90", "--std=c++17"),
                 nvrtc_version=(12, 9), flashjit_version="0.1.0")
@@ -311,15 +311,7 @@ def test_compile_lock_serialises_processes(cache_dir):
     spec = DecodeSpec(64, mask="sliding_window", arch="sm_80")
     children = [context.Process(target=_get_kernel_in_child, args=(str(cache_dir), spec.name, barrier, results))
                 for _ in range(2)]
-    for child in children:
-        child.start()
-    try:
-        reports = [results.get(timeout=120) for _ in children]
-    finally:
-        for child in children:
-            child.join(30)
-            if child.is_alive():
-                child.kill()
+    reports = run_children(children, results)
     assert [child.exitcode for child in children] == [0, 0]
     assert sorted(origin for origin, _ in reports) == ["compiled", "disk"]
     assert sum(count for _, count in reports) == 1

@@ -29,7 +29,7 @@ from flashjit.compile import CompiledKernel, compile_options, nvrtc_version
 from flashjit.render import render
 from flashjit import __version__
 
-from conftest import collect_flashjit_log, fake_cubin
+from conftest import collect_flashjit_log, fake_cubin, run_children
 
 FORK = multiprocessing.get_context("fork")
 BOUND_S = 10.0  # "not blocked": far below the lock timeout the tests set (60 s)
@@ -102,15 +102,7 @@ def test_processes_and_threads_compile_each_spec_once(cache_dir):
     plans = [[SPECS[(i + j) % len(SPECS)].name for j in range(3)] for i in range(processes)]
     children = [context.Process(target=_prewarm_in_child, args=(str(cache_dir), plan, barrier, results))
                 for plan in plans]
-    for child in children:
-        child.start()
-    try:
-        reports = [results.get(timeout=120) for _ in children]
-    finally:
-        for child in children:
-            child.join(30)
-            if child.is_alive():
-                child.kill()
+    reports = run_children(children, results)
     assert [child.exitcode for child in children] == [0] * processes
     assert sum(compiles for compiles, _ in reports) == len(SPECS)  # every spec compiled once overall
     hashes: dict[str, set] = {}
