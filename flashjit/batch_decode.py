@@ -192,7 +192,7 @@ class BatchDecode:
                                               chunk_tokens, disable_split_kv)
         finally:
             max_page = checks.largest_page_id(self._page_range.wait())  # run() checks the cache against it
-        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim)
+        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim, num_kv_heads * kernel.tiling.row_tiles)
 
         # Every argument is valid: from here on the new plan replaces the previous one.
         self._max_page = max_page
@@ -265,13 +265,15 @@ class BatchDecode:
                         f"{batch} requests, {tokens} tokens")
         return cap
 
-    def _ensure_buffers(self, capacity: "_Capacity", spec, num_qo_heads: int, head_dim: int) -> "_PlanBuffers":
+    def _ensure_buffers(self, capacity: "_Capacity", spec, num_qo_heads: int, head_dim: int,
+                        groups_per_request: int) -> "_PlanBuffers":
         partial_rows = capacity.work * spec.max_q_len * num_qo_heads
+        merge_groups = capacity.batch * groups_per_request
         current = self._buffers
-        if current is None or not current.fits(capacity, partial_rows * head_dim):
+        if current is None or not current.fits(capacity, partial_rows * head_dim, merge_groups):
             if current is not None and self.use_cuda_graph:
                 checks.fail("plan() with use_cuda_graph=True", "the buffers of the first plan", "a larger plan")
-            current = self._buffers = _PlanBuffers(capacity, partial_rows, head_dim, self.device)
+            current = self._buffers = _PlanBuffers(capacity, partial_rows, head_dim, merge_groups, self.device)
         return current
 
     def _mask_params(self, mask, window_left, mask_params) -> dict:
@@ -326,6 +328,9 @@ class BatchDecode:
         decode_params = buffers.decode_params(kernel.mask.params, values)
         self._decode_launch = PreparedLaunch.update(self._decode_launch, loaded.decode, decode_grid, tiling.block,
                                                     decode_params, tiling.smem_bytes)
+        if tiling.fused_merge:  # the decode kernel merges split requests itself
+            self._merge_launch = None
+            return
         # Graphs always launch the merge (its blocks exit early when nothing was split); a plan
         # without a split keeps the prepared merge for the next plan that has one.
         self._merge_prepared = PreparedLaunch.update(
@@ -493,7 +498,7 @@ class _PlanBuffers:
     FIELDS = ("num_work", "num_tokens", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
               "req_qo_indptr", "req_work_indptr", "token_request")
 
-    def __init__(self, capacity: _Capacity, partial_rows: int, head_dim: int, device):
+    def __init__(self, capacity: _Capacity, partial_rows: int, head_dim: int, merge_groups: int, device):
         import torch
 
         self.capacity = capacity
@@ -509,6 +514,8 @@ class _PlanBuffers:
         self.pointers = {name: base + 4 * off for name, off in self.offsets.items()}
         self.tmp_o = torch.empty(max(1, partial_rows * head_dim), dtype=torch.float32, device=device)
         self.tmp_lse = torch.empty(max(1, partial_rows), dtype=torch.float32, device=device)
+        # The fused merge's arrival counters: zero here, and the kernel leaves them zero.
+        self.merge_counters = torch.zeros(max(1, merge_groups), dtype=torch.int32, device=device)
         self.copies = _StreamCopies(device)
         # Launch arguments over these buffers; each plan() sets its scalars, each run() its tensors.
         p = self.pointers
@@ -517,6 +524,7 @@ class _PlanBuffers:
                      "req_qo_indptr", "req_work_indptr"):
             setattr(a, name, p[name])
         a.tmp_o, a.tmp_lse = self.tmp_o.data_ptr(), self.tmp_lse.data_ptr()
+        a.merge_counters = self.merge_counters.data_ptr()
         self.merge_args = m = MergeArgs()
         m.tmp_o, m.tmp_lse = a.tmp_o, a.tmp_lse
         m.token_request, m.req_qo_indptr, m.req_work_indptr = p["token_request"], p["req_qo_indptr"], p["req_work_indptr"]
@@ -538,10 +546,10 @@ class _PlanBuffers:
             slot.value = value
         return self._decode_params
 
-    def fits(self, capacity: _Capacity, partial_elems: int) -> bool:
+    def fits(self, capacity: _Capacity, partial_elems: int, merge_groups: int) -> bool:
         c = self.capacity
         return (capacity.work <= c.work and capacity.batch <= c.batch and capacity.tokens <= c.tokens
-                and partial_elems <= self.tmp_o.numel())
+                and partial_elems <= self.tmp_o.numel() and merge_groups <= self.merge_counters.numel())
 
     def write(self, work: WorkPlan, kv_lens, indptr_h):
         self.copies.wait()  # the previous plan's copy has read the staging memory

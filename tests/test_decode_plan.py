@@ -21,6 +21,7 @@ from flashjit import DecodeSpec
 from flashjit.batch_decode import LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
 from flashjit.kernel import Kernel, LoadedKernel
 from flashjit.registry import masks
+from flashjit import tiling as tiling_module
 from flashjit.tiling import decode_tiling
 from planner_oracle import reference_page_table, reference_plan_work
 
@@ -103,6 +104,9 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
         p["token_request"], p["req_qo_indptr"], p["req_work_indptr"], p["num_tokens"])
     assert a.page_indices == (decoder._graph_indices if decoder.use_cuda_graph else indices).data_ptr()
     assert (a.tmp_o, a.tmp_lse) == (m.tmp_o, m.tmp_lse) == (buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr())
+    assert a.merge_counters == buffers.merge_counters.data_ptr()
+    groups = buffers.capacity.batch * num_kv_heads * tiling.row_tiles  # (request, KV head, row tile)
+    assert buffers.merge_counters.numel() >= groups and not buffers.merge_counters.any()  # zero at rest
     assert a.num_qo_heads == m.num_qo_heads == num_qo_heads
     assert a.sm_scale_log2 == ctypes.c_float(sm_scale_log2).value
     graph = decoder.use_cuda_graph
@@ -110,7 +114,9 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     decode, merge = decoder._decode_launch, decoder._merge_launch
     assert decode.grid == tiling.grid(cap.work if graph else work.num_work, num_kv_heads)
     assert decode.function == DECODE_FN and decode.block == tiling.block and decode.smem == tiling.smem_bytes
-    if graph or work.num_work > len(kv_lens):
+    if tiling.fused_merge:
+        assert merge is None  # the decode kernel merges split requests itself
+    elif graph or work.num_work > len(kv_lens):
         assert merge.function == MERGE_FN and merge.grid == (cap.tokens if graph else work.num_tokens, num_qo_heads, 1)
     else:
         assert merge is None
@@ -149,6 +155,17 @@ def test_plans_the_benchmark_batch(planner):
         expected = expected_work(indptr, last, 16, [1] * 64, "none", {}, 32, 8, 128)
         assert_planned(decoder, *expected, indices, 32, 8, LOG2E / math.sqrt(128))
     assert decoder.work.num_work > 64  # split: the merge runs
+
+
+def test_plans_a_separate_merge_launch_when_not_fused(planner, monkeypatch):
+    monkeypatch.setattr(tiling_module, "FUSED_MERGE", False)
+    kv_lens = [128 + 6 * i for i in range(64)]
+    indptr, indices, last = tables(kv_lens, 16, np.random.default_rng(0))
+    decoder = cpu_decoder(planner)
+    decoder.plan(indptr, indices, last, 32, 8, 128, 16)
+    assert not decoder.kernel.tiling.fused_merge and decoder._merge_launch is not None
+    assert_planned(decoder, *expected_work(indptr, last, 16, [1] * 64, "none", {}, 32, 8, 128), indices, 32, 8,
+                   LOG2E / math.sqrt(128))
 
 
 def test_qo_indptr_and_sm_scale(planner):
@@ -302,7 +319,8 @@ def test_plan_buffers_pack_every_field_at_its_offset():
     from flashjit.batch_decode import _Capacity
     from flashjit.plan import plan_work
 
-    buffers = _PlanBuffers(_Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, device=CPU)
+    buffers = _PlanBuffers(_Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, merge_groups=8,
+                           device=CPU)
     offsets = list(buffers.offsets.values())
     assert offsets == [0, 1, 2, 11, 20, 29, 33, 37, 42, 47]  # fields in FIELDS order, each at its capacity
     assert buffers.device_buffer.numel() == 47 + 6 and buffers.tmp_o.numel() == 640 and buffers.tmp_lse.numel() == 10
@@ -321,7 +339,9 @@ def test_plan_buffers_pack_every_field_at_its_offset():
         0, 0, 1, 2, 2, 0]                # token_request
     base = buffers.device_buffer.data_ptr()
     assert buffers.pointers == {name: base + 4 * off for name, off in buffers.offsets.items()}
-    assert buffers.fits(_Capacity(4, 6, 9), 640) and not buffers.fits(_Capacity(5, 6, 9), 640)
+    assert buffers.fits(_Capacity(4, 6, 9), 640, 8) and not buffers.fits(_Capacity(5, 6, 9), 640, 8)
+    assert not buffers.fits(_Capacity(4, 6, 9), 640, 9)  # more merge counters (KV heads x row tiles) than it has
+    assert buffers.merge_counters.tolist() == [0] * 8
 
 
 def test_prepared_launch_passes_its_ctypes_arguments_and_the_current_stream(monkeypatch):
@@ -362,7 +382,8 @@ def test_prepared_launch_is_kept_for_the_same_kernel_and_arguments(monkeypatch):
     assert launch.grid == (9, 8, 2)
 
 
-def test_plans_keep_their_launches_and_mask_values_in_place(planner):
+def test_plans_keep_their_launches_and_mask_values_in_place(planner, monkeypatch):
+    monkeypatch.setattr(tiling_module, "FUSED_MERGE", False)  # the merge's launch is kept too
     rng = np.random.default_rng(12)
     decoder = cpu_decoder(planner)
     indptr, indices, last = tables([9000, 7000, 40, 8000], 16, rng)

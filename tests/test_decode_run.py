@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit import batch_decode, kernel
+from flashjit import batch_decode, kernel, tiling
 from test_decode_plan import cpu_decoder, planner, tables  # noqa: F401  (planner: a fixture)
 
 HEADS, KV_HEADS, DIM, PAGE = 8, 2, 64, 16
@@ -50,8 +50,10 @@ def planned(engine, kv_lens):
     return decoder, q, k, v
 
 
-def test_run_points_the_arguments_at_its_tensors(planner, launches, fast):
-    decoder, q, k, v = planned(planner, [5000, 30, 700])  # split: the merge runs too
+@pytest.mark.parametrize("fused_merge", [True, False])
+def test_run_points_the_arguments_at_its_tensors(planner, launches, fast, fused_merge, monkeypatch):
+    monkeypatch.setattr(tiling, "FUSED_MERGE", fused_merge)
+    decoder, q, k, v = planned(planner, [5000, 30, 700])  # split: the merge runs too (fused or launched)
     out, lse = torch.empty_like(q), torch.empty(3, HEADS)
     for _ in range(2):  # the second time every tensor is recognised
         assert decoder.run(q, (k, v), out=out, lse=lse, return_lse=True) == (out, lse)
@@ -60,9 +62,13 @@ def test_run_points_the_arguments_at_its_tensors(planner, launches, fast):
                                                                  HEADS * DIM, lse.data_ptr())
         assert (a.k, a.v) == (k.data_ptr(), v.data_ptr())
         assert (a.page_stride, a.slot_stride, a.head_stride) == (PAGE * KV_HEADS * DIM, KV_HEADS * DIM, DIM)
-        assert (m.out, m.out_stride, m.lse) == (a.out, a.out_stride, a.lse)
+        if not fused_merge:
+            assert (m.out, m.out_stride, m.lse) == (a.out, a.out_stride, a.lse)
     decode, merge = decoder._decode_launch, decoder._merge_launch
-    assert launches == [(decode.function, decode.grid, 0x77), (merge.function, merge.grid, 0x77)] * 2
+    if fused_merge:
+        assert merge is None and launches == [(decode.function, decode.grid, 0x77)] * 2
+    else:
+        assert launches == [(decode.function, decode.grid, 0x77), (merge.function, merge.grid, 0x77)] * 2
 
 
 def test_run_allocates_out_and_lse_when_not_given(planner, launches, fast):

@@ -8,7 +8,8 @@
 //
 // A work item is (request, [v_begin, v_end)) over the span the planner chose for the request.
 // A request with one work item writes its output directly; otherwise each item writes a
-// normalized fp32 partial output and a base-2 LSE that flashjit_merge combines.
+// normalized fp32 partial output and a base-2 LSE, which the request's last CTA to finish combines
+// (merge_if_last; flashjit_merge when cfg::FUSED_MERGE is off).
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
 
 namespace decode {
@@ -120,6 +121,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     m = m_new;
   });
 
+  bool holds_row = row_valid;  // this thread holds its row's final state and writes it
   if (BDZ > 1) {  // merge the z-slices' states through shared memory
     __syncthreads();
     float* red_o = reinterpret_cast<float*>(k_smem);
@@ -127,44 +129,49 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
     for (int i = 0; i < VEC; ++i) red_o[tid * VEC + i] = o[i];
     __syncthreads();
-    if (tz != 0) return;
-    float m_all = FJ_NEG_INF;
+    holds_row = holds_row && tz == 0;
+    if (tz == 0) {
+      float m_all = FJ_NEG_INF;
 #pragma unroll
-    for (int z = 0; z < BDZ; ++z) m_all = fmaxf(m_all, red_m[z * ROWS_PAD + ty]);
-    const float m_ref = m_all == FJ_NEG_INF ? 0.f : m_all;
-    dsum = 0.f;
+      for (int z = 0; z < BDZ; ++z) m_all = fmaxf(m_all, red_m[z * ROWS_PAD + ty]);
+      const float m_ref = m_all == FJ_NEG_INF ? 0.f : m_all;
+      dsum = 0.f;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) o[i] = 0.f;
+      for (int i = 0; i < VEC; ++i) o[i] = 0.f;
 #pragma unroll
-    for (int z = 0; z < BDZ; ++z) {
-      const float weight = exp2_approx(red_m[z * ROWS_PAD + ty] - m_ref);
-      dsum += weight * red_d[z * ROWS_PAD + ty];
-      const int src = ((z * ROWS_PAD + ty) * BDX + tx) * VEC;
+      for (int z = 0; z < BDZ; ++z) {
+        const float weight = exp2_approx(red_m[z * ROWS_PAD + ty] - m_ref);
+        dsum += weight * red_d[z * ROWS_PAD + ty];
+        const int src = ((z * ROWS_PAD + ty) * BDX + tx) * VEC;
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) o[i] += weight * red_o[src + i];
+        for (int i = 0; i < VEC; ++i) o[i] += weight * red_o[src + i];
+      }
+      m = m_all;
     }
-    m = m_all;
   }
 
-  if (!row_valid) return;
-  const float inv = dsum > 0.f ? scales.value / dsum : 0.f;
-  const float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
+  if (holds_row) {
+    const float inv = dsum > 0.f ? scales.value / dsum : 0.f;
+    const float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) o[i] *= inv;
-  const int token = item.q_begin + q_tok;
-  if (item.direct) {
-    if (tx < CPR)
-      *reinterpret_cast<uint4*>(a.out + (i64)token * a.out_stride + qo_head * D + tx * VEC) = pack8<out_t>(o);
-    if (a.lse != nullptr && tx == 0) a.lse[(i64)token * a.num_qo_heads + qo_head] = lse2 * FJ_LN2;
-  } else {
-    const i64 slot = ((i64)w * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
-    if (tx < CPR) {
-      float4* dst = reinterpret_cast<float4*>(a.tmp_o + slot * D + tx * VEC);
-      dst[0] = make_float4(o[0], o[1], o[2], o[3]);
-      dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+    for (int i = 0; i < VEC; ++i) o[i] *= inv;
+    const int token = item.q_begin + q_tok;
+    if (item.direct) {
+      if (tx < CPR)
+        *reinterpret_cast<uint4*>(a.out + (i64)token * a.out_stride + qo_head * D + tx * VEC) = pack8<out_t>(o);
+      if (a.lse != nullptr && tx == 0) a.lse[(i64)token * a.num_qo_heads + qo_head] = lse2 * FJ_LN2;
+    } else {
+      const i64 slot = ((i64)w * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
+      if (tx < CPR) {
+        float4* dst = reinterpret_cast<float4*>(a.tmp_o + slot * D + tx * VEC);
+        dst[0] = make_float4(o[0], o[1], o[2], o[3]);
+        dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+      }
+      if (tx == 0) a.tmp_lse[slot] = lse2;
     }
-    if (tx == 0) a.tmp_lse[slot] = lse2;
   }
+  if constexpr (cfg::FUSED_MERGE)
+    if (!item.direct) merge_if_last<ROWS, NT>(a, item, cta, tid);
 }
 
 }  // namespace decode

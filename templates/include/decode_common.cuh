@@ -15,6 +15,7 @@ struct Args {
   out_t* __restrict__ out; i64 out_stride;
   float* __restrict__ lse;                              // natural-log LSE [tokens, qo_heads] or null
   float* __restrict__ tmp_o; float* __restrict__ tmp_lse;
+  int* __restrict__ merge_counters;                     // FUSED_MERGE: arrivals per (request, KV head, row tile), 0 at rest
   int num_qo_heads;
   float sm_scale_log2;                                  // sm_scale * log2(e)
   // K and V scales (fp8 caches; 1 otherwise): host factor times *_scale_ptr[kv_head * stride]
@@ -74,6 +75,81 @@ struct WorkItem {
   FJ_INLINE bool in_span(int vpos) const { return vpos >= v_begin && vpos < v_end; }
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
+
+// Four output columns of row (token, qo_head), times inv, and its natural-log LSE (written by the
+// thread of column 0) from a base-2 one.
+FJ_INLINE void store_out4(out_t* out, i64 out_stride, float* lse, int num_qo_heads, int token, int qo_head,
+                          int col, const float* acc, float inv, float lse2) {
+  uint2 packed;
+  packed.x = (u32)Convert<out_t>::from_float(acc[0] * inv) | ((u32)Convert<out_t>::from_float(acc[1] * inv) << 16);
+  packed.y = (u32)Convert<out_t>::from_float(acc[2] * inv) | ((u32)Convert<out_t>::from_float(acc[3] * inv) << 16);
+  *reinterpret_cast<uint2*>(out + (i64)token * out_stride + qo_head * cfg::HEAD_DIM + col) = packed;
+  if (lse != nullptr && col == 0) lse[(i64)token * num_qo_heads + qo_head] = lse2 * FJ_LN2;
+}
+
+// The split-KV merge fused into the decode kernel (cfg::FUSED_MERGE), for a CTA of a split request
+// whose threads have written its ROWS rows' partials. Each such CTA counts itself in at its group's
+// counter (request, KV head, row tile); the last to arrive combines the group's partials into the
+// output, as flashjit_merge would, and sets the counter back to 0 for the next launch (CUDA-graph
+// replays included). The fences order the partial writes before the count and the count before the
+// reads, which go through L2 (__ldcg): L1 is not coherent across CTAs. Partials with zero weight
+// (empty or fully masked splits) are skipped, so an unwritten one cannot leak NaN.
+//
+// Not inlined: its code in the kernel body would cost registers in the main loop, where the
+// 16-bit head_dim 256 kernel has none to spare. It takes scalars, as a reference to the
+// kernel's parameters (or a struct by value) would go through local memory.
+template <int ROWS, int THREADS>
+__device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, int* merge_counters,
+                                                    const float* tmp_o, const float* tmp_lse, out_t* out,
+                                                    i64 out_stride, float* lse, int num_qo_heads, int request,
+                                                    int q_begin, int q_len, int kv_head, int row_tile, int tid) {
+  constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4, ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
+  constexpr int ROW_TILES = ceil_div(ROWS_TOTAL, ROWS);
+  const int first_item = __ldg(req_work_indptr + request);
+  const int splits = __ldg(req_work_indptr + request + 1) - first_item;
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int kv_heads = num_qo_heads / cfg::GROUP_SIZE;
+    int* counter = merge_counters + ((i64)request * kv_heads + kv_head) * ROW_TILES + row_tile;
+    last = atomicAdd(counter, 1) == splits - 1;
+    if (last) *counter = 0;  // every other CTA of the group has counted itself in already
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const i64 item_stride = (i64)cfg::MAX_Q_LEN * num_qo_heads;  // between two work items' partials
+  for (int cell = tid; cell < ROWS * COLS4; cell += THREADS) {
+    const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
+    const int row = row_tile * ROWS + row_in, q_tok = row / cfg::GROUP_SIZE;
+    if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
+    const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+    const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
+    float m = FJ_NEG_INF;
+    for (int i = 0; i < splits; ++i) m = fmaxf(m, __ldcg(lse_0 + i * item_stride));
+    const float m_ref = m == FJ_NEG_INF ? 0.f : m;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, sum = 0.f;
+    for (int i = 0; i < splits; ++i) {
+      const float* lse_i = lse_0 + i * item_stride;
+      const float weight = exp2_approx(__ldcg(lse_i) - m_ref);
+      if (weight > 0.f) {
+        const float4 part = __ldcg(reinterpret_cast<const float4*>(tmp_o + (lse_i - tmp_lse) * D + col));
+        acc[0] += weight * part.x; acc[1] += weight * part.y; acc[2] += weight * part.z; acc[3] += weight * part.w;
+        sum += weight;
+      }
+    }
+    store_out4(out, out_stride, lse, num_qo_heads, q_begin + q_tok, qo_head, col, acc,
+               sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? m_ref + log2_approx(sum) : FJ_NEG_INF);
+  }
+}
+
+template <int ROWS, int THREADS>
+FJ_INLINE void merge_if_last(const Args& a, const WorkItem& item, const CtaCoords& cta, int tid) {
+  merge_partials_if_last<ROWS, THREADS>(a.req_work_indptr, a.merge_counters, a.tmp_o, a.tmp_lse, a.out, a.out_stride,
+                                        a.lse, a.num_qo_heads, item.request, item.q_begin, item.q_len, cta.kv_head,
+                                        cta.row_tile, tid);
+}
 
 // Cache offset (elements) of a token. The host keeps the strides below 2^31 (page_stride included),
 // so the products are 32-bit multiplies into a 64-bit sum.

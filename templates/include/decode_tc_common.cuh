@@ -72,17 +72,15 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
     const float lse2 = d_all > 0.f ? m_ref + log2_approx(d_all) : FJ_NEG_INF;
     const int token = item.q_begin + q_tok;
     if (item.direct) {
-      uint2 packed;
-      packed.x = (u32)Convert<out_t>::from_float(acc[0] * inv) | ((u32)Convert<out_t>::from_float(acc[1] * inv) << 16);
-      packed.y = (u32)Convert<out_t>::from_float(acc[2] * inv) | ((u32)Convert<out_t>::from_float(acc[3] * inv) << 16);
-      *reinterpret_cast<uint2*>(a.out + (i64)token * a.out_stride + qo_head * D + col) = packed;
-      if (a.lse != nullptr && col == 0) a.lse[(i64)token * a.num_qo_heads + qo_head] = lse2 * FJ_LN2;
+      store_out4(a.out, a.out_stride, a.lse, a.num_qo_heads, token, qo_head, col, acc, inv, lse2);
     } else {
       const i64 slot = ((i64)cta.work * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
       *reinterpret_cast<float4*>(a.tmp_o + slot * D + col) = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
       if (col == 0) a.tmp_lse[slot] = lse2;
     }
   }
+  if constexpr (cfg::FUSED_MERGE)
+    if (!item.direct) merge_if_last<M, 32 * cfg::WARPS>(a, item, cta, threadIdx.x);
 }
 
 }  // namespace decode

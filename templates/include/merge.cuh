@@ -58,13 +58,9 @@ FJ_INLINE void combine(const Args& a) {
     acc.x += other.x; acc.y += other.y; acc.z += other.z; acc.w += other.w;
     sum += part_sum[s];
   }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  uint2 packed;
-  packed.x = (u32)Convert<out_t>::from_float(acc.x * inv) | ((u32)Convert<out_t>::from_float(acc.y * inv) << 16);
-  packed.y = (u32)Convert<out_t>::from_float(acc.z * inv) | ((u32)Convert<out_t>::from_float(acc.w * inv) << 16);
-  *reinterpret_cast<uint2*>(a.out + (i64)token * a.out_stride + head * D + lane * COLS) = packed;
-  if (a.lse != nullptr && lane == 0)
-    a.lse[(i64)token * a.num_qo_heads + head] = sum > 0.f ? (m_ref + log2_approx(sum)) * FJ_LN2 : FJ_NEG_INF;
+  const float values[4] = {acc.x, acc.y, acc.z, acc.w};
+  decode::store_out4(a.out, a.out_stride, a.lse, a.num_qo_heads, token, head, lane * COLS, values,
+                     sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? m_ref + log2_approx(sum) : FJ_NEG_INF);
 }
 
 }  // namespace merge

@@ -111,6 +111,32 @@ def test_matches_reference(engine, mask, dtype, head_dim, group, q_len, tensor_c
             assert rel_error(other, outputs[0].float()) <= TOLERANCE[dtype], "split counts disagree"
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_fused_merge_leaves_its_counters_at_zero(engine, q_len):
+    """Split requests merged in the decode kernel: right on every launch, eager and replayed, because
+    the last CTA of each group sets its arrival counter back to 0."""
+    kv_lens = [3000, 1, 700, 0]
+    batch = make_batch(kv_lens, num_qo_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=128, page_size=16,
+                       q_lens=[min(q_len, n) for n in kv_lens], seed=11)
+    ref, _ = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
+                              batch.last_page_len, qo_indptr=batch.qo_indptr)
+    decoder = flashjit.BatchDecode(engine)
+    decoder.plan(batch.indptr, batch.indices, batch.last_page_len, 8, NUM_KV_HEADS, 128, 16,
+                 qo_indptr=batch.qo_indptr, chunk_tokens=64, tensor_cores=True)
+    assert decoder.kernel.tiling.fused_merge and decoder.work.max_splits > 10
+    out = torch.empty_like(batch.q)
+    run = lambda: decoder.run(batch.q, (batch.k_cache, batch.v_cache), out=out)  # noqa: E731
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for launch in (run, run, graph.replay, graph.replay, run):
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        assert rel_error(out, ref) <= 1e-2
+        assert not decoder._buffers.merge_counters.any()
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("combined", [False, True], ids=["k_v", "kv"])
 def test_layouts_and_combined_cache(engine, layout, combined):
