@@ -9,7 +9,9 @@ call then pays to write back; "clean" reads the 256 MB after writing them, so th
 cold, clean L2, as a serving step does), CUDA events around the call alone, warm-up first, the median of --iters calls. Every implementation
 is checked against flashjit.reference (float32) before it is timed; a wrong one is reported, not timed.
 Bandwidth counts the K/V bytes attended (a window counts only the window) plus q and out, and is
-compared with a device-to-device copy measured in the same run.
+compared with a device-to-device copy measured in the same run. Each row's "floor" is a streaming
+read of the same number of bytes under the same flush and timing (benchmarks/read_floor.py): no
+kernel reading those bytes can take less.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.read_floor import ReadFloor  # noqa: E402
 
 HEADS_QO, HEADS_KV, PAGE = 32, 8, 16
 PEERS = ("sdpa-cudnn", "flashinfer", "flashinfer-tc")
@@ -105,6 +109,9 @@ class Timer:
         with torch.cuda.graph(graph):
             fn()
         return self.median_us(graph.replay)
+
+
+READ_CEILING_BYTES = 2 * 2**30
 
 
 def copy_ceiling_gbs(torch) -> float:
@@ -237,8 +244,10 @@ def bench_kernels(args) -> dict:
     engine = flashjit.Engine(cache_dir=args.cache_dir)
     timer = Timer(torch, args.iters, args.flush)
     ceiling = copy_ceiling_gbs(torch)
-    print(f"# {torch.cuda.get_device_name()}  copy ceiling {ceiling:.0f} GB/s  torch {torch.__version__}  "
-          f"L2 flush {args.flush}")
+    floor = ReadFloor(torch)
+    read_ceiling = READ_CEILING_BYTES / floor.us(Timer(torch, 10), READ_CEILING_BYTES, flush=False) / 1e3
+    print(f"# {torch.cuda.get_device_name()}  copy ceiling {ceiling:.0f} GB/s  read ceiling {read_ceiling:.0f} GB/s  "
+          f"torch {torch.__version__}  L2 flush {args.flush}")
     rows = []
     notes = set()
     for case in [c for c in CASES if (c.quick or not args.quick) and re.search(args.only, c.name)]:
@@ -262,6 +271,7 @@ def bench_kernels(args) -> dict:
             notes.add(note)
         row = {"case": case.name, "bytes": attended_bytes(batch, case), "splits": decoder.work.max_splits,
                "work_items": decoder.work.num_work}
+        row["floor_us"] = floor.us(timer, row["bytes"])
         for name, (fn, out) in impls.items():
             try:
                 fn()
@@ -286,7 +296,8 @@ def bench_kernels(args) -> dict:
         print_row(row, ceiling)
         del batch, impls, ref, fp8
         torch.cuda.empty_cache()
-    return {"device": torch.cuda.get_device_name(), "copy_ceiling_gbs": ceiling, "rows": rows, "notes": sorted(notes)}
+    return {"device": torch.cuda.get_device_name(), "copy_ceiling_gbs": ceiling, "read_ceiling_gbs": read_ceiling,
+            "rows": rows, "notes": sorted(notes)}
 
 
 def print_row(row, ceiling):
@@ -300,8 +311,11 @@ def print_row(row, ceiling):
     graph = f" graph {fj['graph_us']:.1f}" if "graph_us" in fj else ""
     graph += f" ({row['speedup_vs_bf16']:.2f}x bf16)" if "speedup_vs_bf16" in row else ""
     fj_text = f"{us:8.1f} us{graph}" if us else f"ERR {fj.get('error', '')}"
+    floor = row["floor_us"]
+    at_floor = f"{100 * floor / us:3.0f}%" if us else "n/a"
     print(f"{row['case']:32s} flashjit {fj_text} {gbs:6.0f} GB/s {100 * gbs / ceiling:5.1f}%  "
-          f"speedup vs best peer {ratio}  splits {row['splits']:3d} | {others}", flush=True)
+          f"speedup vs best peer {ratio}  floor {floor:6.1f} us ({at_floor})  splits {row['splits']:3d} | {others}",
+          flush=True)
 
 
 def bench_compile(args) -> dict:
