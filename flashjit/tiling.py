@@ -40,6 +40,7 @@ class DecodeTiling:
     l2_prefetch: int    # bytes the L2 fetches around each 16-byte copy (0: no hint, 128 or 256)
     heads_first: bool   # grid x runs the KV heads of a work item side by side (see CtaCoords)
     fused_merge: bool   # split requests merge in the decode kernel (merge_if_last), not in flashjit_merge
+    min_ctas: int       # __launch_bounds__'s CTAs per SM: ptxas caps registers to fit them
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
 
@@ -68,10 +69,19 @@ class DecodeTiling:
 
 TC_ROWS = 16  # MMA M: query rows per tensor-core CTA (16-bit K/V)
 TC_WARPS = {64: 4, 128: 4, 256: 2}
-TC_STAGES = {64: 4, 128: 3, 256: 3}
+# head_dim 128 takes 2 stages: in two sweeps on the H200 (benchmarks/tiling_sweep.py) 2 beat 3 on
+# every bf16 shape by 0.1-2.7% (b1 L32768 54.4 against 55.9 us, window 86.2 against 87.2) at the same
+# 2 CTAs/SM, which registers set; the shared memory given back goes to L1.
+TC_STAGES = {64: 4, 128: 2, 256: 3}
+# CTAs per SM that ptxas must fit (a register cap); 1 leaves it free to use what the kernel needs.
+# Caps cost more than the occupancy buys: 3 bf16 CTAs/SM at head_dim 128 (168 registers, 24-byte
+# spills) took the sliding-window row from 87.2 to 95.0 us.
+TC_MIN_CTAS = {64: 1, 128: 1, 256: 1}
 # fp8: CTAs per SM matter more than bytes in flight per CTA (H200, benchmarks/tiling_sweep.py:
-# at head_dim 128, 3 stages and 3 CTAs/SM beat 5 stages and 2 CTAs/SM by 8%).
-TC_STAGES_FP8 = {64: 4, 128: 3, 256: 3}
+# at head_dim 128, 3 stages and 3 CTAs/SM beat 5 stages and 2 CTAs/SM by 8%). Since the swapped
+# kernel runs 4 CTAs/SM (registers), 2 stages match 3 (b16 L8192 86.4 against 87.2 us, b64 286.5
+# against 286.2). Capping registers for 5 CTAs/SM (TC_MIN_CTAS) is slower: 90.6 and 321.8.
+TC_STAGES_FP8 = {64: 4, 128: 2, 256: 3}
 L2_PREFETCH = 128
 L2_PREFETCH_FP8 = 128
 HEADS_FIRST = True
@@ -123,7 +133,7 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
                             row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=stages, tensor_cores=True,
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
                             heads_first=HEADS_FIRST, fused_merge=FUSED_MERGE,
-                            **merge)
+                            min_ctas=TC_MIN_CTAS[spec.head_dim], **merge)
     vec = 8
     chunks = spec.head_dim // vec
     bdx = _pow2_ceil(chunks)
@@ -138,5 +148,5 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         vec=vec, chunks_per_row=chunks, bdx=bdx, rows=rows, rows_pad=rows_pad, bdz=bdz,
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
         k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec), heads_first=HEADS_FIRST,
-        fused_merge=False, **merge,
+        fused_merge=False, min_ctas=1, **merge,
     )
