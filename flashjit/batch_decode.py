@@ -148,6 +148,7 @@ class BatchDecode:
         self._page_range = _PageIdRange(self.device)
         self._lse_dtype = torch.float32
         self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
+        self._last_cache = _NO_CACHE  # the cache the arguments point at (see _set_cache)
         self._scales_key = None  # the k_scale/v_scale the arguments hold
         self._scale_rules = None  # (decode args, fp8 cache, kv heads) they were validated for
         self._decode_launch = self._merge_prepared = self._merge_launch = None  # kept from plan to plan
@@ -208,6 +209,7 @@ class BatchDecode:
                           else (num_kv_heads, page_size, head_dim))
         self._num_page_ids = num_page_ids
         self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
+        self._last_cache = _NO_CACHE
         buffers.write(work, kv_lens, indptr_h)
         self._build_args(kernel, loaded, work, params, indices,
                          (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
@@ -358,7 +360,8 @@ class BatchDecode:
             raise RuntimeError("BatchDecode.run() called before plan()")
         a = self._decode_args
         self._set_cache(kv_cache, a)
-        self._set_scales(a, k_scale, v_scale)
+        if k_scale is not None or v_scale is not None or self._scales_key != (None, None):
+            self._set_scales(a, k_scale, v_scale)
         a.q, a.q_stride = self._query_args("q", q)
         if out is None:
             out = q.new_empty((q.shape[0],) + self._q_shape[1:])
@@ -430,7 +433,20 @@ class BatchDecode:
             checks.fail(name, f"heads packed densely (stride(1) == head_dim == {self.head_dim})", f"strides {t.stride()}")
 
     def _set_cache(self, kv_cache, a):
-        """Point the arguments at K and V; a cache tensor is validated once, then recognised."""
+        """Point the arguments at K and V; a cache tensor is validated once, then recognised.
+
+        The cache of the previous call, which the arguments still point at, costs an identity, a
+        pointer and a shape test per tensor: a layer passes the same cache every step."""
+        pair = isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2
+        k, v = kv_cache if pair else (kv_cache, kv_cache)
+        last = self._last_cache
+        if (pair is last[0] and last[1]() is k and last[2]() is v and k.data_ptr() == last[3]
+                and v.data_ptr() == last[4] and k.shape == last[5] and v.shape == last[6]):
+            return
+        self._point_at_cache(kv_cache, a)
+        self._last_cache = (pair, weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(), k.shape, v.shape)
+
+    def _point_at_cache(self, kv_cache, a):
         if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
             k, v = kv_cache
             a.k, k_strides = self._checked("k_cache", k, 4)
@@ -471,6 +487,10 @@ class BatchDecode:
             self._kv_checked.clear()
         self._kv_checked[id(t)] = (weakref.ref(t), t.data_ptr(), t.dtype, t.shape, strides)
         return t.data_ptr(), strides
+
+
+# _last_cache before any: (pair?, weak K, weak V, K and V pointers, K and V shapes); matches nothing.
+_NO_CACHE = (None, lambda: None, lambda: None, 0, 0, None, None)
 
 
 def _scale_key(value):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flashjit import DecodeSpec
-from flashjit.batch_decode import LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
+from flashjit.batch_decode import _NO_CACHE, LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
 from flashjit.kernel import Kernel, LoadedKernel
 from flashjit.registry import masks
 from flashjit import tiling as tiling_module
@@ -38,6 +38,7 @@ def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pa
     decoder._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32) if use_cuda_graph else None
     decoder._buffers, decoder._page_range, decoder._lse_dtype = None, _PageIdRange(CPU), torch.float32
     decoder._kv_checked, decoder._planned = {}, False
+    decoder._last_cache = _NO_CACHE
     decoder._scales_key = decoder._scale_rules = None
     decoder._decode_launch = decoder._merge_prepared = decoder._merge_launch = None
     decoder._graph_q_len = max_q_len

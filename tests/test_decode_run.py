@@ -128,3 +128,40 @@ def test_a_recognised_cache_is_checked_again_once_re_pointed(planner, launches):
     k.set_(torch.zeros(1, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16))  # too few pages for the plan's ids
     with pytest.raises(ValueError, match="k_cache: expected more than"):
         decoder.run(q, (k, v))
+
+
+def test_run_points_at_each_layers_cache_in_turn(planner, launches):
+    """Layers alternate caches (and a pair with one combined tensor): every call points at its own,
+    though the previous call's cache is recognised without the checks."""
+    decoder, q, k, v = planned(planner, [40, 90])
+    k2, v2 = torch.randn_like(k), torch.randn_like(v)
+    combined = torch.stack([k, v], dim=1)
+    for kv_cache in [(k, v), (k, v), (k2, v2), [k, v], (k2, v2), combined, combined, (k, v)]:
+        decoder.run(q, kv_cache)
+        a = decoder._decode_args
+        if isinstance(kv_cache, torch.Tensor):
+            assert (a.k, a.v) == (combined.data_ptr(), combined.data_ptr() + combined.stride(1) * 2)
+            assert a.page_stride == combined.stride(0)
+        else:
+            assert (a.k, a.v, a.page_stride) == (kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), k.stride(0))
+
+
+def test_the_previous_cache_is_checked_again_after_a_shape_change_or_a_new_plan(planner, launches):
+    decoder, q, k, v = planned(planner, [40, 90])
+    decoder.run(q, (k, v))
+    k.resize_(1, PAGE, KV_HEADS, DIM)  # same storage and pointer, too few pages now
+    with pytest.raises(ValueError, match="k_cache: expected more than"):
+        decoder.run(q, (k, v))
+    k2 = torch.zeros(3, PAGE, KV_HEADS, DIM, dtype=torch.bfloat16)
+    v2 = torch.zeros_like(k2)
+    decoder.plan(*_tables_over(3), HEADS, KV_HEADS, DIM, PAGE)  # ids 0..2: the small cache fits
+    decoder.run(q[:1], (k2, v2))
+    decoder.plan(*_tables_over(9), HEADS, KV_HEADS, DIM, PAGE)  # ids up to 8: it no longer does
+    with pytest.raises(ValueError, match="k_cache: expected more than 8 pages"):
+        decoder.run(q[:1], (k2, v2))
+
+
+def _tables_over(pages: int):
+    """One request over page ids 0..pages-1."""
+    return (torch.tensor([0, pages], dtype=torch.int32), torch.arange(pages, dtype=torch.int32),
+            torch.tensor([PAGE], dtype=torch.int32))
