@@ -386,6 +386,7 @@ class BatchDecode:
         import torch
 
         required, heads = self.spec.kv_is_fp8, self.num_kv_heads
+        self._scales_key = None  # a v_scale refused after k_scale was set leaves no stale match
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             host, pointer, stride = checks.kv_scale(name, value, num_kv_heads=heads, device=self.device,
                                                     required=required)
@@ -443,6 +444,7 @@ class BatchDecode:
         if (pair is last[0] and last[1]() is k and last[2]() is v and k.data_ptr() == last[3]
                 and v.data_ptr() == last[4] and k.shape == last[5] and v.shape == last[6]):
             return
+        self._last_cache = _NO_CACHE  # a cache refused half-way may have re-pointed K already
         self._point_at_cache(kv_cache, a)
         self._last_cache = (pair, weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(), k.shape, v.shape)
 

@@ -146,6 +146,16 @@ def test_run_points_at_each_layers_cache_in_turn(planner, launches):
             assert (a.k, a.v, a.page_stride) == (kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), k.stride(0))
 
 
+def test_a_refused_cache_leaves_the_previous_one_to_be_pointed_at_again(planner, launches):
+    decoder, q, k, v = planned(planner, [40, 90])
+    decoder.run(q, (k, v))
+    k2 = torch.randn_like(k)
+    with pytest.raises(ValueError, match="v_cache"):
+        decoder.run(q, (k2, v.float()))  # K is set before V is refused
+    decoder.run(q, (k, v))
+    assert (decoder._decode_args.k, decoder._decode_args.v) == (k.data_ptr(), v.data_ptr())
+
+
 def test_the_previous_cache_is_checked_again_after_a_shape_change_or_a_new_plan(planner, launches):
     decoder, q, k, v = planned(planner, [40, 90])
     decoder.run(q, (k, v))
@@ -165,3 +175,16 @@ def _tables_over(pages: int):
     """One request over page ids 0..pages-1."""
     return (torch.tensor([0, pages], dtype=torch.int32), torch.arange(pages, dtype=torch.int32),
             torch.tensor([PAGE], dtype=torch.int32))
+
+
+def test_a_refused_scale_leaves_the_previous_scales_to_be_set_again(planner, launches):
+    decoder = cpu_decoder(planner)
+    indptr, indices, last = tables([40, 90], PAGE, np.random.default_rng(0))
+    decoder.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="e4m3")
+    q = torch.randn(2, HEADS, DIM, dtype=torch.bfloat16)
+    k, v = (torch.zeros(int(indices.max()) + 1, PAGE, KV_HEADS, DIM, dtype=torch.float8_e4m3fn) for _ in range(2))
+    decoder.run(q, (k, v), k_scale=2.0, v_scale=3.0)
+    with pytest.raises(ValueError, match="v_scale"):
+        decoder.run(q, (k, v), k_scale=5.0, v_scale=-1.0)  # k_scale is set before v_scale is refused
+    decoder.run(q, (k, v), k_scale=2.0, v_scale=3.0)
+    assert (decoder._decode_args.k_scale, decoder._decode_args.v_scale) == (2.0, 3.0)
