@@ -363,6 +363,22 @@ def test_prepared_launch_passes_its_ctypes_arguments_and_the_current_stream(monk
         launch(0x9)
 
 
+def test_prepared_launch_passes_ctypes_objects_of_the_parameter_types(monkeypatch):
+    """cuLaunchKernel is called without argtypes, so ctypes passes each argument as it comes: a Python
+    int would go as a 32-bit C int. Every argument must be a ctypes object of the parameter's type."""
+    from flashjit import kernel
+
+    calls = []
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append(args) or 0)
+    params = (ctypes.c_void_p * 1)()
+    launch = kernel.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
+    launch(0x5)
+    kernel.PreparedLaunch.update(launch, 0xD0, (9, 8, 2), (128, 1, 1), params, 4096)(0x9)  # re-aimed grid, new stream
+    for args in calls:
+        assert [type(x) for x in args[:9]] == list(kernel.LAUNCH_ARG_TYPES)
+        assert args[9] is params and args[10] is None
+
+
 def test_prepared_launch_is_kept_for_the_same_kernel_and_arguments(monkeypatch):
     """A new plan re-aims the launch at its grid; another function, block, smem or params array gets a new one."""
     from flashjit import kernel
