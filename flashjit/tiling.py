@@ -38,6 +38,8 @@ class DecodeTiling:
     k_pitch: int        # bytes per K row in shared memory (tensor-core kernel)
     v_pitch: int        # bytes per V row
     l2_prefetch: int    # bytes the L2 fetches around each 16-byte copy (0: no hint, 128 or 256)
+    swizzle: bool       # shared-memory rows unpadded, 16-byte chunks XOR-swizzled (16-bit tensor-core kernel)
+    ring_align: int     # the shared-memory ring starts at a multiple of this (tensor-core kernels)
     heads_first: bool   # grid x runs the KV heads of a work item side by side (see CtaCoords)
     fused_merge: bool   # split requests merge in the decode kernel (merge_if_last), not in flashjit_merge
     min_ctas: int       # __launch_bounds__'s CTAs per SM: ptxas caps registers to fit them
@@ -84,6 +86,18 @@ TC_MIN_CTAS = {64: 1, 128: 1, 256: 1}
 TC_STAGES_FP8 = {64: 4, 128: 2, 256: 3}
 L2_PREFETCH = 128
 L2_PREFETCH_FP8 = 128
+# The K/V ring starts 128-byte aligned, and its rows keep every 32-byte sector of the cache whole:
+# a cp.async pair whose sector lands 16 bytes off a 32-byte boundary fetches the sector twice (ncu,
+# H200: 25.2 M L2 sectors for 16.8 M at b16 L8192 with padded 16-bit rows from a 16-byte-aligned
+# base). 16-bit rows are unpadded and XOR-swizzled (ldmatrix stays conflict-free): 148.0 -> 139.5 us
+# at b16 L8192, 526.7 -> 499.5 at b64 L8192, varlen 355.4 -> 333.1. Not at head_dim 256, where the
+# swizzled addresses spill registers.
+SWIZZLE = {64: True, 128: True, 256: False}  # per head_dim (16-bit K/V)
+RING_ALIGN = 128
+# fp8 row padding: 32 bytes keeps the sectors whole at the cost of 2-way conflicts on the
+# consumer's loads (tc_row_pitches), and is faster at head_dim 128 (e4m3 b16 L8192 86.5 -> 83.5 us,
+# b64 286.1 -> 269.4); 16 (conflict-free, half the sectors fetched twice) where not measured.
+FP8_ROW_PAD = {64: 16, 128: 32, 256: 16}
 HEADS_FIRST = True
 # Split requests on tensor cores merge in the decode kernel (the last CTA of a group combines the
 # partials) rather than in a second launch (flashjit_merge): 1-3% faster on the H200 (b1 L2048 eager
@@ -92,17 +106,19 @@ HEADS_FIRST = True
 FUSED_MERGE = True
 
 
-def tc_row_pitches(head_dim: int, kv_bytes: int) -> tuple[int, int]:
-    """Shared-memory bytes per K and V row, padded so the kernel's loads are bank-conflict free.
+def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple[int, int]:
+    """Shared-memory bytes per K and V row.
 
-    16-bit: 8 elements of padding for ldmatrix. fp8 (decode_tc_fp8.cuh): the lanes of one
-    quarter-warp read two K rows (16 bytes each, 32 apart, or 16 apart at head_dim 64), so the
-    pitch interleaves the two rows: 16 mod 32 bytes (64 mod 128 at head_dim 64). They read V rows
-    two apart at 16 consecutive bytes each (8 at head_dim 64): a pitch of 16 mod 64 spreads them.
+    16-bit: unpadded when swizzled (PagedKVStage), else 8 elements of padding for ldmatrix. fp8
+    (decode_tc_fp8.cuh): the lanes of one quarter-warp read two K rows (16 bytes each, 32 apart, or
+    16 apart at head_dim 64), so a pitch of 16 mod 32 bytes (64 mod 128 at head_dim 64) interleaves
+    the two rows. They read V rows two apart at 16 consecutive bytes each (8 at head_dim 64): a
+    pitch of 16 mod 64 spreads them. FP8_ROW_PAD trades that for whole 32-byte sectors where faster.
     """
     if kv_bytes == 2:
-        return (head_dim + 8) * 2, (head_dim + 8) * 2
-    return (head_dim if head_dim == 64 else head_dim + 16), head_dim + 16
+        return ((head_dim if swizzle else head_dim + 8) * 2,) * 2
+    pad = FP8_ROW_PAD[head_dim]
+    return (head_dim if head_dim == 64 else head_dim + pad), head_dim + pad
 
 
 def tc_rows(spec: DecodeSpec) -> int:
@@ -125,14 +141,15 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         warps = TC_WARPS[spec.head_dim]
         stages = (TC_STAGES_FP8 if spec.kv_is_fp8 else TC_STAGES)[spec.head_dim]
         tile = 16 * warps
-        k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes)
+        swizzle = SWIZZLE[spec.head_dim] and spec.kv_bytes == 2
+        k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes, swizzle)
         rows = tc_rows(spec)
         reduction = warps * rows * spec.head_dim * 4  # the warps' fp32 states, in the same memory
-        smem = max(stages * tile * (k_pitch + v_pitch), reduction)
+        smem = max(stages * tile * (k_pitch + v_pitch), reduction) + RING_ALIGN - 16
         return DecodeTiling(vec=8, chunks_per_row=spec.head_dim // 8, bdx=32 * warps, rows=rows, rows_pad=1, bdz=1,
                             row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=stages, tensor_cores=True,
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
-                            heads_first=HEADS_FIRST, fused_merge=FUSED_MERGE,
+                            swizzle=swizzle, ring_align=RING_ALIGN, heads_first=HEADS_FIRST, fused_merge=FUSED_MERGE,
                             min_ctas=TC_MIN_CTAS[spec.head_dim], **merge)
     vec = 8
     chunks = spec.head_dim // vec
@@ -147,6 +164,7 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     return DecodeTiling(
         vec=vec, chunks_per_row=chunks, bdx=bdx, rows=rows, rows_pad=rows_pad, bdz=bdz,
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
-        k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec), heads_first=HEADS_FIRST,
+        k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec), swizzle=False, ring_align=16,
+        heads_first=HEADS_FIRST,
         fused_merge=False, min_ctas=1, **merge,
     )

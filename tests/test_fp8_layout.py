@@ -156,12 +156,18 @@ def v_loads(head_dim: int, pitch: int):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_row_pitches_make_every_load_conflict_free(head_dim):
+def test_row_pitches_bound_the_bank_conflicts_of_every_load(head_dim):
+    """The pitches with 16 bytes of padding (those of head_dim 64 and 256) are conflict-free; head_dim
+    128 pads 32 (rows of whole 32-byte sectors), where every load costs at most one extra wavefront."""
     k_pitch, v_pitch = tc_row_pitches(head_dim, kv_bytes=1)
     v_width = block(head_dim) // 8
     assert k_pitch >= head_dim and v_pitch >= head_dim and k_pitch % 16 == v_pitch % 16 == 0
-    assert all(conflicts(addresses, 16) == 0 for addresses in k_loads(head_dim, k_pitch))
-    assert all(conflicts(addresses, v_width) == 0 for addresses in v_loads(head_dim, v_pitch))
+    allowed = 1 if head_dim == 128 else 0
+    if allowed:
+        assert k_pitch % 32 == v_pitch % 32 == 0
+    loads = [(addresses, 16) for addresses in k_loads(head_dim, k_pitch)]
+    loads += [(addresses, v_width) for addresses in v_loads(head_dim, v_pitch)]
+    assert all(conflicts(addresses, width) <= allowed * 32 // (128 // width) for addresses, width in loads)
     # unpadded rows would conflict, so the check has teeth
     assert any(conflicts(addresses, 16) for addresses in k_loads(head_dim, 2 * head_dim))
     assert any(conflicts(addresses, v_width) for addresses in v_loads(head_dim, head_dim))

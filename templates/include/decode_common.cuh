@@ -151,6 +151,16 @@ FJ_INLINE void merge_if_last(const Args& a, const WorkItem& item, const CtaCoord
                                         cta.row_tile, tid);
 }
 
+// Where chunk (16 bytes) `chunk` of shared-memory row `row` sits in a swizzled ring (PagedKVStage).
+FJ_INLINE u32 swizzled_chunk(u32 row, u32 chunk) { return chunk ^ (row % 8); }
+
+// The dynamic shared memory from its first RING_ALIGN-aligned byte: the static shared memory before
+// it leaves it only 16-byte aligned, and a cp.async whose 32-byte sector lands 16 bytes off a
+// 32-byte boundary fetches that sector twice (ncu).
+FJ_INLINE unsigned char* aligned_ring(unsigned char* smem) {
+  return smem + (cfg::RING_ALIGN - (int)(__cvta_generic_to_shared(smem) % cfg::RING_ALIGN)) % cfg::RING_ALIGN;
+}
+
 // Cache offset (elements) of a token. The host keeps the strides below 2^31 (page_stride included),
 // so the products are 32-bit multiplies into a 64-bit sum.
 FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
@@ -165,7 +175,10 @@ FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
 // Those usually sit at consecutive positions of one page: then one page-table read and one offset
 // serve them all (a "run"), which keeps the address arithmetic per stage to a few instructions.
 // Otherwise (a page boundary, a mask's jump, the span's end) each key is resolved on its own.
-template <int TILE, int K_PITCH, int V_PITCH, int NT>
+//
+// SWIZZLE: rows are unpadded and chunk c of row r sits at chunk c ^ (r % 8), within its 128 bytes;
+// ldmatrix's eight rows of one column still hit eight different banks (swizzled_chunk()).
+template <int TILE, int K_PITCH, int V_PITCH, int NT, bool SWIZZLE = false>
 struct PagedKVStage {
   static constexpr int ELEMS = 16 / sizeof(kv_t);  // values per 16-byte chunk
   static constexpr int CPR = cfg::HEAD_DIM / ELEMS;
@@ -242,7 +255,7 @@ struct PagedKVStage {
   }
 
   FJ_INLINE void copy(int stage, int i, const kv_t* k_src, const kv_t* v_src, bool pred) {
-    const u32 row = stage * TILE + key(i), column_bytes = column(i) * 16;
+    const u32 row = stage * TILE + key(i), column_bytes = (SWIZZLE ? swizzled_chunk(row, column(i)) : column(i)) * 16;
     cp_async_16<cfg::L2_PREFETCH>(k_ring + row * K_PITCH + column_bytes, k_src, pred);
     cp_async_16<cfg::L2_PREFETCH>(v_ring + row * V_PITCH + column_bytes, v_src, pred);
   }

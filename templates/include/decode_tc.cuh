@@ -19,7 +19,7 @@ namespace decode {
 using namespace fj;
 
 constexpr int D = cfg::HEAD_DIM;
-constexpr int K_PITCH = cfg::K_PITCH;     // smem row bytes (16-bit: D + 8 elements, conflict-free ldmatrix)
+constexpr int K_PITCH = cfg::K_PITCH;     // smem row bytes (D elements swizzled, or D + 8: conflict-free ldmatrix)
 constexpr int V_PITCH = cfg::V_PITCH;
 constexpr int WARPS = cfg::WARPS;
 constexpr int NT = 32 * WARPS;
@@ -27,6 +27,7 @@ constexpr int M = 16;                     // query rows per CTA
 constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
 constexpr int TILE = 16 * WARPS;          // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
+constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8;             // MMA n-tiles of O
 using mma_t = kv_t;
@@ -35,7 +36,8 @@ static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit queries and K/V");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= WARPS * M * D * 4, "the warps' reduction fits in the ring");
 
 FJ_INLINE void attend(const Args& a, const MaskParams& params) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   __shared__ float red_m[WARPS][M], red_d[WARPS][M];
@@ -76,17 +78,20 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
     }
   }
 
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader(a, params, kv_head, k_smem, v_smem, tid, item);
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
 
   float o[NTILES][4];
 #pragma unroll
   for (int n = 0; n < NTILES; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float m[2] = {FJ_NEG_INF, FJ_NEG_INF}, dsum[2] = {0.f, 0.f};
 
-  // ldmatrix addresses (bytes) inside a stage: lane l serves row l % 8 of matrix l / 8.
-  const int mat = lane / 8, mrow = lane % 8;
-  const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * K_PITCH + (mat & 1) * 16;  // K: [keys][dims]
-  const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * V_PITCH + (mat >> 1) * 16;  // V: transposed
+  // ldmatrix addresses inside a stage: lane l serves row l % 8 of matrix l / 8. The 16-byte chunk of
+  // k-step k is 2k ^ k_chunk and that of n-tile pair n is n ^ v_chunk: the steps are even, so the
+  // XOR adds the lane's column, and in a swizzled ring (PagedKVStage) also flips its row's low bits.
+  // Written as a 128-byte block plus a chunk inside it: four distinct offsets per lane.
+  const int mat = lane / 8, mrow = lane % 8, swizzle = SWIZZLE ? mrow : 0;
+  const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * K_PITCH, k_chunk = (mat & 1) ^ swizzle;  // K: [keys][dims]
+  const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * V_PITCH, v_chunk = (mat >> 1) ^ swizzle;  // V: transposed
 
   stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), [&](int stage, int t) {
     const int key0 = item.tile_begin + t * TILE + warp * 16;  // this warp's first key
@@ -98,7 +103,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
       for (int k = 0; k < KSTEPS; ++k) {
         u32 kb[4];
-        ldmatrix_x4(kb, ks + k_ld + 32 * k);
+        ldmatrix_x4(kb, ks + k_ld + (k / 4) * 128 + ((2 * k % 8) ^ k_chunk) * 16);
         Mma<mma_t>::run(s[0], qa[k], kb[0], kb[1]);
         Mma<mma_t>::run(s[1], qa[k], kb[2], kb[3]);
       }
@@ -153,7 +158,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
       for (int n = 0; n < NTILES; n += 2) {
         u32 vb[4];
-        ldmatrix_x4_trans(vb, vs + v_ld + 16 * n);
+        ldmatrix_x4_trans(vb, vs + v_ld + (n / 8) * 128 + ((n % 8) ^ v_chunk) * 16);
         Mma<mma_t>::run(o[n], pa, vb[0], vb[1]);
         Mma<mma_t>::run(o[n + 1], pa, vb[2], vb[3]);
       }

@@ -112,7 +112,8 @@ FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* val
 }
 
 FJ_INLINE void attend(const Args& a, const MaskParams& params) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   __shared__ float red_m[WARPS][M], red_d[WARPS][M];
