@@ -38,7 +38,7 @@ class DecodeTiling:
     k_pitch: int        # bytes per K row in shared memory (tensor-core kernel)
     v_pitch: int        # bytes per V row
     l2_prefetch: int    # bytes the L2 fetches around each 16-byte copy (0: no hint, 128 or 256)
-    swizzle: bool       # shared-memory rows unpadded, 16-byte chunks XOR-swizzled (16-bit tensor-core kernel)
+    swizzle: bool       # shared-memory rows unpadded, 16-byte chunks XOR-swizzled (tensor-core kernels)
     ring_align: int     # the shared-memory ring starts at a multiple of this (tensor-core kernels)
     heads_first: bool   # grid x runs the KV heads of a work item side by side (see CtaCoords)
     fused_merge: bool   # split requests merge in the decode kernel (merge_if_last), not in flashjit_merge
@@ -93,11 +93,16 @@ L2_PREFETCH_FP8 = 128
 # at b16 L8192, 526.7 -> 499.5 at b64 L8192, varlen 355.4 -> 333.1. Not at head_dim 256, where the
 # swizzled addresses spill registers.
 SWIZZLE = {64: True, 128: True, 256: False}  # per head_dim (16-bit K/V)
+# fp8: the same swizzle is conflict-free for decode_tc_fp8.cuh's loads at head_dims 128 and 256
+# (tests/test_fp8_layout.py); 64-byte rows at head_dim 64 have too few chunks for it. H200, one
+# process against 32/16-byte padding (FP8_ROW_PAD), e4m3: head_dim 256 153.4 -> 145.4 us at b16
+# L8192; head_dim 128 no faster (b16 L8192 82.9 -> 83.6, b64 270.9 -> 274.3, HND 82.2 -> 82.1).
+SWIZZLE_FP8 = {64: False, 128: False, 256: True}
 RING_ALIGN = 128
 # fp8 row padding: 32 bytes keeps the sectors whole at the cost of 2-way conflicts on the
 # consumer's loads (tc_row_pitches), and is faster at head_dim 128 (e4m3 b16 L8192 86.5 -> 83.5 us,
-# b64 286.1 -> 269.4); 16 (conflict-free, half the sectors fetched twice) where not measured.
-FP8_ROW_PAD = {64: 16, 128: 32, 256: 16}
+# b64 286.1 -> 269.4); 16 (conflict-free, half the sectors fetched twice) at head_dim 64.
+FP8_ROW_PAD = {64: 16, 128: 32, 256: 16}  # where SWIZZLE_FP8 is off
 HEADS_FIRST = True
 # Split requests on tensor cores merge in the decode kernel (the last CTA of a group combines the
 # partials) rather than in a second launch (flashjit_merge): 1-3% faster on the H200 (b1 L2048 eager
@@ -109,7 +114,7 @@ FUSED_MERGE = True
 def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple[int, int]:
     """Shared-memory bytes per K and V row.
 
-    16-bit: unpadded when swizzled (PagedKVStage), else 8 elements of padding for ldmatrix. fp8
+    Unpadded when swizzled (PagedKVStage). Else 16-bit: 8 elements of padding for ldmatrix. fp8
     (decode_tc_fp8.cuh): the lanes of one quarter-warp read two K rows (16 bytes each, 32 apart, or
     16 apart at head_dim 64), so a pitch of 16 mod 32 bytes (64 mod 128 at head_dim 64) interleaves
     the two rows. They read V rows two apart at 16 consecutive bytes each (8 at head_dim 64): a
@@ -117,6 +122,8 @@ def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple
     """
     if kv_bytes == 2:
         return ((head_dim if swizzle else head_dim + 8) * 2,) * 2
+    if swizzle:
+        return head_dim, head_dim
     pad = FP8_ROW_PAD[head_dim]
     return (head_dim if head_dim == 64 else head_dim + pad), head_dim + pad
 
@@ -141,7 +148,7 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         warps = TC_WARPS[spec.head_dim]
         stages = (TC_STAGES_FP8 if spec.kv_is_fp8 else TC_STAGES)[spec.head_dim]
         tile = 16 * warps
-        swizzle = SWIZZLE[spec.head_dim] and spec.kv_bytes == 2
+        swizzle = (SWIZZLE_FP8 if spec.kv_is_fp8 else SWIZZLE)[spec.head_dim]
         k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes, swizzle)
         rows = tc_rows(spec)
         reduction = warps * rows * spec.head_dim * 4  # the warps' fp32 states, in the same memory

@@ -141,17 +141,22 @@ def conflicts(addresses, width: int) -> int:
     return extra
 
 
-def k_loads(head_dim: int, pitch: int):
+def at(row: int, byte: int, pitch: int, swizzle: bool) -> int:
+    """Shared-memory address of a row's byte; swizzled: its 16-byte chunk XORed with row % 8."""
+    return row * pitch + ((byte // 16 ^ row % 8) * 16 + byte % 16 if swizzle else byte)
+
+
+def k_loads(head_dim: int, pitch: int, swizzle: bool = False):
     """Byte addresses of each 16-byte K load of `scores`, per lane (key rows g and g + 8)."""
     b = block(head_dim)
-    return [[(g + 8 * h) * pitch + b * blk + (b // 4) * t + 16 * c for g, t in LANES]
+    return [[at(g + 8 * h, b * blk + (b // 4) * t + 16 * c, pitch, swizzle) for g, t in LANES]
             for blk in range(head_dim // b) for c in range(b // 64) for h in range(2)]
 
 
-def v_loads(head_dim: int, pitch: int):
+def v_loads(head_dim: int, pitch: int, swizzle: bool = False):
     """Byte addresses of each V load of `accumulate` (key rows 2t, 2t + 1, 2t + 8, 2t + 9)."""
     b = block(head_dim)
-    return [[(2 * t + (k & 1) + 8 * (k >> 1)) * pitch + b * blk + (b // 8) * g for g, t in LANES]
+    return [[at(2 * t + (k & 1) + 8 * (k >> 1), b * blk + (b // 8) * g, pitch, swizzle) for g, t in LANES]
             for blk in range(head_dim // b) for k in range(4)]
 
 
@@ -171,3 +176,18 @@ def test_row_pitches_bound_the_bank_conflicts_of_every_load(head_dim):
     # unpadded rows would conflict, so the check has teeth
     assert any(conflicts(addresses, 16) for addresses in k_loads(head_dim, 2 * head_dim))
     assert any(conflicts(addresses, v_width) for addresses in v_loads(head_dim, head_dim))
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_swizzled_rows_make_every_load_conflict_free(head_dim):
+    """Unpadded rows with their 16-byte chunks XORed by row % 8 (tiling.SWIZZLE_FP8): the loads of
+    `scores` and `accumulate` conflict-free, and the copies' 32-byte sectors whole (an XOR of the
+    chunk index keeps chunks 2m and 2m + 1 in the same aligned 32 bytes)."""
+    k_pitch, v_pitch = tc_row_pitches(head_dim, kv_bytes=1, swizzle=True)
+    assert k_pitch == v_pitch == head_dim
+    assert all(conflicts(addresses, 16) == 0 for addresses in k_loads(head_dim, k_pitch, swizzle=True))
+    assert all(conflicts(addresses, 16) == 0 for addresses in v_loads(head_dim, v_pitch, swizzle=True))
+    assert all({at(row, 32 * m, k_pitch, True) // 32, at(row, 32 * m + 16, k_pitch, True) // 32} ==
+               {at(row, 32 * m, k_pitch, True) // 32} for row in range(16) for m in range(head_dim // 32))
+    # unswizzled, the same unpadded rows conflict: the check has teeth
+    assert any(conflicts(addresses, 16) for addresses in k_loads(head_dim, k_pitch))

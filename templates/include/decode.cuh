@@ -37,8 +37,10 @@ static_assert(TILE % BDZ == 0, "every z-slice scores the same number of tokens")
 static_assert(BDZ == 1 || NT * VEC * 4 <= SMEM_BYTES, "reduction scratch fits in the K ring");
 
 FJ_INLINE void attend(const Args& a, const MaskParams& params) {
-  __shared__ __align__(16) unsigned char k_smem[SMEM_BYTES];
-  __shared__ __align__(16) unsigned char v_smem[SMEM_BYTES];
+  // 128-byte aligned: the rows are whole 16-byte chunks of ROW_BYTES, so each 32-byte sector a pair
+  // of copies moves lands whole (one split across a 32-byte boundary is fetched twice: ncu).
+  __shared__ __align__(128) unsigned char k_smem[SMEM_BYTES];
+  __shared__ __align__(128) unsigned char v_smem[SMEM_BYTES];
   __shared__ float red_m[BDZ * ROWS_PAD], red_d[BDZ * ROWS_PAD];
 
   const CtaCoords cta(a);

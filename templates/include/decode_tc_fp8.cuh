@@ -40,6 +40,7 @@ constexpr int M = cfg::ROWS;              // query rows per CTA: the MMA's N
 constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
 constexpr int TILE = 16 * WARPS;          // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
+constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 constexpr int STEPS = D / 16;             // k-steps of S^T, and m-tiles of O^T
 constexpr int BLOCK = D < 128 ? D : 128;  // head dims the lane layouts repeat over
 constexpr int BLOCK_STEPS = BLOCK / 16;
@@ -50,6 +51,13 @@ static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 1, "16-bit queries, fp8 K/V");
 static_assert(M == 8, "one n-tile of query rows");
 static_assert(D % BLOCK == 0 && (BLOCK == 64 || BLOCK == 128), "head_dim 64, 128 or 256");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= WARPS * M * D * 4, "the warps' reduction fits in the ring");
+
+// Where byte `byte` of ring row `row` (as counted mod 8) sits in the row: in a swizzled ring
+// (PagedKVStage) its 16-byte chunk is XORed with the row's low 3 bits. Unpadded swizzled rows keep
+// the loads below bank-conflict free (tests/test_fp8_layout.py) and every copied sector whole.
+FJ_INLINE int swizzled_offset(int byte, int row) {
+  return SWIZZLE ? (int)swizzled_chunk(row, byte / 16) * 16 + byte % 16 : byte;
+}
 
 FJ_INLINE int k_byte(int ks, int t) { return BLOCK * (ks / BLOCK_STEPS) + K_BYTES * t + 4 * (ks % BLOCK_STEPS); }
 FJ_INLINE int o_dim(int mt, int r) {
@@ -64,7 +72,7 @@ FJ_INLINE void scores(float* s, const u32 (*qb)[2], const unsigned char* keys, i
   for (int b = 0; b < D / BLOCK; ++b) {
 #pragma unroll
     for (int c = 0; c < K_BYTES / 16; ++c) {  // one 16-byte load per key row covers 4 k-steps
-      const unsigned char* row = keys + g * K_PITCH + BLOCK * b + K_BYTES * t + 16 * c;
+      const unsigned char* row = keys + g * K_PITCH + swizzled_offset(BLOCK * b + K_BYTES * t + 16 * c, g);
       const uint4 k0 = *reinterpret_cast<const uint4*>(row);
       const uint4 k1 = *reinterpret_cast<const uint4*>(row + 8 * K_PITCH);
       const u32 w0[4] = {k0.x, k0.y, k0.z, k0.w}, w1[4] = {k1.x, k1.y, k1.z, k1.w};
@@ -91,7 +99,8 @@ FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* val
     u32 w[4][WORDS];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      const unsigned char* p = values + (2 * t + (k & 1) + 8 * (k >> 1)) * V_PITCH + BLOCK * b + V_BYTES * g;
+      const int row = 2 * t + (k & 1) + 8 * (k >> 1);
+      const unsigned char* p = values + row * V_PITCH + swizzled_offset(BLOCK * b + V_BYTES * g, row);
       if constexpr (WORDS == 4) {
         const uint4 x = *reinterpret_cast<const uint4*>(p);
         w[k][0] = x.x; w[k][1] = x.y; w[k][2] = x.z; w[k][3] = x.w;
@@ -153,7 +162,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
                           : 0u;
   }
 
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT> loader(a, params, kv_head, k_smem, v_smem, tid, item);
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
 
   float o[STEPS][4];  // O^T: o[mt][0..1] dim o_dim(mt, g), o[mt][2..3] dim o_dim(mt, g + 8); rows 2t, 2t + 1
 #pragma unroll
