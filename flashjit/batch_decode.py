@@ -23,8 +23,10 @@ import numpy as np
 
 from . import checks
 from .engine import Engine
+from .host_library import load as load_host_library
+from .host_plan import HostPlanner
 from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, PreparedLaunch
-from .plan import WorkPlan, plan_work
+from .plan import WorkPlan
 from .small_arrays import largest
 from .spec import KV_DTYPES, DecodeSpec, normalize_dtype
 
@@ -146,6 +148,8 @@ class BatchDecode:
                                if use_cuda_graph else None)
         self._buffers: _PlanBuffers | None = None
         self._page_range = _PageIdRange(self.device)
+        self._host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
+        self._tables = None  # the current plan's host tables (host_plan.NumpyTables or NativeTables)
         self._lse_dtype = torch.float32
         self._kv_checked: dict = {}  # id(tensor) -> (weakref, data_ptr, strides): caches already validated
         self._last_cache = _NO_CACHE  # the cache the arguments point at (see _set_cache)
@@ -165,13 +169,11 @@ class BatchDecode:
         import torch
 
         checks.head_counts(num_qo_heads, num_kv_heads, page_size)
-        indptr_h, kv_lens = checks.page_table(indptr, last_page_len, page_size)
-        batch = len(kv_lens)
-        qo_h = checks.query_indptr(qo_indptr, q_len, batch)
-        q_lens = qo_h[1:] - qo_h[:-1]  # the query tokens are the request's newest positions (kv_len - q_len + i)
+        # The query tokens are each request's newest positions (kv_len - q_len + i).
+        tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len)
+        batch, num_page_ids = tables.batch, tables.num_page_ids
 
         checks.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
-        num_page_ids = int(indptr_h[-1])
         if indices.shape[0] < num_page_ids:
             checks.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
         if num_page_ids > 1 and indices.stride(0) != 1:  # the kernel reads them as one run
@@ -183,14 +185,14 @@ class BatchDecode:
         self._page_range.start(indices, num_page_ids)
         try:
             spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
-                                     self._kernel_q_len(q_lens), kv_layout, self._arch, tensor_cores)
+                                     self._kernel_q_len(tables.max_q_len), kv_layout, self._arch, tensor_cores)
             if self.use_cuda_graph and self._planned and spec != self.spec:
                 checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
             kernel = self.engine.get_kernel(spec)
             loaded = kernel.loaded(self.device.index)
             params = self._mask_params(kernel.mask, window_left, mask_params)
-            work, capacity = self._split_work(spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads,
-                                              chunk_tokens, disable_split_kv)
+            work, capacity = self._split_work(spec, kernel, loaded, params, tables, num_kv_heads, chunk_tokens,
+                                              disable_split_kv)
         finally:
             max_page = checks.largest_page_id(self._page_range.wait())  # run() checks the cache against it
         buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim, num_kv_heads * kernel.tiling.row_tiles)
@@ -199,7 +201,7 @@ class BatchDecode:
         self._max_page = max_page
         if self.use_cuda_graph:
             self._graph_q_len = spec.max_q_len
-        self.spec, self.kernel, self.work = spec, kernel, work
+        self.spec, self.kernel, self._tables = spec, kernel, tables
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
         self.batch_size, self.num_tokens = batch, work.num_tokens
         self._q_dtype, self._kv_dtype = _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype)
@@ -210,16 +212,23 @@ class BatchDecode:
         self._num_page_ids = num_page_ids
         self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
         self._last_cache = _NO_CACHE
-        buffers.write(work, kv_lens, indptr_h)
+        buffers.write(tables)
         self._build_args(kernel, loaded, work, params, indices,
                          (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
         self._planned = True
         return self
 
-    def _kernel_q_len(self, q_lens) -> int:
+    @property
+    def work(self) -> WorkPlan | None:
+        """The current plan's work items (None before the first plan). With the native host planner
+        its arrays are views of the staging buffer: valid until the next plan()."""
+        if self._tables is None:
+            return None
+        return self._tables.work_plan(self._buffers.host, self._buffers.starts)
+
+    def _kernel_q_len(self, largest_q: int) -> int:
         """The kernel's query tokens per request: the batch's largest, or in CUDA-graph mode the
         fixed max_q_len, which also serves batches with fewer (one kernel for every replay)."""
-        largest_q = max(1, largest(q_lens, 1))
         fixed = self._graph_q_len if self.use_cuda_graph else None
         if fixed is None:
             return largest_q
@@ -228,24 +237,25 @@ class BatchDecode:
                         "(set max_q_len when constructing BatchDecode)", largest_q)
         return fixed
 
-    def _split_work(self, spec, kernel, loaded, params, kv_lens, q_lens, qo_h, num_kv_heads: int, chunk_tokens,
+    def _split_work(self, spec, kernel, loaded, params, tables, num_kv_heads: int, chunk_tokens,
                     disable_split_kv: bool) -> "tuple[WorkPlan, _Capacity]":
         """The work items over the span the mask reads, within the CUDA-graph capacity if any."""
-        span_begin, span_end = None, kv_lens  # None: every span starts at 0
+        span_begin = span_end = None  # None: every span starts at 0 and ends at the request's kv_len
         if kernel.mask.kv_span is not None:
-            span_begin, span_end = kernel.mask.kv_span(kv_lens, q_lens, params)
+            span_begin, span_end = kernel.mask.kv_span(tables.kv_lens, tables.q_lens, params)
             span_end = np.minimum(span_end, np.iinfo(np.int32).max)
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
             checks.fail("chunk_tokens", "a positive int", chunk_tokens)
         if disable_split_kv:
-            span_lens = span_end if span_begin is None else span_end - span_begin
+            span_lens = (tables.kv_lens if span_end is None else span_end if span_begin is None
+                         else span_end - span_begin)
             chunk_tokens = max(1, largest(span_lens, 1))
-        tiling, batch = kernel.tiling, len(kv_lens)
+        tiling, batch = kernel.tiling, tables.batch
         ctas_per_item, max_ctas = num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
-        capacity = self._graph_capacity(spec, batch, int(qo_h[-1]), max(batch, max_ctas // ctas_per_item))
-        work = plan_work(span_begin, span_end, qo_h, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
-                         granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens,
-                         max_items=capacity.work if capacity else None)
+        capacity = self._graph_capacity(spec, batch, tables.num_tokens, max(batch, max_ctas // ctas_per_item))
+        work = tables.plan(span_begin, span_end, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
+                           granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens,
+                           max_items=capacity.work if capacity else None)
         if capacity is None:
             capacity = _Capacity(batch, work.num_tokens, work.num_work)
         elif work.num_work > capacity.work:
@@ -573,15 +583,11 @@ class _PlanBuffers:
         return (capacity.work <= c.work and capacity.batch <= c.batch and capacity.tokens <= c.tokens
                 and partial_elems <= self.tmp_o.numel() and merge_groups <= self.merge_counters.numel())
 
-    def write(self, work: WorkPlan, kv_lens, indptr_h):
+    def write(self, tables):
+        """A plan's work list (tables: host_plan's NumpyTables or NativeTables) to the GPU."""
         self.copies.wait()  # the previous plan's copy has read the staging memory
-        host, (num_work, num_tokens, *starts) = self.host, self.starts
-        host[num_work], host[num_tokens] = work.num_work, work.num_tokens
-        arrays = (work.work_request, work.work_begin, work.work_end, kv_lens, indptr_h[:-1], work.req_qo_indptr,
-                  work.req_work_indptr, work.token_request)  # the FIELDS after the two counts, in order
-        for start, values in zip(starts, arrays):
-            host[start:start + len(values)] = values
-        self.copies.copy(self.device_buffer.data_ptr(), self.staging.data_ptr(), 4 * len(host), _HOST_TO_DEVICE,
+        tables.write(self.host, self.starts, self.staging.data_ptr())
+        self.copies.copy(self.device_buffer.data_ptr(), self.staging.data_ptr(), 4 * len(self.host), _HOST_TO_DEVICE,
                          mark=True)
 
 

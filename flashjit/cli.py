@@ -164,7 +164,15 @@ def cmd_prewarm(args) -> int:
     results, wall = prewarm_specs(engine, specs, args.jobs)
     print(summary(results, wall))
     print(f"cache: {engine.cache.root}" + ("" if engine.cache.writable else " (not writable: kept in memory only)"))
+    print(f"host planner: {host_planner_status(engine)}")
     return 0
+
+
+def host_planner_status(engine) -> str:
+    """Builds plan()'s C helper into the cache too, so the first plan() of a server does not."""
+    from .host_library import load
+
+    return "built (C)" if load("host_plan", engine.cache) is not None else "numpy (no C helper: see the warning)"
 
 
 # ---- list / show / clear ----------------------------------------------------------------------
@@ -391,6 +399,7 @@ def cmd_run_example(args) -> int:
     results, wall = prewarm_specs(engine, specs, args.jobs)
     print(summary(results, wall))
     print(f"cache: {engine.cache.root}")
+    print(f"host planner: {host_planner_status(engine)}")
     if not selfcheck.gpu_available():
         print("no CUDA GPU: skipped the GPU decode step (kernels were compiled and cached only)")
         return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from flashjit import CompileError, DecodeSpec, __version__, cli, selfcheck
+from flashjit import CompileError, DecodeSpec, __version__, cli, host_library, selfcheck
 from flashjit.cache import KernelCache
 
 SPEC = DecodeSpec(head_dim=64, dtype="bf16", mask="none", page_size=16, group_size=1, arch="sm_90")
@@ -81,6 +81,8 @@ def test_prewarm_compiles_then_hits_disk(seeded):
     row = next(line for line in second.splitlines() if line.startswith(SPEC.name))
     assert row.split()[1:4] == ["sm_90", "hit", "(disk)"]
     assert "total: 1 kernels, 0 compiled, 1 disk hits, 0 memory hits" in second
+    if host_library.compiler() is not None:  # plan()'s C helper is built with the kernels
+        assert "host planner: built (C)" in first and list(Path(cache_dir, "v1", "host").glob("host_plan-*.so"))
 
 
 def test_prewarm_manifest_with_arch_override(cache, tiny_manifest):

@@ -19,6 +19,8 @@ import torch
 
 from flashjit import DecodeSpec
 from flashjit.batch_decode import _NO_CACHE, LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
+from flashjit import host_library
+from flashjit.host_plan import HostPlanner
 from flashjit.kernel import Kernel, LoadedKernel
 from flashjit.registry import masks
 from flashjit import tiling as tiling_module
@@ -37,6 +39,7 @@ def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pa
     decoder._max_batch_size, decoder._max_tokens = max_batch_size, max_tokens
     decoder._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32) if use_cuda_graph else None
     decoder._buffers, decoder._page_range, decoder._lse_dtype = None, _PageIdRange(CPU), torch.float32
+    decoder._host_planner, decoder._tables = HostPlanner(host_library.load("host_plan", engine.cache)), None
     decoder._kv_checked, decoder._planned = {}, False
     decoder._last_cache = _NO_CACHE
     decoder._scales_key = decoder._scale_rules = None
@@ -316,18 +319,21 @@ def test_page_id_range_reads_only_the_used_prefix():
 
 # ---- the staging copy ----------------------------------------------------------------------------------------
 
-def test_plan_buffers_pack_every_field_at_its_offset():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_plan_buffers_pack_every_field_at_its_offset(native, engine):
     from flashjit.batch_decode import _Capacity
-    from flashjit.plan import plan_work
 
     buffers = _PlanBuffers(_Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, merge_groups=8,
                            device=CPU)
     offsets = list(buffers.offsets.values())
     assert offsets == [0, 1, 2, 11, 20, 29, 33, 37, 42, 47]  # fields in FIELDS order, each at its capacity
     assert buffers.device_buffer.numel() == 47 + 6 and buffers.tmp_o.numel() == 640 and buffers.tmp_lse.numel() == 10
-    work = plan_work(np.zeros(3), np.array([300, 5, 129]), np.array([0, 2, 3, 5]), ctas_per_item=4, max_ctas=8,
-                     granularity=16, chunk_tokens=128)
-    buffers.write(work, np.array([300, 5, 129]), np.array([0, 19, 20, 29]))
+    planner = HostPlanner(host_library.load("host_plan", engine.cache) if native else None)
+    i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    tables = planner.read(i32([0, 19, 20, 29]), i32([12, 5, 1]), 16, i32([0, 2, 3, 5]))  # 300, 5, 129 tokens
+    assert type(tables).__name__ == ("NativeTables" if native else "NumpyTables")
+    tables.plan(None, None, ctas_per_item=4, max_ctas=8, granularity=16, chunk_tokens=128)
+    buffers.write(tables)
     assert buffers.device_buffer.tolist() == [
         6, 5,                            # num_work, num_tokens
         0, 0, 0, 1, 2, 2, 0, 0, 0,       # work_request

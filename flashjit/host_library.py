@@ -1,0 +1,117 @@
+"""Host-side C helpers (flashjit/native/*.c): built once with the system C compiler, kept in the
+kernel cache folder, loaded with ctypes.
+
+Lifecycle, as for kernels: look for `<cache>/v1/host/<name>-<key>.so`, else build it under a file
+lock (two processes build it once) into a temp file that is os.replace()d, so a killed build leaves
+no half-written library; then load. The key hashes the source, the build command and the platform,
+so an edited source or another machine type builds anew. A read-only or unusable cache folder
+builds into a private temp folder instead.
+
+Each helper has a pure-Python reference that flashjit uses when the helper cannot be had: no C
+compiler (`$CC`, else `cc`), a failed build, or FLASHJIT_HOST_NATIVE=0. That costs speed, never
+results; one warning says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import filelock
+
+from .cache import KernelCache, atomic_file, lock_timeout
+
+log = logging.getLogger("flashjit")
+
+SOURCE_DIR = Path(__file__).resolve().parent / "native"
+# No -ffast-math, and no fused multiply-adds: the helpers must round exactly as the Python references.
+CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
+BUILD_TIMEOUT_S = 120
+FALLBACK = "plan() uses its numpy version, which gives the same plans at ~100 us more per call"
+
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_load_lock = threading.Lock()
+
+
+def compiler() -> str | None:
+    """The C compiler to build with ($CC, else cc), or None when there is none."""
+    return shutil.which(os.environ.get("CC", "").strip() or "cc")
+
+
+def library_key(source: bytes, cc: str) -> str:
+    """What the library is built from: the source, the flags, the compiler's name and the platform."""
+    h = hashlib.sha256(source)
+    h.update(repr((CFLAGS, os.path.basename(cc), platform.system(), platform.machine())).encode())
+    return h.hexdigest()[:32]
+
+
+def load(name: str, cache: KernelCache | None = None) -> ctypes.CDLL | None:
+    """The helper native/<name>.c as a loaded library, or None (with one warning) when it cannot
+    be built or loaded. The first outcome is kept for the process."""
+    with _load_lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name, cache)
+        return _loaded[name]
+
+
+def _build_and_load(name: str, cache: KernelCache | None) -> ctypes.CDLL | None:
+    if os.environ.get("FLASHJIT_HOST_NATIVE", "").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    cc = compiler()
+    if cc is None:
+        log.warning("no C compiler (set CC, or install cc) to build flashjit's host helper %s: %s", name, FALLBACK)
+        return None
+    source_path = SOURCE_DIR / f"{name}.c"
+    target = _library_folder(cache) / f"{name}-{library_key(source_path.read_bytes(), cc)}.so"
+    try:
+        return _load_or_build(cc, source_path, target)
+    except (OSError, subprocess.SubprocessError, filelock.Timeout, RuntimeError) as exc:
+        log.warning("could not build or load flashjit's host helper %s (%s): %s", name, exc, FALLBACK)
+        return None
+
+
+def _load_or_build(cc: str, source: Path, target: Path) -> ctypes.CDLL:
+    """Load target, building it first when it is missing or does not load (a damaged file)."""
+    damaged = False
+    if target.is_file():
+        try:
+            return ctypes.CDLL(str(target))
+        except OSError as exc:
+            log.warning("flashjit host helper %s does not load (%s); rebuilding it", target, exc)
+            damaged = True
+    with filelock.FileLock(str(target) + ".lock", timeout=lock_timeout()):
+        if damaged or not target.is_file():  # another process may have built it meanwhile
+            _build(cc, source, target)
+    return ctypes.CDLL(str(target))
+
+
+def _library_folder(cache: KernelCache | None) -> Path:
+    if cache is not None and cache.writable:
+        folder = cache.base / "host"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                return folder
+        except OSError:
+            pass
+    return Path(tempfile.mkdtemp(prefix="flashjit-host-"))
+
+
+def _build(cc: str, source: Path, target: Path):
+    """Compile source into target: built in a temp folder, then moved in whole."""
+    with tempfile.TemporaryDirectory(prefix="flashjit-build-") as scratch:
+        built = Path(scratch) / target.name
+        result = subprocess.run([cc, *CFLAGS, "-o", str(built), str(source), "-lm"], capture_output=True,
+                                text=True, timeout=BUILD_TIMEOUT_S)
+        if result.returncode != 0:
+            raise RuntimeError(f"{cc} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
+        with atomic_file(target) as f:
+            f.write(built.read_bytes())

@@ -1,0 +1,195 @@
+"""plan()'s host work: read the page table, plan the split-KV work, write the work list for the GPU.
+
+Two implementations of the same steps, giving the same values:
+  * NumpyTables, the reference: checks.page_table, checks.query_indptr and plan.plan_work over
+    numpy arrays. It takes any input form (tensors, numpy arrays, lists; any integer dtype) and
+    says what is wrong with a bad one.
+  * NativeTables: the same in one C file (native/host_plan.c, built by host_library) over the
+    tensors' memory, written straight into the staging buffer. For 64 requests the numpy steps
+    cost ~90 us (about 60 numpy calls on short arrays), the C ones ~2 us.
+HostPlanner.read() picks the native one for the common form (int32 CPU tensors, FlashInfer's
+convention) and the numpy one for anything else, including any input the C checks refuse: the
+numpy checks then raise the error that names the bad value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import numpy as np
+
+from . import checks
+from .plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
+from .small_arrays import largest
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+class NumpyTables:
+    """One plan's host tables and work, in numpy (the reference)."""
+
+    def __init__(self, indptr, last_page_len, page_size: int, qo_indptr, q_len):
+        self.indptr_h, self.kv_lens = checks.page_table(indptr, last_page_len, page_size)
+        self.batch = len(self.kv_lens)
+        self.qo_h = checks.query_indptr(qo_indptr, q_len, self.batch)
+        self.q_lens = self.qo_h[1:] - self.qo_h[:-1]
+        self.num_tokens = int(self.qo_h[-1])
+        self.max_q_len = max(1, largest(self.q_lens, 1))
+        self.num_page_ids = int(self.indptr_h[-1])
+        self.work: WorkPlan | None = None
+
+    def plan(self, span_begin, span_end, **options) -> WorkPlan:
+        """plan.plan_work over the spans (span_end None: the kv_lens); options as plan_work's."""
+        self.work = plan_work(span_begin, self.kv_lens if span_end is None else span_end, self.qo_h, **options)
+        return self.work
+
+    def write(self, host: np.ndarray, starts: tuple, staging_pointer: int):
+        """The work list into the staging buffer (host, a numpy view of it; starts, the field offsets)."""
+        work = self.work
+        num_work, num_tokens, *array_starts = starts
+        host[num_work], host[num_tokens] = work.num_work, work.num_tokens
+        arrays = (work.work_request, work.work_begin, work.work_end, self.kv_lens, self.indptr_h[:-1],
+                  work.req_qo_indptr, work.req_work_indptr, work.token_request)  # _PlanBuffers.FIELDS' order
+        for start, values in zip(array_starts, arrays):
+            host[start:start + len(values)] = values
+
+    def work_plan(self, host: np.ndarray, starts: tuple) -> WorkPlan:
+        return self.work
+
+
+class _Params(ctypes.Structure):
+    """Mirror of fj_plan_t in native/host_plan.c."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "indptr", "last_page_len", "qo_indptr", "span_begin", "span_end", "parts", "kv_lens")] + [
+        (name, ctypes.c_int64) for name in (
+            "batch", "page_size", "q_len", "num_parts", "ctas_per_item", "max_ctas", "granularity", "min_chunk",
+            "chunk_tokens", "max_items", "item_overhead", "merge_cost", "num_page_ids", "num_tokens", "max_q_len", "chunk",
+            "num_work")]
+
+
+class _Layout(ctypes.Structure):
+    """Mirror of fj_layout_t: the staging buffer's field offsets, in _PlanBuffers.FIELDS' order."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "num_work", "num_tokens", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
+        "req_qo_indptr", "req_work_indptr", "token_request")]
+
+
+def _int32_cpu_vector(t, length: int | None = None) -> bool:
+    """A contiguous 1-D int32 CPU tensor (of that length): memory the C code can read as it is."""
+    try:
+        return (t.dtype is _torch_int32() and t.is_cpu and t.dim() == 1 and t.is_contiguous()
+                and (length is None or t.shape[0] == length))
+    except AttributeError:  # not a tensor
+        return False
+
+
+@functools.cache
+def _torch_int32():
+    import torch
+
+    return torch.int32
+
+
+class NativeTables:
+    """One plan's host tables and work, computed by native/host_plan.c. Built by HostPlanner.read()."""
+
+    def __init__(self, planner: "HostPlanner", indptr, qo_indptr, q_len, batch: int):
+        self._planner, self._qo_indptr, self._q_len = planner, qo_indptr, q_len
+        self._indptr = indptr  # read again by write(): kept alive
+        p = planner.params
+        self.batch, self.num_tokens, self.max_q_len = batch, p.num_tokens, p.max_q_len
+        self.num_page_ids = p.num_page_ids
+        self._spans = None  # keeps the span arrays alive while the C code points at them
+        self._work: WorkPlan | None = None
+
+    @property
+    def kv_lens(self) -> np.ndarray:
+        return self._planner.kv_lens[:self.batch]
+
+    @property
+    def q_lens(self) -> np.ndarray:
+        if self._qo_indptr is None:
+            return np.full(self.batch, 1 if self._q_len is None else self._q_len, dtype=np.int64)
+        qo = self._qo_indptr.numpy().astype(np.int64)
+        return qo[1:] - qo[:-1]
+
+    def plan(self, span_begin, span_end, *, ctas_per_item: int, max_ctas: int, granularity: int,
+             chunk_tokens: int | None = None, max_items: int | None = None) -> "NativeTables":
+        """plan.plan_work's sizes (chunk_tokens, num_work); the arrays come with write()."""
+        p = self._planner.params
+        if span_end is None:
+            p.span_begin = p.span_end = None
+        else:
+            self._spans = [None if a is None else np.ascontiguousarray(a, dtype=np.int64) for a in (span_begin, span_end)]
+            p.span_begin, p.span_end = (None if a is None else a.ctypes.data for a in self._spans)
+        p.ctas_per_item, p.max_ctas, p.granularity = ctas_per_item, max_ctas, granularity
+        p.chunk_tokens = 0 if chunk_tokens is None else chunk_tokens
+        p.max_items = -1 if max_items is None else max_items
+        self._planner.library.fj_plan(ctypes.byref(p))
+        self.chunk_tokens, self.num_work = p.chunk, p.num_work
+        return self
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.num_work > self.batch
+
+    def write(self, host: np.ndarray, starts: tuple, staging_pointer: int):
+        self._planner.library.fj_fill(ctypes.byref(self._planner.params), ctypes.c_void_p(staging_pointer),
+                                      ctypes.byref(self._planner.layout(starts)))
+
+    def work_plan(self, host: np.ndarray, starts: tuple) -> WorkPlan:
+        """The work list as numpy views of the staging buffer (valid until the next plan())."""
+        if self._work is None:
+            _, _, work_request, work_begin, work_end, _, _, qo, work_indptr, token_request = starts
+            w, b = self.num_work, self.batch
+            self._work = WorkPlan(host[work_request:work_request + w], host[work_begin:work_begin + w],
+                                  host[work_end:work_end + w], host[work_indptr:work_indptr + b + 1],
+                                  host[qo:qo + b + 1], host[token_request:token_request + self.num_tokens],
+                                  self.chunk_tokens)
+        return self._work
+
+
+class HostPlanner:
+    """Makes each plan's tables: native when the library loaded and the inputs allow, else numpy."""
+
+    def __init__(self, library: ctypes.CDLL | None):
+        self.library = library
+        if library is None:
+            return
+        for name in ("fj_page_table", "fj_query_indptr", "fj_plan", "fj_fill"):
+            getattr(library, name).restype = ctypes.c_int
+        self.params = p = _Params()
+        self._parts = SPLIT_CANDIDATES.astype(np.int64)
+        p.parts, p.num_parts = self._parts.ctypes.data, len(self._parts)
+        p.min_chunk, p.item_overhead, p.merge_cost = MIN_CHUNK_TOKENS, ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS
+        self.kv_lens = np.empty(0, dtype=np.int64)
+        self._layouts: dict[tuple, _Layout] = {}
+
+    def read(self, indptr, last_page_len, page_size: int, qo_indptr=None, q_len=None):
+        """The tables of a page table (and query offsets): NativeTables or NumpyTables. A bad input
+        raises ValueError naming it."""
+        if self.library is not None and _int32_cpu_vector(indptr) and indptr.shape[0] >= 1:
+            batch = indptr.shape[0] - 1
+            queries_ok = (_int32_cpu_vector(qo_indptr, batch + 1) if qo_indptr is not None
+                          else q_len is None or (type(q_len) is int and q_len >= 1))
+            if queries_ok and _int32_cpu_vector(last_page_len, batch):
+                p = self.params
+                if len(self.kv_lens) < batch:
+                    self.kv_lens = np.empty(max(batch, 2 * len(self.kv_lens)), dtype=np.int64)
+                    p.kv_lens = self.kv_lens.ctypes.data
+                p.indptr, p.last_page_len, p.batch, p.page_size = indptr.data_ptr(), last_page_len.data_ptr(), batch, page_size
+                p.qo_indptr = None if qo_indptr is None else qo_indptr.data_ptr()
+                p.q_len = 1 if q_len is None else q_len
+                library = self.library
+                if not library.fj_page_table(ctypes.byref(p)) and not library.fj_query_indptr(ctypes.byref(p)):
+                    return NativeTables(self, indptr, qo_indptr, q_len, batch)
+        return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
+
+    def layout(self, starts: tuple) -> _Layout:
+        found = self._layouts.get(starts)
+        if found is None:
+            found = self._layouts[starts] = _Layout(*starts)
+        return found

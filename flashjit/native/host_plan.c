@@ -1,0 +1,171 @@
+/* plan()'s host work in C: the page table's checks and lengths, the split-KV chunk search and the
+ * work list, written straight into the pinned staging buffer plan() copies to the GPU.
+ *
+ * The numpy versions (flashjit/checks.py page_table and query_indptr, flashjit/plan.py
+ * choose_chunk and plan_work) are the reference: this file computes the same values in the same
+ * order, with the costs in doubles so that every comparison of the chunk search comes out the same
+ * (tests/test_host_plan.py compares the two on random batches). Whole numbers stay below 2^53, so
+ * the doubles hold them exactly; build without -ffast-math and with -ffp-contract=off.
+ *
+ * A call returns 0, or non-zero when an input is invalid: the caller then runs the numpy checks,
+ * which say what is wrong. Nothing here allocates or keeps state.
+ */
+#include <math.h>
+#include <stdint.h>
+
+typedef struct {
+    /* inputs */
+    const int32_t *indptr;         /* [batch + 1] page-table CSR offsets */
+    const int32_t *last_page_len;  /* [batch] tokens in each request's last page */
+    const int32_t *qo_indptr;      /* [batch + 1] query-token offsets, or NULL: q_len tokens each */
+    const int64_t *span_begin;     /* [batch] first position worth reading, or NULL: 0 */
+    const int64_t *span_end;       /* [batch] end of the span, or NULL: the request's kv_len */
+    const int64_t *parts;          /* the split candidates (parts per longest span), increasing */
+    int64_t *kv_lens;              /* [batch] out: tokens per request */
+    int64_t batch, page_size, q_len, num_parts;
+    int64_t ctas_per_item, max_ctas, granularity, min_chunk;
+    int64_t chunk_tokens;          /* > 0 forces the chunk; 0 plans it; -1 one item per request */
+    int64_t max_items;             /* < 0: no limit */
+    int64_t item_overhead, merge_cost;
+    /* outputs */
+    int64_t num_page_ids;          /* fj_page_table */
+    int64_t num_tokens, max_q_len; /* fj_query_indptr */
+    int64_t chunk, num_work;       /* fj_plan */
+} fj_plan_t;
+
+/* The offsets (in int32 words) of the staging buffer's fields; see _PlanBuffers.FIELDS. */
+typedef struct {
+    int64_t num_work, num_tokens, work_request, work_begin, work_end, req_kv_len, req_page_begin,
+        req_qo_indptr, req_work_indptr, token_request;
+} fj_layout_t;
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* The span of request b, as plan_work clamps it: [begin, end) with end >= begin (end >= 0 from 0). */
+static void span(const fj_plan_t *p, int64_t b, int64_t *begin, int64_t *end) {
+    int64_t e = p->span_end ? p->span_end[b] : p->kv_lens[b];
+    int64_t s = p->span_begin ? p->span_begin[b] : 0;
+    *begin = s;
+    *end = max64(e, s);
+}
+
+/* kv_lens from the page table; 1 if indptr does not start at 0, decreases, or a last_page_len is
+ * outside 1..page_size (0 allowed for a request without pages). */
+int fj_page_table(fj_plan_t *p) {
+    if (p->indptr[0] != 0) return 1;
+    for (int64_t b = 0; b < p->batch; ++b) {
+        int64_t pages = (int64_t)p->indptr[b + 1] - p->indptr[b], last = p->last_page_len[b];
+        if (pages < 0 || last < 0 || last > p->page_size || (last < 1 && pages > 0)) return 1;
+        p->kv_lens[b] = pages ? (pages - 1) * p->page_size + last : 0;
+    }
+    p->num_page_ids = p->indptr[p->batch];
+    return 0;
+}
+
+/* 1 if qo_indptr does not start at 0 or decreases. Sets num_tokens and max_q_len (at least 1). */
+int fj_query_indptr(fj_plan_t *p) {
+    int64_t most = 1;
+    if (p->qo_indptr) {
+        if (p->qo_indptr[0] != 0) return 1;
+        for (int64_t b = 0; b < p->batch; ++b) {
+            int64_t n = (int64_t)p->qo_indptr[b + 1] - p->qo_indptr[b];
+            if (n < 0) return 1;
+            most = max64(most, n);
+        }
+        p->num_tokens = p->qo_indptr[p->batch];
+    } else {
+        if (p->batch) most = max64(most, p->q_len);
+        p->num_tokens = p->batch * p->q_len;
+    }
+    p->max_q_len = most;
+    return 0;
+}
+
+/* plan.makespans for one chunk: the fluid and the quantized bound, the merge when split. */
+static double makespan(const fj_plan_t *p, int64_t chunk) {
+    int64_t items = 0, long_items = 0, total = 0;
+    for (int64_t b = 0; b < p->batch; ++b) {
+        int64_t begin, end;
+        span(p, b, &begin, &end);
+        int64_t len = end - begin;
+        items += len ? ceil_div(len, chunk) : 1;
+        long_items += (2 * len + chunk) / (2 * chunk);  /* floor(len / chunk + 1/2) */
+        total += len;
+    }
+    if (p->max_items >= 0 && items > p->max_items) return INFINITY;
+    double share = (double)p->ctas_per_item / (double)p->max_ctas;
+    double fluid = (double)(total + items * p->item_overhead) * share;
+    double quantized = ceil((double)long_items * (double)p->ctas_per_item / (double)p->max_ctas)
+                       * (double)(chunk + p->item_overhead);
+    return (fluid > quantized ? fluid : quantized) + (items > p->batch ? (double)p->merge_cost : 0.0);
+}
+
+/* plan.choose_chunk: the candidate chunk with the smallest makespan, the first of equals. */
+static int64_t choose_chunk(const fj_plan_t *p, int64_t longest) {
+    int64_t g = p->granularity;
+    if (longest <= p->min_chunk) return ceil_div(max64(longest, 1), g) * g;
+    int64_t floor_chunk = max64(ceil_div(p->min_chunk, g) * g, g);
+    int64_t max_parts = max64(1, p->max_ctas / p->ctas_per_item);
+    int64_t best = 0, previous = 0;
+    double best_cost = 0.0;
+    for (int64_t i = 0; i < p->num_parts && p->parts[i] <= max_parts; ++i) {
+        int64_t chunk = max64(ceil_div(ceil_div(longest, p->parts[i]), g) * g, floor_chunk);
+        if (chunk != previous) {
+            double cost = makespan(p, chunk);
+            if (!best || cost < best_cost) best = chunk, best_cost = cost;
+            previous = chunk;
+        }
+        if (chunk == floor_chunk) break;
+    }
+    return best;
+}
+
+/* plan.plan_work's sizes: chunk, num_work. Call fj_page_table (unless span_end is given) first. */
+int fj_plan(fj_plan_t *p) {
+    int64_t longest = 0, items = 0;
+    for (int64_t b = 0; b < p->batch; ++b) {
+        int64_t begin, end;
+        span(p, b, &begin, &end);
+        longest = max64(longest, end - begin);
+    }
+    if (p->chunk_tokens > 0) p->chunk = p->chunk_tokens;
+    else if (p->chunk_tokens < 0) p->chunk = max64(1, longest);
+    else p->chunk = choose_chunk(p, longest);
+    for (int64_t b = 0; b < p->batch; ++b) {
+        int64_t begin, end;
+        span(p, b, &begin, &end);
+        items += max64(ceil_div(end - begin, p->chunk), 1);
+    }
+    p->num_work = items;
+    return 0;
+}
+
+/* The work list and the per-request arrays, into the staging buffer at layout's offsets. */
+int fj_fill(const fj_plan_t *p, int32_t *staging, const fj_layout_t *at) {
+    int64_t w = 0;
+    staging[at->num_work] = (int32_t)p->num_work;
+    staging[at->num_tokens] = (int32_t)p->num_tokens;
+    staging[at->req_work_indptr] = 0;
+    staging[at->req_qo_indptr] = 0;
+    for (int64_t b = 0; b < p->batch; ++b) {
+        int64_t begin, end;
+        span(p, b, &begin, &end);
+        int64_t items = max64(ceil_div(end - begin, p->chunk), 1);
+        for (int64_t i = 0; i < items; ++i, ++w) {
+            int64_t first = begin + i * p->chunk;
+            staging[at->work_request + w] = (int32_t)b;
+            staging[at->work_begin + w] = (int32_t)first;
+            staging[at->work_end + w] = (int32_t)min64(first + p->chunk, end);
+        }
+        staging[at->req_work_indptr + b + 1] = (int32_t)w;
+        staging[at->req_kv_len + b] = (int32_t)p->kv_lens[b];
+        staging[at->req_page_begin + b] = p->indptr[b];
+        int64_t q_begin = p->qo_indptr ? p->qo_indptr[b] : b * p->q_len;
+        int64_t q_end = p->qo_indptr ? p->qo_indptr[b + 1] : (b + 1) * p->q_len;
+        staging[at->req_qo_indptr + b + 1] = (int32_t)q_end;
+        for (int64_t t = q_begin; t < q_end; ++t) staging[at->token_request + t] = (int32_t)b;
+    }
+    return 0;
+}

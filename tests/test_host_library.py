@@ -1,0 +1,84 @@
+"""host_library: the C helper is built once into the cache, reused, rebuilt when damaged, and
+missed gracefully (None, one warning) without a compiler or when switched off."""
+
+from __future__ import annotations
+
+import logging
+import stat
+
+import pytest
+
+from flashjit import host_library
+from flashjit.cache import KernelCache
+
+pytestmark = pytest.mark.skipif(host_library.compiler() is None, reason="no C compiler on this machine")
+
+
+@pytest.fixture(autouse=True)
+def fresh_process(monkeypatch):
+    """Each test loads as a new process would: nothing kept from earlier loads."""
+    monkeypatch.setattr(host_library, "_loaded", {})
+    monkeypatch.delenv("FLASHJIT_HOST_NATIVE", raising=False)
+
+
+def built(cache: KernelCache) -> list:
+    return sorted(p.name for p in (cache.base / "host").glob("*.so"))
+
+
+def test_builds_into_the_cache_then_loads_from_it_without_building(tmp_path, monkeypatch):
+    cache = KernelCache(tmp_path)
+    assert host_library.load("host_plan", cache) is not None
+    assert len(built(cache)) == 1 and built(cache)[0].startswith("host_plan-")
+
+    monkeypatch.setattr(host_library, "_loaded", {})
+    monkeypatch.setattr(host_library, "_build", lambda *a: pytest.fail("built again"))
+    library = host_library.load("host_plan", cache)
+    assert library is not None and library.fj_plan is not None
+    assert host_library.load("host_plan", cache) is library  # kept for the process
+
+
+def test_a_damaged_library_is_rebuilt(tmp_path, caplog):
+    cache = KernelCache(tmp_path)
+    source = (host_library.SOURCE_DIR / "host_plan.c").read_bytes()
+    target = cache.base / "host" / f"host_plan-{host_library.library_key(source, host_library.compiler())}.so"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"\x7fELF half a library")  # what a crashed disk or a foreign writer leaves
+    assert host_library.load("host_plan", cache) is not None
+    assert "does not load" in caplog.text and target.stat().st_size > 1000
+
+
+def test_the_key_follows_the_source_and_the_compiler():
+    assert host_library.library_key(b"int a;", "/usr/bin/cc") != host_library.library_key(b"int b;", "/usr/bin/cc")
+    assert host_library.library_key(b"int a;", "/usr/bin/cc") != host_library.library_key(b"int a;", "/usr/bin/clang")
+    assert host_library.library_key(b"int a;", "/usr/bin/cc") == host_library.library_key(b"int a;", "/opt/bin/cc")
+
+
+@pytest.mark.parametrize("how", ["no compiler", "compiler fails", "switched off"])
+def test_without_the_library_load_warns_once_and_returns_none(tmp_path, monkeypatch, caplog, how):
+    caplog.set_level(logging.WARNING, logger="flashjit")
+    if how == "no compiler":
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    elif how == "compiler fails":
+        failing = tmp_path / "failing-cc"
+        failing.write_text("#!/bin/sh\necho 'cc: fatal error: out of cheese' >&2\nexit 3\n")
+        failing.chmod(failing.stat().st_mode | stat.S_IEXEC)
+        monkeypatch.setenv("CC", str(failing))
+    else:
+        monkeypatch.setenv("FLASHJIT_HOST_NATIVE", "0")
+    cache = KernelCache(tmp_path / "cache")
+    assert host_library.load("host_plan", cache) is None
+    assert host_library.load("host_plan", cache) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if how == "switched off":
+        assert warnings == []  # asked for: nothing to warn about
+    else:
+        assert len(warnings) == 1 and "numpy version" in warnings[0]
+        assert ("no C compiler" if how == "no compiler" else "out of cheese") in warnings[0]
+    assert not (cache.base / "host").exists() or built(cache) == []
+
+
+def test_a_cache_it_cannot_write_builds_in_a_private_folder(tmp_path):
+    cache = KernelCache(tmp_path)
+    cache.writable = False  # as a read-only or unusable root leaves it
+    assert host_library.load("host_plan", cache) is not None
+    assert not (cache.base / "host").exists()
