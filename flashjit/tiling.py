@@ -99,6 +99,11 @@ SWIZZLE = {64: True, 128: True, 256: False}  # per head_dim (16-bit K/V)
 # L8192; head_dim 128 no faster (b16 L8192 82.9 -> 83.6, b64 270.9 -> 274.3, HND 82.2 -> 82.1).
 SWIZZLE_FP8 = {64: False, 128: False, 256: True}
 RING_ALIGN = 128
+# 16-bit rows where SWIZZLE is off (head_dim 256), in elements: 16 (32 bytes) keeps each copied
+# sector whole at the cost of 2-way ldmatrix conflicts, and beat 8 (conflict-free, half the sectors
+# fetched twice) on the H200 in one process: b16 L8192 293.3 -> 281.5 us, b64 L2048 285.5 -> 276.5,
+# b1 L32768 106.1 -> 103.8.
+ROW_PAD_16BIT = {64: 8, 128: 8, 256: 16}
 # fp8 row padding: 32 bytes keeps the sectors whole at the cost of 2-way conflicts on the
 # consumer's loads (tc_row_pitches), and is faster at head_dim 128 (e4m3 b16 L8192 86.5 -> 83.5 us,
 # b64 286.1 -> 269.4); 16 (conflict-free, half the sectors fetched twice) at head_dim 64.
@@ -114,14 +119,14 @@ FUSED_MERGE = True
 def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple[int, int]:
     """Shared-memory bytes per K and V row.
 
-    Unpadded when swizzled (PagedKVStage). Else 16-bit: 8 elements of padding for ldmatrix. fp8
+    Unpadded when swizzled (PagedKVStage). Else 16-bit: ROW_PAD_16BIT elements of padding. fp8
     (decode_tc_fp8.cuh): the lanes of one quarter-warp read two K rows (16 bytes each, 32 apart, or
     16 apart at head_dim 64), so a pitch of 16 mod 32 bytes (64 mod 128 at head_dim 64) interleaves
     the two rows. They read V rows two apart at 16 consecutive bytes each (8 at head_dim 64): a
     pitch of 16 mod 64 spreads them. FP8_ROW_PAD trades that for whole 32-byte sectors where faster.
     """
     if kv_bytes == 2:
-        return ((head_dim if swizzle else head_dim + 8) * 2,) * 2
+        return ((head_dim if swizzle else head_dim + ROW_PAD_16BIT[head_dim]) * 2,) * 2
     if swizzle:
         return head_dim, head_dim
     pad = FP8_ROW_PAD[head_dim]
