@@ -12,11 +12,10 @@ arguments. run() checks the tensors, patches the pointers and launches: no alloc
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import dataclasses
 import functools
 import math
+import typing
 import weakref
 
 import numpy as np
@@ -64,11 +63,12 @@ def _stream_getter():
 _HOST_TO_DEVICE, _DEVICE_TO_HOST = 1, 2  # cudaMemcpyKind
 
 
-def _current_device(device):
-    """A no-op when device is torch's current device (the usual case), else a switch to it."""
+@functools.cache
+def _device_getter():
+    """torch's current-device index getter (0.14 us against 0.45 for torch.cuda.current_device())."""
     import torch
 
-    return contextlib.nullcontext() if torch.cuda.current_device() == device.index else torch.cuda.device(device)
+    return getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 
 class _StreamCopies:
@@ -95,11 +95,16 @@ class _StreamCopies:
         if self.event is None:
             ctypes.memmove(dst, src, nbytes)
             return
-        stream = _current_stream(self.device.index)
-        with _current_device(self.device):
-            self.runtime.memcpyAsync(dst, src, nbytes, kind, stream)
-            if mark:
-                self.runtime.eventRecord(self.event, stream)
+        index = self.device.index
+        if _device_getter()() != index:  # the runtime API works on the current device
+            import torch
+
+            with torch.cuda.device(index):
+                return self.copy(dst, src, nbytes, kind, mark=mark)
+        stream = _current_stream(index)
+        self.runtime.memcpyAsync(dst, src, nbytes, kind, stream)
+        if mark:
+            self.runtime.eventRecord(self.event, stream)
 
     def wait(self):
         """Block until the last marked copy is done (at once if none was marked)."""
@@ -194,7 +199,9 @@ class BatchDecode:
             work, capacity = self._split_work(spec, kernel, loaded, params, tables, num_kv_heads, chunk_tokens,
                                               disable_split_kv)
         finally:
-            max_page = checks.largest_page_id(self._page_range.wait())  # run() checks the cache against it
+            landed, max_page = self._page_range.wait(), -1
+            if landed:  # run() checks the cache against the largest id
+                max_page = checks.largest_page_id(*self._host_planner.id_range(self._page_range.host, landed))
         buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim, num_kv_heads * kernel.tiling.row_tiles)
 
         # Every argument is valid: from here on the new plan replaces the previous one.
@@ -512,8 +519,7 @@ def _scale_key(value):
     return value
 
 
-@dataclasses.dataclass(frozen=True)
-class _Capacity:
+class _Capacity(typing.NamedTuple):  # a NamedTuple: built every plan(), in a third of a frozen dataclass's time
     batch: int
     tokens: int
     work: int
@@ -607,10 +613,9 @@ class _PageIdRange:
         import torch
 
         self.host = torch.empty(self.COPY_LIMIT, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.host_array = self.host.numpy()
         self.reduced = torch.empty(2, dtype=torch.int32, device=device)
         self.copies = _StreamCopies(device)
-        self.pending = self.host_array[:0]
+        self.pending = 0
 
     def start(self, indices, count: int):
         if count > self.COPY_LIMIT or (count > 1 and indices.stride(0) != 1):
@@ -620,11 +625,11 @@ class _PageIdRange:
             indices, count = self.reduced, 2
         if count:
             self.copies.copy(self.host.data_ptr(), indices.data_ptr(), 4 * count, _DEVICE_TO_HOST, mark=True)
-        self.pending = self.host_array[:count]
+        self.pending = count
 
-    def wait(self) -> np.ndarray:
-        """The page ids, or their [min, max]; empty when the plan has none."""
-        if len(self.pending):
+    def wait(self) -> int:
+        """How many values (the page ids, or their [min, max]) have landed at the start of host."""
+        if self.pending:
             self.copies.wait()
         return self.pending
 

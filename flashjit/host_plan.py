@@ -21,7 +21,7 @@ import numpy as np
 
 from . import checks
 from .plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
-from .small_arrays import largest
+from .small_arrays import largest, smallest
 
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -161,12 +161,14 @@ class HostPlanner:
             return
         for name in ("fj_page_table", "fj_query_indptr", "fj_plan", "fj_fill"):
             getattr(library, name).restype = ctypes.c_int
+        library.fj_id_range.restype = None
         self.params = p = _Params()
         self._parts = SPLIT_CANDIDATES.astype(np.int64)
         p.parts, p.num_parts = self._parts.ctypes.data, len(self._parts)
         p.min_chunk, p.item_overhead, p.merge_cost = MIN_CHUNK_TOKENS, ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS
         self.kv_lens = np.empty(0, dtype=np.int64)
         self._layouts: dict[tuple, _Layout] = {}
+        self._range = (ctypes.c_int64 * 2)()
 
     def read(self, indptr, last_page_len, page_size: int, qo_indptr=None, q_len=None):
         """The tables of a page table (and query offsets): NativeTables or NumpyTables. A bad input
@@ -187,6 +189,14 @@ class HostPlanner:
                 if not library.fj_page_table(ctypes.byref(p)) and not library.fj_query_indptr(ctypes.byref(p)):
                     return NativeTables(self, indptr, qo_indptr, q_len, batch)
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
+
+    def id_range(self, ids, count: int) -> tuple[int, int]:
+        """(smallest, largest) of the first count (>= 1) values of ids, an int32 CPU tensor."""
+        if self.library is None:
+            values = ids.numpy()[:count]
+            return smallest(values), largest(values)
+        self.library.fj_id_range(ctypes.c_void_p(ids.data_ptr()), ctypes.c_int64(count), self._range)
+        return self._range[0], self._range[1]
 
     def layout(self, starts: tuple) -> _Layout:
         found = self._layouts.get(starts)

@@ -308,13 +308,18 @@ def test_late_errors_leave_the_previous_plan_in_place(planner, late_error):
     assert torch.equal(decoder._buffers.device_buffer, device)
 
 
-def test_page_id_range_reads_only_the_used_prefix():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
+def test_page_id_range_reads_only_the_used_prefix(native, engine):
     reader = _PageIdRange(CPU)
+    planner = HostPlanner(host_library.load("host_plan", engine.cache) if native else None)
     ids = torch.tensor([4, 9, 2, -1, 50], dtype=torch.int32)
     reader.start(ids, 3)
-    assert list(reader.wait()) == [4, 9, 2]
+    assert reader.wait() == 3 and reader.host[:3].tolist() == [4, 9, 2]
+    assert planner.id_range(reader.host, 3) == (2, 9)
+    reader.start(ids, 5)
+    assert planner.id_range(reader.host, reader.wait()) == (-1, 50)
     reader.start(ids, 0)
-    assert len(reader.wait()) == 0
+    assert reader.wait() == 0
 
 
 # ---- the staging copy ----------------------------------------------------------------------------------------

@@ -169,3 +169,14 @@ int fj_fill(const fj_plan_t *p, int32_t *staging, const fj_layout_t *at) {
     }
     return 0;
 }
+
+/* The smallest and largest of n page ids (n >= 1), for plan()'s check of the ids it copied back. */
+void fj_id_range(const int32_t *ids, int64_t n, int64_t *low_high) {
+    int32_t low = ids[0], high = ids[0];
+    for (int64_t i = 1; i < n; ++i) {
+        low = ids[i] < low ? ids[i] : low;
+        high = ids[i] > high ? ids[i] : high;
+    }
+    low_high[0] = low;
+    low_high[1] = high;
+}
