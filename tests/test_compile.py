@@ -72,6 +72,13 @@ def test_sm90_cubin(warm):
     assert b"flashjit_decode" in warm.kernel.cubin and b"flashjit_merge" in warm.kernel.cubin
 
 
+def test_timeline_stamps_compile_in_only_on_request(warm):
+    """-DFJ_TIMELINE (benchmarks/cta_timeline.py) adds the stamps' buffer; the kernels built without
+    it carry none of it."""
+    stamped = compile_source(render(warm.spec), "sm_90", warm.spec.name, extra_options=("-DFJ_TIMELINE",)).cubin
+    assert b"fj_timeline" in stamped and b"fj_timeline" not in warm.kernel.cubin
+
+
 def test_compile_error_from_engine_saves_source_in_cache(isolated_masks, tmp_path, engine):
     path = tmp_path / "wrong.cuh.j2"
     path.write_text('{% extends "masks/base.cuh.j2" %}\n{% block visible %}  return no_such_symbol;{% endblock %}\n')

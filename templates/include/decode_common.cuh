@@ -302,9 +302,11 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Consume&&
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncthreads();
+    if (t == 0) FJ_STAMP(1);
     consume(t % STAGES, t);
     __syncthreads();
   }
+  FJ_STAMP(2);
   cp_async_wait<0>();
 }
 

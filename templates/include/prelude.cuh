@@ -6,6 +6,24 @@ typedef long long i64;
 typedef unsigned long long u64;
 
 #define FJ_INLINE __device__ __forceinline__
+
+// Per-CTA %globaltimer stamps for benchmarks/cta_timeline.py, compiled in only with -DFJ_TIMELINE:
+// 0 entry, 1 first tile resident, 2 last tile consumed, 3 exit, of CTA (x, y, z) in grid order.
+#ifdef FJ_TIMELINE
+#define FJ_TIMELINE_CTAS 65536
+__device__ unsigned long long fj_timeline[FJ_TIMELINE_CTAS][4];
+#define FJ_STAMP(i)                                                                                   \
+  do {                                                                                                \
+    const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);             \
+    if (threadIdx.x + threadIdx.y + threadIdx.z == 0 && cta_ < FJ_TIMELINE_CTAS) {                    \
+      unsigned long long now_;                                                                        \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));                                         \
+      fj_timeline[cta_][i] = now_;                                                                    \
+    }                                                                                                 \
+  } while (0)
+#else
+#define FJ_STAMP(i) do {} while (0)
+#endif
 #define FJ_NEG_INF __int_as_float(0xff800000u)
 #define FJ_LN2 0.69314718055994530942f
 

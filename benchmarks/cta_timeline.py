@@ -1,0 +1,95 @@
+"""When each CTA of one decode call starts, gets its first tile, finishes its tiles and exits (GPU).
+
+    python benchmarks/cta_timeline.py "b16 L8192 e4m3" ["b64 L8192 e4m3" ...] [--calls 3]
+
+ncu reports a kernel's averages; this shows its shape in time: how long CTAs wait for their first
+tile (the prologue's chain of loads), how far apart they finish (the tail, where the memory system
+idles), and what the epilogue and merge add. The kernel is built with -DFJ_TIMELINE, which compiles
+in a %globaltimer stamp at four points of every CTA (templates/include/prelude.cuh, FJ_STAMP); the
+cubin built without it is unchanged. Inputs, flush and timing are those of benchmarks/decode.py.
+Percentiles are in µs from the first CTA's entry.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantize  # noqa: E402
+
+STAMPS = ("entry", "first tile", "tiles done", "exit")
+PERCENTILES = (0, 10, 50, 90, 100)
+CTAS = 65536  # FJ_TIMELINE_CTAS
+
+
+def timeline_engine(cache_dir):
+    """An Engine whose kernels carry the timeline stamps (built beside the cached plain ones)."""
+    import flashjit
+    from flashjit.compile import compile_source
+    from flashjit.kernel import Kernel
+
+    class TimelineEngine(flashjit.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._stamped = {}
+
+        def get_kernel(self, spec):
+            if spec not in self._stamped:
+                plain = super().get_kernel(spec)
+                cubin = compile_source(self.source(spec), spec.arch, spec.name, extra_options=("-DFJ_TIMELINE",)).cubin
+                self._stamped[spec] = Kernel(spec, plain.tiling, plain.mask, cubin, plain.key + "+timeline")
+            return self._stamped[spec]
+
+    return TimelineEngine(cache_dir=cache_dir)
+
+
+def read_stamps(kernel, ctas: int):
+    """The four stamps of the first ctas CTAs (ns), as an int64 array [ctas, 4]."""
+    import numpy as np
+    from cupy.cuda import runtime
+
+    address = kernel.loaded(0).module.get_global_var("fj_timeline")
+    host = np.zeros((CTAS, 4), dtype=np.uint64)
+    runtime.memcpy(host.ctypes.data, address, host.nbytes, runtime.memcpyDeviceToHost)
+    return host[:ctas].astype(np.int64), address, host.nbytes
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="+", choices=[c.name for c in CASES], metavar="CASE")
+    parser.add_argument("--calls", type=int, default=3, help="timed calls per case, each printed")
+    args = parser.parse_args(argv)
+
+    import numpy as np
+    import torch
+    from cupy.cuda import runtime
+
+    engine = timeline_engine(tempfile.mkdtemp())
+    timer = Timer(torch, 1)
+    for case in (c for c in CASES if c.name in args.cases):
+        batch = build_inputs(torch, case)
+        run, _, decoder = flashjit_impl(torch, batch, case, engine, quantize(batch, case))
+        grid = decoder.kernel.tiling.grid(decoder.work.num_work, decoder.num_kv_heads)
+        ctas = grid[0] * grid[1] * grid[2]
+        print(f"{case.name}: {decoder.spec.name}, {decoder.work.num_work} work items, {ctas} CTAs")
+        _, address, nbytes = read_stamps(decoder.kernel, 0)
+        for call in range(args.calls):
+            runtime.memset(address, 0, nbytes)
+            torch.cuda.synchronize()
+            us = timer.median_us(run)  # warm-up, flush, one timed call: the stamps are the timed call's
+            stamps = read_stamps(decoder.kernel, ctas)[0]
+            stamps = stamps[(stamps > 0).all(axis=1)]  # CTAs with no tile to read have no stamps 1 and 2
+            since = (stamps - stamps[:, 0].min()) / 1e3
+            print(f"  call {call}: {us:.1f} µs by events, CTAs from first entry to last exit "
+                  f"{since[:, 3].max():.1f} µs")
+            for column, name in enumerate(STAMPS):
+                cells = "  ".join(f"p{p} {v:6.1f}" for p, v in zip(PERCENTILES, np.percentile(since[:, column], PERCENTILES)))
+                print(f"    {name:<11} {cells}")
+            print(f"    per CTA: first tile after entry {np.median(since[:, 1] - since[:, 0]):.1f}, "
+                  f"tiles {np.median(since[:, 2] - since[:, 1]):.1f}, epilogue {np.median(since[:, 3] - since[:, 2]):.1f} (medians)")
+
+
+if __name__ == "__main__":
+    main()
