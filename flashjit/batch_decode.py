@@ -533,15 +533,17 @@ class _PlanBuffers:
     replays read the newest plan. (On a CPU device, for the tests, the copy is a plain one.)
     """
 
-    FIELDS = ("num_work", "num_tokens", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
-              "req_qo_indptr", "req_work_indptr", "token_request")
+    # work_items: 8 int32 per item (decode_common.cuh's WorkItem), first so its records are
+    # 16-byte aligned; the rest are the merges' (req_*, token_request, num_tokens).
+    FIELDS = ("work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request")
+    ITEM_INTS = 8
 
     def __init__(self, capacity: _Capacity, partial_rows: int, head_dim: int, merge_groups: int, device):
         import torch
 
         self.capacity = capacity
         w, b, t = capacity.work, capacity.batch, capacity.tokens
-        sizes = (1, 1, w, w, w, b, b, b + 1, b + 1, t)
+        sizes = (self.ITEM_INTS * w, 1, b + 1, b + 1, t)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.offsets = {name: int(offsets[i]) for i, name in enumerate(self.FIELDS)}
         self.starts = tuple(self.offsets.values())
@@ -558,8 +560,7 @@ class _PlanBuffers:
         # Launch arguments over these buffers; each plan() sets its scalars, each run() its tensors.
         p = self.pointers
         self.decode_args = a = DecodeArgs()
-        for name in ("num_work", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
-                     "req_qo_indptr", "req_work_indptr"):
+        for name in ("work_items", "req_qo_indptr", "req_work_indptr"):
             setattr(a, name, p[name])
         a.tmp_o, a.tmp_lse = self.tmp_o.data_ptr(), self.tmp_lse.data_ptr()
         a.merge_counters = self.merge_counters.data_ptr()

@@ -45,17 +45,29 @@ class NumpyTables:
         return self.work
 
     def write(self, host: np.ndarray, starts: tuple, staging_pointer: int):
-        """The work list into the staging buffer (host, a numpy view of it; starts, the field offsets)."""
+        """The work list into the staging buffer (host, a numpy view of it; starts, the offsets of
+        _PlanBuffers.FIELDS): per item its record, then the merges' arrays."""
         work = self.work
-        num_work, num_tokens, *array_starts = starts
-        host[num_work], host[num_tokens] = work.num_work, work.num_tokens
-        arrays = (work.work_request, work.work_begin, work.work_end, self.kv_lens, self.indptr_h[:-1],
-                  work.req_qo_indptr, work.req_work_indptr, work.token_request)  # _PlanBuffers.FIELDS' order
-        for start, values in zip(array_starts, arrays):
+        _, num_tokens, qo, work_indptr, token_request = starts
+        r, q_begin = work.work_request, work.req_qo_indptr
+        splits = work.req_work_indptr[1:] - work.req_work_indptr[:-1]
+        records = item_records(host, starts)
+        records[:work.num_work] = np.stack([r, work.work_begin, work.work_end, self.kv_lens[r], self.indptr_h[r],
+                                            q_begin[r], self.q_lens[r], splits[r]], axis=1)
+        records[work.num_work:, 0] = -1  # padding: positions of a CUDA-graph grid past this plan's items
+        host[num_tokens] = work.num_tokens
+        for start, values in ((qo, q_begin), (work_indptr, work.req_work_indptr), (token_request, work.token_request)):
             host[start:start + len(values)] = values
 
     def work_plan(self, host: np.ndarray, starts: tuple) -> WorkPlan:
         return self.work
+
+
+def item_records(host: np.ndarray, starts: tuple) -> np.ndarray:
+    """The staging buffer's work-item records, [capacity, 8]: (request, v_begin, v_end, kv_len,
+    page_begin, q_begin, q_len, items of the request), as decode_common.cuh's WorkItem reads them."""
+    first, end = starts[0], starts[1]
+    return host[first:end].reshape(-1, 8)
 
 
 class _Params(ctypes.Structure):
@@ -70,11 +82,11 @@ class _Params(ctypes.Structure):
 
 
 class _Layout(ctypes.Structure):
-    """Mirror of fj_layout_t: the staging buffer's field offsets, in _PlanBuffers.FIELDS' order."""
+    """Mirror of fj_layout_t: the staging buffer's field offsets (_PlanBuffers.FIELDS' order) and
+    how many item records it holds."""
 
     _fields_ = [(name, ctypes.c_int64) for name in (
-        "num_work", "num_tokens", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
-        "req_qo_indptr", "req_work_indptr", "token_request")]
+        "work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request", "work_capacity")]
 
 
 def _int32_cpu_vector(t, length: int | None = None) -> bool:
@@ -143,10 +155,10 @@ class NativeTables:
     def work_plan(self, host: np.ndarray, starts: tuple) -> WorkPlan:
         """The work list as numpy views of the staging buffer (valid until the next plan())."""
         if self._work is None:
-            _, _, work_request, work_begin, work_end, _, _, qo, work_indptr, token_request = starts
+            _, _, qo, work_indptr, token_request = starts
             w, b = self.num_work, self.batch
-            self._work = WorkPlan(host[work_request:work_request + w], host[work_begin:work_begin + w],
-                                  host[work_end:work_end + w], host[work_indptr:work_indptr + b + 1],
+            records = item_records(host, starts)[:w]
+            self._work = WorkPlan(records[:, 0], records[:, 1], records[:, 2], host[work_indptr:work_indptr + b + 1],
                                   host[qo:qo + b + 1], host[token_request:token_request + self.num_tokens],
                                   self.chunk_tokens)
         return self._work
@@ -201,5 +213,5 @@ class HostPlanner:
     def layout(self, starts: tuple) -> _Layout:
         found = self._layouts.get(starts)
         if found is None:
-            found = self._layouts[starts] = _Layout(*starts)
+            found = self._layouts[starts] = _Layout(*starts, (starts[1] - starts[0]) // 8)
         return found

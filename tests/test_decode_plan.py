@@ -20,7 +20,7 @@ import torch
 from flashjit import DecodeSpec
 from flashjit.batch_decode import _NO_CACHE, LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
 from flashjit import host_library
-from flashjit.host_plan import HostPlanner
+from flashjit.host_plan import HostPlanner, item_records
 from flashjit.kernel import Kernel, LoadedKernel
 from flashjit.registry import masks
 from flashjit import tiling as tiling_module
@@ -93,16 +93,20 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     assert decoder.work.chunk_tokens == work.chunk_tokens
     buffers = decoder._buffers
     device, off = buffers.device_buffer.numpy(), buffers.offsets
-    assert device[off["num_work"]] == work.num_work and device[off["num_tokens"]] == work.num_tokens
-    packed = {"work_request": work.work_request, "work_begin": work.work_begin, "work_end": work.work_end,
-              "req_kv_len": kv_lens, "req_page_begin": indptr_h[:-1], "req_qo_indptr": work.req_qo_indptr,
-              "req_work_indptr": work.req_work_indptr, "token_request": work.token_request}
+    assert device[off["num_tokens"]] == work.num_tokens
+    r, w = work.work_request, work.num_work
+    records = item_records(device, buffers.starts)
+    q_lens, splits = np.diff(work.req_qo_indptr), np.diff(work.req_work_indptr)
+    expected = np.stack([r, work.work_begin, work.work_end, kv_lens[r], indptr_h[r], work.req_qo_indptr[r],
+                         q_lens[r], splits[r]], axis=1)
+    assert np.array_equal(records[:w], expected) and (records[w:, 0] == -1).all()  # the rest: padding
+    packed = {"req_qo_indptr": work.req_qo_indptr, "req_work_indptr": work.req_work_indptr,
+              "token_request": work.token_request}
     for name, values in packed.items():
         assert np.array_equal(device[off[name]:off[name] + len(values)], values), name
 
     a, m, p = decoder._decode_args, decoder._merge_args, buffers.pointers
-    for name in ("num_work", "work_request", "work_begin", "work_end", "req_kv_len", "req_page_begin",
-                 "req_qo_indptr", "req_work_indptr"):
+    for name in ("work_items", "req_qo_indptr", "req_work_indptr"):
         assert getattr(a, name) == p[name], name
     assert (m.token_request, m.req_qo_indptr, m.req_work_indptr, m.num_tokens) == (
         p["token_request"], p["req_qo_indptr"], p["req_work_indptr"], p["num_tokens"])
@@ -331,8 +335,8 @@ def test_plan_buffers_pack_every_field_at_its_offset(native, engine):
     buffers = _PlanBuffers(_Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, merge_groups=8,
                            device=CPU)
     offsets = list(buffers.offsets.values())
-    assert offsets == [0, 1, 2, 11, 20, 29, 33, 37, 42, 47]  # fields in FIELDS order, each at its capacity
-    assert buffers.device_buffer.numel() == 47 + 6 and buffers.tmp_o.numel() == 640 and buffers.tmp_lse.numel() == 10
+    assert offsets == [0, 72, 73, 78, 83]  # fields in FIELDS order, each at its capacity (8 ints per item)
+    assert buffers.device_buffer.numel() == 83 + 6 and buffers.tmp_o.numel() == 640 and buffers.tmp_lse.numel() == 10
     planner = HostPlanner(host_library.load("host_plan", engine.cache) if native else None)
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     tables = planner.read(i32([0, 19, 20, 29]), i32([12, 5, 1]), 16, i32([0, 2, 3, 5]))  # 300, 5, 129 tokens
@@ -340,12 +344,17 @@ def test_plan_buffers_pack_every_field_at_its_offset(native, engine):
     tables.plan(None, None, ctas_per_item=4, max_ctas=8, granularity=16, chunk_tokens=128)
     buffers.write(tables)
     assert buffers.device_buffer.tolist() == [
-        6, 5,                            # num_work, num_tokens
-        0, 0, 0, 1, 2, 2, 0, 0, 0,       # work_request
-        0, 128, 256, 0, 0, 128, 0, 0, 0,  # work_begin
-        128, 256, 300, 5, 128, 129, 0, 0, 0,  # work_end
-        300, 5, 129, 0,                  # req_kv_len
-        0, 19, 20, 0,                    # req_page_begin
+        # request, v_begin, v_end, kv_len, page_begin, q_begin, q_len, items of the request
+        0, 0, 128, 300, 0, 0, 2, 3,
+        0, 128, 256, 300, 0, 0, 2, 3,
+        0, 256, 300, 300, 0, 0, 2, 3,
+        1, 0, 5, 5, 19, 2, 1, 1,
+        2, 0, 128, 129, 20, 3, 2, 2,
+        2, 128, 129, 129, 20, 3, 2, 2,
+        -1, 0, 0, 0, 0, 0, 0, 0,         # padding past the plan's 6 items
+        -1, 0, 0, 0, 0, 0, 0, 0,
+        -1, 0, 0, 0, 0, 0, 0, 0,
+        5,                               # num_tokens
         0, 2, 3, 5, 0,                   # req_qo_indptr
         0, 3, 4, 6, 0,                   # req_work_indptr
         0, 0, 1, 2, 2, 0]                # token_request

@@ -33,10 +33,10 @@ typedef struct {
     int64_t chunk, num_work;       /* fj_plan */
 } fj_plan_t;
 
-/* The offsets (in int32 words) of the staging buffer's fields; see _PlanBuffers.FIELDS. */
+/* The offsets (in int32 words) of the staging buffer's fields (see _PlanBuffers.FIELDS), and the
+ * number of 8-int work-item records it holds. */
 typedef struct {
-    int64_t num_work, num_tokens, work_request, work_begin, work_end, req_kv_len, req_page_begin,
-        req_qo_indptr, req_work_indptr, token_request;
+    int64_t work_items, num_tokens, req_qo_indptr, req_work_indptr, token_request, work_capacity;
 } fj_layout_t;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -142,10 +142,12 @@ int fj_plan(fj_plan_t *p) {
     return 0;
 }
 
-/* The work list and the per-request arrays, into the staging buffer at layout's offsets. */
+/* The work-item records and the merges' per-request arrays, into the staging buffer at layout's
+ * offsets. A record is decode_common.cuh's WorkItem: (request, v_begin, v_end, kv_len, page_begin,
+ * q_begin, q_len, items of the request); the records past num_work get request -1 (padding). */
 int fj_fill(const fj_plan_t *p, int32_t *staging, const fj_layout_t *at) {
     int64_t w = 0;
-    staging[at->num_work] = (int32_t)p->num_work;
+    int32_t *records = staging + at->work_items;
     staging[at->num_tokens] = (int32_t)p->num_tokens;
     staging[at->req_work_indptr] = 0;
     staging[at->req_qo_indptr] = 0;
@@ -153,20 +155,25 @@ int fj_fill(const fj_plan_t *p, int32_t *staging, const fj_layout_t *at) {
         int64_t begin, end;
         span(p, b, &begin, &end);
         int64_t items = max64(ceil_div(end - begin, p->chunk), 1);
-        for (int64_t i = 0; i < items; ++i, ++w) {
-            int64_t first = begin + i * p->chunk;
-            staging[at->work_request + w] = (int32_t)b;
-            staging[at->work_begin + w] = (int32_t)first;
-            staging[at->work_end + w] = (int32_t)min64(first + p->chunk, end);
-        }
-        staging[at->req_work_indptr + b + 1] = (int32_t)w;
-        staging[at->req_kv_len + b] = (int32_t)p->kv_lens[b];
-        staging[at->req_page_begin + b] = p->indptr[b];
         int64_t q_begin = p->qo_indptr ? p->qo_indptr[b] : b * p->q_len;
         int64_t q_end = p->qo_indptr ? p->qo_indptr[b + 1] : (b + 1) * p->q_len;
+        for (int64_t i = 0; i < items; ++i, ++w) {
+            int64_t first = begin + i * p->chunk;
+            int32_t *record = records + 8 * w;
+            record[0] = (int32_t)b;
+            record[1] = (int32_t)first;
+            record[2] = (int32_t)min64(first + p->chunk, end);
+            record[3] = (int32_t)p->kv_lens[b];
+            record[4] = p->indptr[b];
+            record[5] = (int32_t)q_begin;
+            record[6] = (int32_t)(q_end - q_begin);
+            record[7] = (int32_t)items;
+        }
+        staging[at->req_work_indptr + b + 1] = (int32_t)w;
         staging[at->req_qo_indptr + b + 1] = (int32_t)q_end;
         for (int64_t t = q_begin; t < q_end; ++t) staging[at->token_request + t] = (int32_t)b;
     }
+    for (; w < at->work_capacity; ++w) records[8 * w] = -1;
     return 0;
 }
 

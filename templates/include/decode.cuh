@@ -45,11 +45,11 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
-  if (w >= __ldg(a.num_work)) return;
+  const WorkItem item(a, w);
+  if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
   const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
   const int tid = (tz * ROWS_PAD + ty) * BDX + tx;
 
-  const WorkItem item(a, w);
 
   // This thread's query row: rows are (token, head-in-group), heads fastest.
   const int row = cta.row_tile * ROWS + ty;

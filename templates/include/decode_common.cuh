@@ -8,10 +8,10 @@ struct Args {
   const kv_t* __restrict__ k; const kv_t* __restrict__ v;
   i64 page_stride, slot_stride, head_stride;           // element strides of the paged cache
   const int* __restrict__ page_indices;
-  const int* __restrict__ work_request; const int* __restrict__ work_begin; const int* __restrict__ work_end;
-  const int* __restrict__ num_work;                     // device scalar: items past it are padding
-  const int* __restrict__ req_kv_len; const int* __restrict__ req_page_begin;
-  const int* __restrict__ req_qo_indptr; const int* __restrict__ req_work_indptr;
+  // Per grid position, one 32-byte record (WorkItem): (request, v_begin, v_end, kv_len) and
+  // (page_begin, q_begin, q_len, items of the request); request -1 marks CUDA-graph padding.
+  const int4* __restrict__ work_items;
+  const int* __restrict__ req_qo_indptr; const int* __restrict__ req_work_indptr;  // the merge's
   out_t* __restrict__ out; i64 out_stride;
   float* __restrict__ lse;                              // natural-log LSE [tokens, qo_heads] or null
   float* __restrict__ tmp_o; float* __restrict__ tmp_lse;
@@ -58,20 +58,19 @@ struct CtaCoords {
 // Its tiles start at tile_begin, v_begin rounded down to a page: a span that starts inside a page
 // (a sliding window) still gives the loader whole pages per thread (runs), and the positions
 // before v_begin are neither read nor attended (in_span).
+// The planner writes the request's geometry into every item's record, so one 32-byte load gives
+// it all: the chain of dependent loads before a CTA's first copy (item, page id, K/V) is the
+// prologue of every CTA, and at small batches most of the kernel (benchmarks/cta_timeline.py).
 struct WorkItem {
   int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len;
   bool direct;  // the request's only item: it writes the output, not a partial for the merge
   FJ_INLINE WorkItem(const Args& a, int w) {
-    request = __ldg(a.work_request + w);
-    v_begin = __ldg(a.work_begin + w);
-    v_end = __ldg(a.work_end + w);
+    const int4 span = __ldg(a.work_items + 2 * w), geometry = __ldg(a.work_items + 2 * w + 1);
+    request = span.x; v_begin = span.y; v_end = span.z; kv_len = span.w;
+    page_begin = geometry.x; q_begin = geometry.y; q_len = geometry.z; direct = geometry.w == 1;
     tile_begin = v_begin - v_begin % cfg::PAGE_SIZE;
-    kv_len = __ldg(a.req_kv_len + request);
-    page_begin = __ldg(a.req_page_begin + request);
-    q_begin = __ldg(a.req_qo_indptr + request);
-    q_len = __ldg(a.req_qo_indptr + request + 1) - q_begin;
-    direct = __ldg(a.req_work_indptr + request + 1) - __ldg(a.req_work_indptr + request) == 1;
   }
+  FJ_INLINE bool padding() const { return request < 0; }
   FJ_INLINE bool in_span(int vpos) const { return vpos >= v_begin && vpos < v_end; }
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };

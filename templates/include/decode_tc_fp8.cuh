@@ -129,11 +129,11 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
-  if (w >= __ldg(a.num_work)) return;
+  const WorkItem item(a, w);
+  if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
 
-  const WorkItem item(a, w);
   const HeadScales scales(a, kv_head);
 
   // The query rows of this lane's S^T and O^T columns: 2t + c.
