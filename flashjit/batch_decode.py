@@ -23,7 +23,7 @@ import numpy as np
 from . import checks
 from .engine import Engine
 from .host_library import load as load_host_library
-from .host_plan import HostPlanner
+from .host_plan import ITEM_INTS, HostPlanner
 from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, PreparedLaunch
 from .plan import WorkPlan
 from .small_arrays import largest
@@ -536,14 +536,13 @@ class _PlanBuffers:
     # work_items: 8 int32 per item (decode_common.cuh's WorkItem), first so its records are
     # 16-byte aligned; the rest are the merges' (req_*, token_request, num_tokens).
     FIELDS = ("work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request")
-    ITEM_INTS = 8
 
     def __init__(self, capacity: _Capacity, partial_rows: int, head_dim: int, merge_groups: int, device):
         import torch
 
         self.capacity = capacity
         w, b, t = capacity.work, capacity.batch, capacity.tokens
-        sizes = (self.ITEM_INTS * w, 1, b + 1, b + 1, t)
+        sizes = (ITEM_INTS * w, 1, b + 1, b + 1, t)
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.offsets = {name: int(offsets[i]) for i, name in enumerate(self.FIELDS)}
         self.starts = tuple(self.offsets.values())

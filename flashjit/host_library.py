@@ -35,9 +35,9 @@ SOURCE_DIR = Path(__file__).resolve().parent / "native"
 # No -ffast-math, and no fused multiply-adds: the helpers must round exactly as the Python references.
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
 BUILD_TIMEOUT_S = 120
-FALLBACK = "plan() uses its numpy version, which gives the same plans at ~100 us more per call"
+FALLBACK = "flashjit uses its numpy version instead (the same results, slower: ~100 us per plan() for host_plan)"
 
-_loaded: dict[str, ctypes.CDLL | None] = {}
+_loaded: dict[tuple, ctypes.CDLL | None] = {}  # (name, cache folder) -> the outcome of the first load
 _load_lock = threading.Lock()
 
 
@@ -55,11 +55,12 @@ def library_key(source: bytes, cc: str) -> str:
 
 def load(name: str, cache: KernelCache | None = None) -> ctypes.CDLL | None:
     """The helper native/<name>.c as a loaded library, or None (with one warning) when it cannot
-    be built or loaded. The first outcome is kept for the process."""
+    be built or loaded. The first outcome per cache folder is kept for the process."""
+    key = (name, None if cache is None else str(cache.base))
     with _load_lock:
-        if name not in _loaded:
-            _loaded[name] = _build_and_load(name, cache)
-        return _loaded[name]
+        if key not in _loaded:
+            _loaded[key] = _build_and_load(name, cache)
+        return _loaded[key]
 
 
 def _build_and_load(name: str, cache: KernelCache | None) -> ctypes.CDLL | None:

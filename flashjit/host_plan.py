@@ -23,7 +23,7 @@ from . import checks
 from .plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
 from .small_arrays import largest, smallest
 
-_INT32_MAX = np.iinfo(np.int32).max
+ITEM_INTS = 8  # int32 per work-item record (decode_common.cuh's WorkItem, host_plan.c's fj_fill)
 
 
 class NumpyTables:
@@ -67,7 +67,7 @@ def item_records(host: np.ndarray, starts: tuple) -> np.ndarray:
     """The staging buffer's work-item records, [capacity, 8]: (request, v_begin, v_end, kv_len,
     page_begin, q_begin, q_len, items of the request), as decode_common.cuh's WorkItem reads them."""
     first, end = starts[0], starts[1]
-    return host[first:end].reshape(-1, 8)
+    return host[first:end].reshape(-1, ITEM_INTS)
 
 
 class _Params(ctypes.Structure):
@@ -119,6 +119,7 @@ class NativeTables:
 
     @property
     def kv_lens(self) -> np.ndarray:
+        """A view of the planner's scratch: valid until its next read()."""
         return self._planner.kv_lens[:self.batch]
 
     @property
@@ -213,5 +214,5 @@ class HostPlanner:
     def layout(self, starts: tuple) -> _Layout:
         found = self._layouts.get(starts)
         if found is None:
-            found = self._layouts[starts] = _Layout(*starts, (starts[1] - starts[0]) // 8)
+            found = self._layouts[starts] = _Layout(*starts, (starts[1] - starts[0]) // ITEM_INTS)
         return found
