@@ -170,7 +170,15 @@ class BatchDecode:
              window_left: int | None = None, mask_params: dict | None = None, q_dtype="bfloat16",
              kv_dtype=None, kv_layout: str = "NHD", sm_scale: float | None = None,
              chunk_tokens: int | None = None, disable_split_kv: bool = False,
-             tensor_cores: bool | None = None) -> "BatchDecode":
+             tensor_cores: bool | None = None, check_page_ids: bool = True) -> "BatchDecode":
+        """Plans a batch for every layer's run(); see docs/api.md for the arguments.
+
+        check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
+        here and run() refuses a cache with too few pages. That waits for the work already queued
+        on the current stream. False skips it (no synchronization: plan() can overlap the GPU's
+        previous step); the caller then guarantees 0 <= id < the cache's page count, as FlashInfer's
+        plan() assumes.
+        """
         import torch
 
         checks.head_counts(num_qo_heads, num_kv_heads, page_size)
@@ -185,9 +193,11 @@ class BatchDecode:
             checks.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
         if self._graph_indices is not None and num_page_ids > self._graph_indices.numel():
             checks.fail("indices", f"at most max_num_pages={self._graph_indices.numel()} page ids", num_page_ids)
+        if not isinstance(check_page_ids, bool):
+            checks.fail("check_page_ids", "True or False", check_page_ids)
         # The page-id range travels to the host while the host plans, instead of in a round trip of
         # its own; a negative id is still reported ahead of any later argument error.
-        self._page_range.start(indices, num_page_ids)
+        self._page_range.start(indices, num_page_ids if check_page_ids else 0)
         try:
             spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
                                      self._kernel_q_len(tables.max_q_len), kv_layout, self._arch, tensor_cores)

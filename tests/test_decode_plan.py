@@ -241,6 +241,19 @@ def test_negative_page_id_names_the_smallest(planner):
         cpu_decoder(planner).plan(indptr, indices - 100, last, 8, 2, 128, 16)
 
 
+def test_unchecked_page_ids_are_not_read_back(planner):
+    """check_page_ids=False: no copy of the ids to the host (nothing to wait for), so a bad id goes
+    unnoticed and run() cannot hold the cache's page count against the ids."""
+    indptr, indices, last = tables([40, 90], 16, np.random.default_rng(1))
+    decoder = cpu_decoder(planner)
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16)
+    assert decoder._max_page == int(indices.max()) and decoder._page_range.pending == len(indices)
+    decoder.plan(indptr, indices - 100, last, 8, 2, 128, 16, check_page_ids=False)
+    assert decoder._max_page == -1 and decoder._page_range.pending == 0
+    with pytest.raises(ValueError, match=r"^check_page_ids: expected True or False, got 0$"):
+        decoder.plan(indptr, indices, last, 8, 2, 128, 16, check_page_ids=0)
+
+
 def test_negative_page_id_is_reported_before_later_argument_errors(planner):
     """As when the range was read before anything else: the page-id error, the later one as its context."""
     indptr, indices, last = tables([40, 90], 16, np.random.default_rng(1))

@@ -191,6 +191,18 @@ def test_plan_rejects_bad_page_table(engine):
         decoder.plan(batch.indptr, batch.indices[:2], batch.last_page_len, 8, 2, 128, 16)
 
 
+def test_plan_without_the_page_id_check_decodes_the_same(engine):
+    """check_page_ids=False skips the ids' round trip to the host, nothing else."""
+    batch = make_batch([40, 900, 3000], num_qo_heads=8, num_kv_heads=2, head_dim=128, page_size=16, seed=3)
+    args = (batch.indptr, batch.indices, batch.last_page_len, 8, 2, 128, 16)
+    outs = []
+    for check in (True, False):
+        decoder = flashjit.BatchDecode(engine).plan(*args, check_page_ids=check)
+        outs.append(decoder.run(batch.q, (batch.k_cache, batch.v_cache)))
+    ref, _ = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices, batch.last_page_len)
+    assert torch.equal(outs[0], outs[1]) and rel_error(outs[1], ref) < TOLERANCE[torch.bfloat16]
+
+
 def _tables(kv_lens, page_size, pool, gen):
     """Page table of a batch over an existing pool of pages (shuffled, disjoint)."""
     pages = [-(-n // page_size) for n in kv_lens]
