@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -41,15 +42,22 @@ _loaded: dict[tuple, ctypes.CDLL | None] = {}  # (name, cache folder) -> the out
 _load_lock = threading.Lock()
 
 
-def compiler() -> str | None:
-    """The C compiler to build with ($CC, else cc), or None when there is none."""
-    return shutil.which(os.environ.get("CC", "").strip() or "cc")
+def compiler() -> list[str] | None:
+    """The C compiler command to build with ($CC, e.g. "ccache gcc -m64"; else cc), its program
+    resolved on PATH, or None when there is none."""
+    try:
+        command = shlex.split(os.environ.get("CC", "").strip() or "cc")
+    except ValueError:  # unbalanced quotes: not a command
+        return None
+    program = shutil.which(command[0]) if command else None
+    return [program, *command[1:]] if program else None
 
 
-def library_key(source: bytes, cc: str) -> str:
-    """What the library is built from: the source, the flags, the compiler's name and the platform."""
+def library_key(source: bytes, cc: list[str]) -> str:
+    """What the library is built from: the source, the flags, the compiler command (its program by
+    name) and the platform."""
     h = hashlib.sha256(source)
-    h.update(repr((CFLAGS, os.path.basename(cc), platform.system(), platform.machine())).encode())
+    h.update(repr((CFLAGS, os.path.basename(cc[0]), cc[1:], platform.system(), platform.machine())).encode())
     return h.hexdigest()[:32]
 
 
@@ -68,7 +76,8 @@ def _build_and_load(name: str, cache: KernelCache | None) -> ctypes.CDLL | None:
         return None
     cc = compiler()
     if cc is None:
-        log.warning("no C compiler (set CC, or install cc) to build flashjit's host helper %s: %s", name, FALLBACK)
+        log.warning("no C compiler (CC=%r; set CC, or install cc) to build flashjit's host helper %s: %s",
+                    os.environ.get("CC", ""), name, FALLBACK)
         return None
     source_path = SOURCE_DIR / f"{name}.c"
     target = _library_folder(cache) / f"{name}-{library_key(source_path.read_bytes(), cc)}.so"
@@ -79,7 +88,7 @@ def _build_and_load(name: str, cache: KernelCache | None) -> ctypes.CDLL | None:
         return None
 
 
-def _load_or_build(cc: str, source: Path, target: Path) -> ctypes.CDLL:
+def _load_or_build(cc: list[str], source: Path, target: Path) -> ctypes.CDLL:
     """Load target, building it first when it is missing or does not load (a damaged file)."""
     damaged = False
     if target.is_file():
@@ -106,13 +115,13 @@ def _library_folder(cache: KernelCache | None) -> Path:
     return Path(tempfile.mkdtemp(prefix="flashjit-host-"))
 
 
-def _build(cc: str, source: Path, target: Path):
+def _build(cc: list[str], source: Path, target: Path):
     """Compile source into target: built in a temp folder, then moved in whole."""
     with tempfile.TemporaryDirectory(prefix="flashjit-build-") as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([cc, *CFLAGS, "-o", str(built), str(source), "-lm"], capture_output=True,
+        result = subprocess.run([*cc, *CFLAGS, "-o", str(built), str(source), "-lm"], capture_output=True,
                                 text=True, timeout=BUILD_TIMEOUT_S)
         if result.returncode != 0:
-            raise RuntimeError(f"{cc} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{shlex.join(cc)} exited with {result.returncode}: {result.stderr.strip()[-2000:]}")
         with atomic_file(target) as f:
             f.write(built.read_bytes())

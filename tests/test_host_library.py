@@ -48,9 +48,21 @@ def test_a_damaged_library_is_rebuilt(tmp_path, caplog):
 
 
 def test_the_key_follows_the_source_and_the_compiler():
-    assert host_library.library_key(b"int a;", "/usr/bin/cc") != host_library.library_key(b"int b;", "/usr/bin/cc")
-    assert host_library.library_key(b"int a;", "/usr/bin/cc") != host_library.library_key(b"int a;", "/usr/bin/clang")
-    assert host_library.library_key(b"int a;", "/usr/bin/cc") == host_library.library_key(b"int a;", "/opt/bin/cc")
+    key = host_library.library_key
+    assert key(b"int a;", ["/usr/bin/cc"]) != key(b"int b;", ["/usr/bin/cc"])
+    assert key(b"int a;", ["/usr/bin/cc"]) != key(b"int a;", ["/usr/bin/clang"])
+    assert key(b"int a;", ["/usr/bin/cc"]) != key(b"int a;", ["/usr/bin/cc", "-m64"])
+    assert key(b"int a;", ["/usr/bin/cc"]) == key(b"int a;", ["/opt/bin/cc"])
+
+
+def test_cc_may_carry_a_wrapper_and_flags(tmp_path, monkeypatch):
+    """CC as build tools take it ("ccache gcc -m64"): the first word is the program, the rest passed on."""
+    wrapper = tmp_path / "wrap-cc"
+    wrapper.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\nexec \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", f"{wrapper} {host_library.compiler()[0]} -DFJ_FROM_CC")
+    assert host_library.load("host_plan", KernelCache(tmp_path / "cache")) is not None
+    assert "-DFJ_FROM_CC" in (tmp_path / "args").read_text()
 
 
 @pytest.mark.parametrize("how", ["no compiler", "compiler fails", "switched off"])
