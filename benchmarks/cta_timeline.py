@@ -46,12 +46,12 @@ def timeline_engine(cache_dir):
 
 
 def read_stamps(kernel, ctas: int):
-    """The four stamps of the first ctas CTAs (ns), as an int64 array [ctas, 4]."""
+    """The four stamps (ns) and the SM of the first ctas CTAs, as an int64 array [ctas, 5]."""
     import numpy as np
     from cupy.cuda import runtime
 
     address = kernel.loaded(0).module.get_global_var("fj_timeline")
-    host = np.zeros((CTAS, 4), dtype=np.uint64)
+    host = np.zeros((CTAS, 5), dtype=np.uint64)
     runtime.memcpy(host.ctypes.data, address, host.nbytes, runtime.memcpyDeviceToHost)
     return host[:ctas].astype(np.int64), address, host.nbytes
 
@@ -80,7 +80,10 @@ def main(argv=None):
             torch.cuda.synchronize()
             us = timer.median_us(run)  # warm-up, flush, one timed call: the stamps are the timed call's
             stamps = read_stamps(decoder.kernel, ctas)[0]
-            stamps = stamps[(stamps > 0).all(axis=1)]  # CTAs with no tile to read have no stamps 1 and 2
+            sm = stamps[:, 4]
+            stamps = stamps[:, :4]
+            read = (stamps > 0).all(axis=1)  # CTAs with no tile to read have no stamps 1 and 2
+            stamps, sm = stamps[read], sm[read]
             since = (stamps - stamps[:, 0].min()) / 1e3
             print(f"  call {call}: {us:.1f} µs by events, CTAs from first entry to last exit "
                   f"{since[:, 3].max():.1f} µs")
@@ -89,6 +92,43 @@ def main(argv=None):
                 print(f"    {name:<11} {cells}")
             print(f"    per CTA: first tile after entry {np.median(since[:, 1] - since[:, 0]):.1f}, "
                   f"tiles {np.median(since[:, 2] - since[:, 1]):.1f}, epilogue {np.median(since[:, 3] - since[:, 2]):.1f} (medians)")
+            print_by_sm_load(np, since, sm)
+            print_by_request(np, since, np.nonzero(read)[0], decoder, grid)
+
+
+def print_by_request(np, since, cta_index, decoder, grid):
+    """How far apart the CTAs of one split request and KV head finish, against all CTAs: if a group's
+    CTAs finish far apart, sharing its tiles among them would shorten the tail."""
+    tiling = decoder.kernel.tiling
+    if not tiling.heads_first:
+        return
+    heads = decoder.num_kv_heads
+    x, row_tile = cta_index % grid[0], cta_index // grid[0]
+    item, head = x // heads, x % heads
+    request = np.asarray(decoder.work.work_request)[item]
+    group = (request * heads + head) * tiling.row_tiles + row_tile
+    done = since[:, 2]
+    spread, last = [], []
+    for g in np.unique(group):
+        members = done[group == g]
+        if len(members) > 1:
+            spread.append(members.max() - members.min())
+            last.append(members.max())
+    if spread:
+        for name, values in (("group finish spread", spread), ("group last finish", last)):
+            cells = "  ".join(f"p{p} {v:6.1f}" for p, v in zip(PERCENTILES, np.percentile(values, PERCENTILES)))
+            print(f"    {name} ({len(spread)} split groups): {cells}")
+
+
+def print_by_sm_load(np, since, sm):
+    """When CTAs finish their tiles, by how many CTAs of the call ran on their SM: a one-wave grid
+    that leaves some SMs a CTA short shows whether a CTA's speed follows its SM's load."""
+    per_sm = np.bincount(sm)
+    load = per_sm[sm]
+    for count in np.unique(load):
+        done = since[load == count, 2]
+        cells = "  ".join(f"p{p} {v:6.1f}" for p, v in zip(PERCENTILES, np.percentile(done, PERCENTILES)))
+        print(f"    tiles done, {count} CTAs on the SM ({len(done)} CTAs): {cells}")
 
 
 if __name__ == "__main__":

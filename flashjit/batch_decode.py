@@ -24,8 +24,9 @@ from . import checks
 from .engine import Engine
 from .host_library import load as load_host_library
 from .host_plan import ITEM_INTS, HostPlanner
-from .kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs, PreparedLaunch
+from .kernel import MASK_PARAM_CTYPES, DecodeArgs, Kernel, LoadedKernel, MergeArgs, PreparedLaunch
 from .plan import WorkPlan
+from .registry import masks
 from .small_arrays import largest
 from .spec import KV_DTYPES, DecodeSpec, normalize_dtype
 
@@ -81,6 +82,7 @@ class _StreamCopies:
 
     def __init__(self, device):
         self.device, self.event = device, None
+        self.marked_stream = None  # the stream the last marked copy went on
         if device.type == "cuda":
             import torch
             from cupy.cuda import runtime
@@ -105,6 +107,7 @@ class _StreamCopies:
         self.runtime.memcpyAsync(dst, src, nbytes, kind, stream)
         if mark:
             self.runtime.eventRecord(self.event, stream)
+            self.marked_stream = stream
 
     def wait(self):
         """Block until the last marked copy is done (at once if none was marked)."""
@@ -161,6 +164,8 @@ class BatchDecode:
         self._scales_key = None  # the k_scale/v_scale the arguments hold
         self._scale_rules = None  # (decode args, fp8 cache, kv heads) they were validated for
         self._decode_launch = self._merge_prepared = self._merge_launch = None  # kept from plan to plan
+        self._setups: dict = {}  # plan()'s scalars (and their types) -> {kernel query tokens: _Setup}
+        self._setup = self._args_for = None  # the current plan's setup; the (setup, buffers) the arguments hold
         self._planned = False
 
     # ---- plan -------------------------------------------------------------------------------
@@ -181,10 +186,21 @@ class BatchDecode:
         """
         import torch
 
-        checks.head_counts(num_qo_heads, num_kv_heads, page_size)
+        # A serving loop plans one configuration every step: what its scalars decide is memoized
+        # (_Setup). Types are part of the key, as 128.0 == 128 yet only the int is valid; mask_params
+        # may hold tensors, so plans given them build their setup each time.
+        scalars = (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout,
+                   sm_scale, tensor_cores)
+        key = (scalars, tuple(map(type, scalars))) if mask_params is None else None
+        try:
+            known = self._setups.get(key)
+        except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+            key = known = None
+        if known is None:
+            checks.head_counts(num_qo_heads, num_kv_heads, page_size)
         # The query tokens are each request's newest positions (kv_len - q_len + i).
         tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len)
-        batch, num_page_ids = tables.batch, tables.num_page_ids
+        num_page_ids = tables.num_page_ids
 
         checks.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
         if indices.shape[0] < num_page_ids:
@@ -199,41 +215,68 @@ class BatchDecode:
         # its own; a negative id is still reported ahead of any later argument error.
         self._page_range.start(indices, num_page_ids if check_page_ids else 0)
         try:
-            spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
-                                     self._kernel_q_len(tables.max_q_len), kv_layout, self._arch, tensor_cores)
-            if self.use_cuda_graph and self._planned and spec != self.spec:
-                checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}", spec.name)
-            kernel = self.engine.get_kernel(spec)
-            loaded = kernel.loaded(self.device.index)
-            params = self._mask_params(kernel.mask, window_left, mask_params)
-            work, capacity = self._split_work(spec, kernel, loaded, params, tables, num_kv_heads, chunk_tokens,
-                                              disable_split_kv)
+            kernel_q_len = self._kernel_q_len(tables.max_q_len)
+            setup = None if known is None else known.get(kernel_q_len)
+            if setup is None or setup.mask_generation != masks.generation:
+                setup = self._make_setup(scalars, mask_params, kernel_q_len)
+                if key is not None:
+                    if len(self._setups) >= _MAX_SETUPS:
+                        self._setups.clear()
+                    self._setups.setdefault(key, {})[kernel_q_len] = setup
+            if self.use_cuda_graph and self._planned and setup.spec != self.spec:
+                checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}",
+                            setup.spec.name)
+            work, capacity = self._split_work(setup, tables, chunk_tokens, disable_split_kv)
         finally:
             landed, max_page = self._page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
                 max_page = checks.largest_page_id(*self._host_planner.id_range(self._page_range.host, landed))
-        buffers = self._ensure_buffers(capacity, spec, num_qo_heads, head_dim, num_kv_heads * kernel.tiling.row_tiles)
+        buffers = self._ensure_buffers(capacity, setup)
 
         # Every argument is valid: from here on the new plan replaces the previous one.
+        fresh = (setup, buffers) != self._args_for  # the launch arguments hold another setup's values
+        if setup is not self._setup:
+            self._adopt(setup)
         self._max_page = max_page
-        if self.use_cuda_graph:
-            self._graph_q_len = spec.max_q_len
-        self.spec, self.kernel, self._tables = spec, kernel, tables
-        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = num_qo_heads, num_kv_heads, head_dim, page_size
-        self.batch_size, self.num_tokens = batch, work.num_tokens
-        self._q_dtype, self._kv_dtype = _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype)
-        self._q_shape = (work.num_tokens, num_qo_heads, head_dim)
+        self._tables = tables
+        self.batch_size, self.num_tokens = tables.batch, work.num_tokens
+        self._q_shape = (work.num_tokens, setup.num_qo_heads, setup.head_dim)
         self._q_rows = (work.num_tokens, capacity.tokens if self.use_cuda_graph else work.num_tokens)
-        self._kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
-                          else (num_kv_heads, page_size, head_dim))
         self._num_page_ids = num_page_ids
         self._kv_checked.clear()  # cache tensors are validated against this plan (page count, shape)
         self._last_cache = _NO_CACHE
-        buffers.write(tables)
-        self._build_args(kernel, loaded, work, params, indices,
-                         (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E)
+        # A page-id range that landed was copied after the previous plan's work list, on the same
+        # stream if the copies say so: then the staging memory is free without a wait of its own.
+        buffers.write(tables, synced_stream=self._page_range.copies.marked_stream if landed else None)
+        self._build_args(setup, work, indices, fresh)
         self._planned = True
         return self
+
+    def _make_setup(self, scalars: tuple, mask_params, kernel_q_len: int) -> "_Setup":
+        """What a plan's scalars decide: validated, the spec compiled (or found) and loaded."""
+        (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout, sm_scale,
+         tensor_cores) = scalars
+        checks.head_counts(num_qo_heads, num_kv_heads, page_size)
+        generation = masks.generation  # before the lookups: a mask registered meanwhile makes a new setup
+        spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
+                                 kernel_q_len, kv_layout, self._arch, tensor_cores)
+        kernel = self.engine.get_kernel(spec)
+        loaded = kernel.loaded(self.device.index)
+        params = self._mask_params(kernel.mask, window_left, mask_params)
+        kv_shape = (page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD" else (num_kv_heads, page_size, head_dim)
+        return _Setup(spec, kernel, loaded, params, (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E,
+                      num_qo_heads, num_kv_heads, head_dim, page_size, _torch_dtype(spec.dtype),
+                      _torch_dtype(spec.kv_dtype), kv_shape, generation)
+
+    def _adopt(self, setup: "_Setup"):
+        """The attributes run() and the properties read from a setup."""
+        self._setup = setup
+        self.spec, self.kernel = setup.spec, setup.kernel
+        self.num_qo_heads, self.num_kv_heads = setup.num_qo_heads, setup.num_kv_heads
+        self.head_dim, self.page_size = setup.head_dim, setup.page_size
+        self._q_dtype, self._kv_dtype, self._kv_shape = setup.q_dtype, setup.kv_dtype, setup.kv_shape
+        if self.use_cuda_graph:
+            self._graph_q_len = setup.spec.max_q_len
 
     @property
     def work(self) -> WorkPlan | None:
@@ -254,12 +297,12 @@ class BatchDecode:
                         "(set max_q_len when constructing BatchDecode)", largest_q)
         return fixed
 
-    def _split_work(self, spec, kernel, loaded, params, tables, num_kv_heads: int, chunk_tokens,
-                    disable_split_kv: bool) -> "tuple[WorkPlan, _Capacity]":
+    def _split_work(self, setup: "_Setup", tables, chunk_tokens, disable_split_kv: bool) -> "tuple[WorkPlan, _Capacity]":
         """The work items over the span the mask reads, within the CUDA-graph capacity if any."""
         span_begin = span_end = None  # None: every span starts at 0 and ends at the request's kv_len
+        kernel = setup.kernel
         if kernel.mask.kv_span is not None:
-            span_begin, span_end = kernel.mask.kv_span(tables.kv_lens, tables.q_lens, params)
+            span_begin, span_end = kernel.mask.kv_span(tables.kv_lens, tables.q_lens, setup.params)
             span_end = np.minimum(span_end, np.iinfo(np.int32).max)
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
             checks.fail("chunk_tokens", "a positive int", chunk_tokens)
@@ -267,9 +310,9 @@ class BatchDecode:
             span_lens = (tables.kv_lens if span_end is None else span_end if span_begin is None
                          else span_end - span_begin)
             chunk_tokens = max(1, largest(span_lens, 1))
-        tiling, batch = kernel.tiling, tables.batch
-        ctas_per_item, max_ctas = num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
-        capacity = self._graph_capacity(spec, batch, tables.num_tokens, max(batch, max_ctas // ctas_per_item))
+        tiling, batch, loaded = kernel.tiling, tables.batch, setup.loaded
+        ctas_per_item, max_ctas = setup.num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
+        capacity = self._graph_capacity(setup.spec, batch, tables.num_tokens, max(batch, max_ctas // ctas_per_item))
         work = tables.plan(span_begin, span_end, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
                            granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens,
                            max_items=capacity.work if capacity else None)
@@ -294,15 +337,15 @@ class BatchDecode:
                         f"{batch} requests, {tokens} tokens")
         return cap
 
-    def _ensure_buffers(self, capacity: "_Capacity", spec, num_qo_heads: int, head_dim: int,
-                        groups_per_request: int) -> "_PlanBuffers":
+    def _ensure_buffers(self, capacity: "_Capacity", setup: "_Setup") -> "_PlanBuffers":
+        spec, num_qo_heads = setup.spec, setup.num_qo_heads
         partial_rows = capacity.work * spec.max_q_len * num_qo_heads
-        merge_groups = capacity.batch * groups_per_request
+        merge_groups = capacity.batch * setup.num_kv_heads * setup.kernel.tiling.row_tiles
         current = self._buffers
-        if current is None or not current.fits(capacity, partial_rows * head_dim, merge_groups):
+        if current is None or not current.fits(capacity, partial_rows * setup.head_dim, merge_groups):
             if current is not None and self.use_cuda_graph:
                 checks.fail("plan() with use_cuda_graph=True", "the buffers of the first plan", "a larger plan")
-            current = self._buffers = _PlanBuffers(capacity, partial_rows, head_dim, merge_groups, self.device)
+            current = self._buffers = _PlanBuffers(capacity, partial_rows, setup.head_dim, merge_groups, self.device)
         return current
 
     def _mask_params(self, mask, window_left, mask_params) -> dict:
@@ -328,42 +371,44 @@ class BatchDecode:
                     checks.fail(f"mask param {p.name}", "a contiguous tensor (stride 1)", f"stride {value.stride(0)}")
         return params
 
-    def _build_args(self, kernel, loaded, work: WorkPlan, params: dict, indices, sm_scale_log2: float):
-        """Launch arguments: plan pointers and scalars now, tensor pointers patched by run()."""
-        buffers = self._buffers
+    def _build_args(self, setup: "_Setup", work: WorkPlan, indices, fresh: bool):
+        """Launch arguments: plan pointers and scalars now, tensor pointers patched by run().
+        fresh: the arguments (or their buffers) are another setup's, so its scalars go in too."""
+        buffers, kernel = self._buffers, setup.kernel
         a, m = buffers.decode_args, buffers.merge_args  # the work-list pointers are in already
         if self._graph_indices is not None:  # fixed address for graph replays (capacity checked by plan())
             used = int(self._num_page_ids)
             self._graph_indices[:used].copy_(indices[:used], non_blocking=True)
             indices = self._graph_indices
         a.page_indices = indices.data_ptr()
-        a.num_qo_heads = m.num_qo_heads = self.num_qo_heads
-        a.sm_scale_log2 = sm_scale_log2
-        scale_rules = (a, self.spec.kv_is_fp8, self.num_kv_heads)  # what run() validated the scales against
-        if scale_rules != self._scale_rules:
-            self._scales_key, self._scale_rules = None, scale_rules  # run() checks and sets the scales again
-        self._decode_args, self._merge_args = a, m
         self._indices = indices  # keep alive while planned
-
-        values, self._mask_tensors = [], []
-        for param in kernel.mask.params:
-            value = params[param.name]
-            if param.kind == "int_tensor":  # validated by _mask_params
-                self._mask_tensors.append(value)  # keep alive while planned
-                value = value.data_ptr()
-            values.append(value)
-        graph, cap, tiling = self.use_cuda_graph, buffers.capacity, kernel.tiling
-        decode_grid = tiling.grid(cap.work if graph else work.num_work, self.num_kv_heads)
-        decode_params = buffers.decode_params(kernel.mask.params, values)
+        if fresh:
+            a.num_qo_heads = m.num_qo_heads = setup.num_qo_heads
+            a.sm_scale_log2 = setup.sm_scale_log2
+            scale_rules = (a, setup.spec.kv_is_fp8, setup.num_kv_heads)  # what run() validated the scales against
+            if scale_rules != self._scale_rules:
+                self._scales_key, self._scale_rules = None, scale_rules  # run() checks and sets the scales again
+            self._decode_args, self._merge_args = a, m
+            values, self._mask_tensors = [], []
+            for param in kernel.mask.params:
+                value = setup.params[param.name]
+                if param.kind == "int_tensor":  # validated by _mask_params
+                    self._mask_tensors.append(value)  # keep alive while planned
+                    value = value.data_ptr()
+                values.append(value)
+            self._decode_params = buffers.decode_params(kernel.mask.params, values)
+            self._args_for = (setup, buffers)
+        graph, cap, tiling, loaded = self.use_cuda_graph, buffers.capacity, kernel.tiling, setup.loaded
+        decode_grid = tiling.grid(cap.work if graph else work.num_work, setup.num_kv_heads)
         self._decode_launch = PreparedLaunch.update(self._decode_launch, loaded.decode, decode_grid, tiling.block,
-                                                    decode_params, tiling.smem_bytes)
+                                                    self._decode_params, tiling.smem_bytes)
         if tiling.fused_merge:  # the decode kernel merges split requests itself
             self._merge_launch = None
             return
         # Graphs always launch the merge (its blocks exit early when nothing was split); a plan
         # without a split keeps the prepared merge for the next plan that has one.
         self._merge_prepared = PreparedLaunch.update(
-            self._merge_prepared, loaded.merge, (cap.tokens if graph else work.num_tokens, self.num_qo_heads, 1),
+            self._merge_prepared, loaded.merge, (cap.tokens if graph else work.num_tokens, setup.num_qo_heads, 1),
             tiling.merge_block, buffers.merge_params)
         self._merge_launch = self._merge_prepared if graph or work.needs_merge else None
 
@@ -529,6 +574,27 @@ def _scale_key(value):
     return value
 
 
+_MAX_SETUPS = 64  # distinct plan() configurations remembered per BatchDecode (then forgotten at once)
+
+
+class _Setup(typing.NamedTuple):
+    """What plan()'s scalar arguments decide, worked out once per configuration (BatchDecode._make_setup)."""
+
+    spec: DecodeSpec
+    kernel: Kernel
+    loaded: LoadedKernel
+    params: dict           # the mask's parameters, validated
+    sm_scale_log2: float
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    q_dtype: object        # torch dtypes of q/out and of the cache
+    kv_dtype: object
+    kv_shape: tuple        # a cache page's shape (NHD or HND)
+    mask_generation: int   # masks.generation when made: a later registration may change the kernel
+
+
 class _Capacity(typing.NamedTuple):  # a NamedTuple: built every plan(), in a third of a frozen dataclass's time
     batch: int
     tokens: int
@@ -599,9 +665,12 @@ class _PlanBuffers:
         return (capacity.work <= c.work and capacity.batch <= c.batch and capacity.tokens <= c.tokens
                 and partial_elems <= self.tmp_o.numel() and merge_groups <= self.merge_counters.numel())
 
-    def write(self, tables):
-        """A plan's work list (tables: host_plan's NumpyTables or NativeTables) to the GPU."""
-        self.copies.wait()  # the previous plan's copy has read the staging memory
+    def write(self, tables, synced_stream=None):
+        """A plan's work list (tables: host_plan's NumpyTables or NativeTables) to the GPU.
+        synced_stream: a stream on which the host has just waited for a copy queued after this
+        buffer's last copy (None: none)."""
+        if synced_stream is None or synced_stream != self.copies.marked_stream:
+            self.copies.wait()  # the previous plan's copy has read the staging memory
         tables.write(self.host, self.starts, self.staging.data_ptr())
         self.copies.copy(self.device_buffer.data_ptr(), self.staging.data_ptr(), 4 * len(self.host), _HOST_TO_DEVICE,
                          mark=True)

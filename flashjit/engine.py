@@ -62,15 +62,27 @@ class Engine:
             masks.add_template_dir(folder)
         self.allow_compile = (not _env_flag("FLASHJIT_NO_COMPILE")) if allow_compile is None else allow_compile
         self._kernels: dict[DecodeSpec, Kernel] = {}
+        self._mask_generation = masks.generation  # the registrations _kernels was made under
         self._sources: dict[DecodeSpec, str] = {}
         self._key_locks: dict[DecodeSpec, threading.Lock] = {}
         self._lock = threading.Lock()
 
     def get_kernel(self, spec: DecodeSpec) -> Kernel:
+        if self._mask_generation != masks.generation:
+            self._forget_replaced_masks()
         kernel = self._kernels.get(spec)
         if kernel is not None:
             return kernel
         return self._resolve(spec)[0]
+
+    def _forget_replaced_masks(self):
+        """Drop the kernels of masks registered anew (replace=True, a template folder) since they were made."""
+        with self._lock:
+            generation = masks.generation
+            for spec, kernel in list(self._kernels.items()):
+                if masks.get(spec.mask) != kernel.mask:
+                    del self._kernels[spec]
+            self._mask_generation = generation
 
     def source(self, spec: DecodeSpec) -> str:
         """The rendered CUDA source of a spec (what `flashjit show` prints)."""

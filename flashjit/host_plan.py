@@ -172,7 +172,7 @@ class HostPlanner:
         self.library = library
         if library is None:
             return
-        for name in ("fj_page_table", "fj_query_indptr", "fj_plan", "fj_fill"):
+        for name in ("fj_read", "fj_plan", "fj_fill"):
             getattr(library, name).restype = ctypes.c_int
         library.fj_id_range.restype = None
         self.params = p = _Params()
@@ -198,8 +198,7 @@ class HostPlanner:
                 p.indptr, p.last_page_len, p.batch, p.page_size = indptr.data_ptr(), last_page_len.data_ptr(), batch, page_size
                 p.qo_indptr = None if qo_indptr is None else qo_indptr.data_ptr()
                 p.q_len = 1 if q_len is None else q_len
-                library = self.library
-                if not library.fj_page_table(ctypes.byref(p)) and not library.fj_query_indptr(ctypes.byref(p)):
+                if not self.library.fj_read(ctypes.byref(p)):
                     return NativeTables(self, indptr, qo_indptr, q_len, batch)
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
 

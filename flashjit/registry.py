@@ -97,6 +97,7 @@ class MaskRegistry:
         self._plugins_loaded = self._plugins_loading = False
         self._plugin_lock = threading.RLock()  # re-entrant: a plugin may look masks up while loading
         self.plugin_errors: dict[str, str] = {}  # entry-point name -> why it did not load
+        self.generation = 0  # counts registrations: what was looked up before may have changed since
 
     def register(self, name: str, template, params=None, *, kv_span=None, reference=None,
                  sample_params=None, replace: bool = False) -> MaskDef:
@@ -110,6 +111,7 @@ class MaskRegistry:
             if name in self._masks and not replace and self._masks[name] != mask:
                 raise SpecError("mask", name, "a name not registered yet (pass replace=True to override)")
             self._masks[name] = mask
+            self.generation += 1
         return mask
 
     def add_template_dir(self, folder) -> list[MaskDef]:

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from flashjit import DecodeSpec, host_library
-from flashjit.batch_decode import _NO_CACHE, LOG2E, BatchDecode, _PageIdRange, _PlanBuffers
+from flashjit.batch_decode import _NO_CACHE, LOG2E, BatchDecode, _Capacity, _PageIdRange, _PlanBuffers
 from flashjit.cache import KernelCache
 from flashjit.host_plan import HostPlanner, item_records
 from flashjit.kernel import Kernel, LoadedKernel
-from flashjit.registry import masks
+from flashjit.registry import masks, register_mask
 from flashjit import tiling as tiling_module
 from flashjit.tiling import decode_tiling
 from planner_oracle import reference_page_table, reference_plan_work
@@ -46,6 +46,7 @@ def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pa
     decoder._last_cache = _NO_CACHE
     decoder._scales_key = decoder._scale_rules = None
     decoder._decode_launch = decoder._merge_prepared = decoder._merge_launch = None
+    decoder._setups, decoder._setup, decoder._args_for = {}, None, None
     decoder._graph_q_len = max_q_len
     return decoder
 
@@ -231,6 +232,56 @@ def test_the_same_arguments_reuse_the_spec_and_others_change_it(planner):
         decoder.plan(indptr, indices, last, **args)
         assert getattr(decoder.spec, field) == value and decoder.spec != first
         assert decoder.kernel.spec == decoder.spec
+
+
+def test_a_configuration_is_set_up_once_until_a_mask_is_registered(planner, monkeypatch, isolated_masks, mask_file,
+                                                                    tmp_path):
+    """plan() looks its spec and kernel up once per configuration; a mask registered since (which may
+    replace the one planned) makes it look again."""
+    looked_up = []
+    get_kernel = planner.get_kernel
+    monkeypatch.setattr(planner, "get_kernel", lambda spec: looked_up.append(spec.name) or get_kernel(spec))
+    indptr, indices, last = tables([300, 20, 4000], 16, np.random.default_rng(13))
+    decoder = cpu_decoder(planner)
+    for _ in range(3):
+        decoder.plan(indptr, indices, last, 32, 8, 128, 16, mask="causal")
+    decoder.plan(indptr, indices, last, 32, 8, 128, 16, mask="causal", q_len=2)  # another kernel
+    assert len(looked_up) == 2
+    register_mask("causal", mask_file(tmp_path, "causal", "return true;"), replace=True)
+    decoder.plan(indptr, indices, last, 32, 8, 128, 16, mask="causal")
+    assert len(looked_up) == 3 and decoder.kernel.mask.template == str((tmp_path / "causal.cuh.j2").resolve())
+
+
+@pytest.mark.parametrize("head_dim, message", [(128.0, r"head_dim.*128\.0"), ([128], r"head_dim.*\[128\]")])
+def test_a_remembered_configuration_still_refuses_a_value_equal_to_its_own(planner, head_dim, message):
+    """128.0 == 128, yet only the int is a head_dim: the memo of the valid plan must not answer for it."""
+    indptr, indices, last = tables([300, 20], 16, np.random.default_rng(14))
+    decoder = cpu_decoder(planner)
+    decoder.plan(indptr, indices, last, 32, 8, 128, 16)
+    with pytest.raises(ValueError, match=message):
+        decoder.plan(indptr, indices, last, 32, 8, head_dim, 16)
+
+
+class _Copies:
+    """A _StreamCopies stand-in that records its waits."""
+
+    def __init__(self, marked_stream):
+        self.marked_stream, self.waits = marked_stream, 0
+
+    def wait(self):
+        self.waits += 1
+
+    def copy(self, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("synced_stream, waits", [(None, 1), (7, 0), (8, 1)])
+def test_the_staging_buffer_waits_unless_a_later_copy_on_its_stream_was_waited_for(synced_stream, waits):
+    buffers = _PlanBuffers(_Capacity(2, 2, 4), 8, 128, 4, CPU)
+    buffers.copies = _Copies(marked_stream=7)
+    written = []
+    buffers.write(type("Tables", (), {"write": lambda self, *args: written.append(args)})(), synced_stream)
+    assert buffers.copies.waits == waits and len(written) == 1
 
 
 # ---- the page-id range ---------------------------------------------------------------------------------------

@@ -175,8 +175,10 @@ def test_name_collision_needs_replace(isolated_masks, mask_file, tmp_path):
         register_mask("dup", second)
     assert "replace=True" in str(info.value)
     assert masks.get("dup").template == str(first.resolve())
+    generation = masks.generation
     register_mask("dup", second, replace=True)
     assert masks.get("dup").template == str(second.resolve())
+    assert masks.generation > generation  # what was looked up before knows to look again
 
 
 def test_built_in_cannot_be_overwritten_silently(isolated_masks, mask_file, tmp_path):

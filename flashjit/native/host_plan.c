@@ -53,7 +53,7 @@ static void span(const fj_plan_t *p, int64_t b, int64_t *begin, int64_t *end) {
 
 /* kv_lens from the page table; 1 if indptr does not start at 0, decreases, or a last_page_len is
  * outside 1..page_size (0 allowed for a request without pages). */
-int fj_page_table(fj_plan_t *p) {
+static int fj_page_table(fj_plan_t *p) {
     if (p->indptr[0] != 0) return 1;
     for (int64_t b = 0; b < p->batch; ++b) {
         int64_t pages = (int64_t)p->indptr[b + 1] - p->indptr[b], last = p->last_page_len[b];
@@ -65,7 +65,7 @@ int fj_page_table(fj_plan_t *p) {
 }
 
 /* 1 if qo_indptr does not start at 0 or decreases. Sets num_tokens and max_q_len (at least 1). */
-int fj_query_indptr(fj_plan_t *p) {
+static int fj_query_indptr(fj_plan_t *p) {
     int64_t most = 1;
     if (p->qo_indptr) {
         if (p->qo_indptr[0] != 0) return 1;
@@ -82,6 +82,9 @@ int fj_query_indptr(fj_plan_t *p) {
     p->max_q_len = most;
     return 0;
 }
+
+/* Both of the above, in one call from Python: 0 when the page table and the query offsets pass. */
+int fj_read(fj_plan_t *p) { return fj_page_table(p) || fj_query_indptr(p); }
 
 /* plan.makespans for one chunk: the fluid and the quantized bound, the merge when split. */
 static double makespan(const fj_plan_t *p, int64_t chunk) {
@@ -122,7 +125,7 @@ static int64_t choose_chunk(const fj_plan_t *p, int64_t longest) {
     return best;
 }
 
-/* plan.plan_work's sizes: chunk, num_work. Call fj_page_table (unless span_end is given) first. */
+/* plan.plan_work's sizes: chunk, num_work. Call fj_read (for kv_lens, unless span_end is given) first. */
 int fj_plan(fj_plan_t *p) {
     int64_t longest = 0, items = 0;
     for (int64_t b = 0; b < p->batch; ++b) {

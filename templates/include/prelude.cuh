@@ -8,10 +8,11 @@ typedef unsigned long long u64;
 #define FJ_INLINE __device__ __forceinline__
 
 // Per-CTA %globaltimer stamps for benchmarks/cta_timeline.py, compiled in only with -DFJ_TIMELINE:
-// 0 entry, 1 first tile resident, 2 last tile consumed, 3 exit, of CTA (x, y, z) in grid order.
+// 0 entry, 1 first tile resident, 2 last tile consumed, 3 exit, of CTA (x, y, z) in grid order;
+// slot 4 is the SM the CTA ran on (written at entry).
 #ifdef FJ_TIMELINE
 #define FJ_TIMELINE_CTAS 65536
-__device__ unsigned long long fj_timeline[FJ_TIMELINE_CTAS][4];
+__device__ unsigned long long fj_timeline[FJ_TIMELINE_CTAS][5];
 #define FJ_STAMP(i)                                                                                   \
   do {                                                                                                \
     const unsigned cta_ = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);             \
@@ -19,6 +20,11 @@ __device__ unsigned long long fj_timeline[FJ_TIMELINE_CTAS][4];
       unsigned long long now_;                                                                        \
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now_));                                         \
       fj_timeline[cta_][i] = now_;                                                                    \
+      if (i == 0) {                                                                                   \
+        unsigned sm_;                                                                                 \
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm_));                                               \
+        fj_timeline[cta_][4] = sm_;                                                                   \
+      }                                                                                               \
     }                                                                                                 \
   } while (0)
 #else
