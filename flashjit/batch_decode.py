@@ -609,7 +609,7 @@ class _PlanBuffers:
     replays read the newest plan. (On a CPU device, for the tests, the copy is a plain one.)
     """
 
-    # work_items: 8 int32 per item (decode_common.cuh's WorkItem), first so its records are
+    # work_items: ITEM_INTS int32 per item (decode_common.cuh's WorkItem), first so its records are
     # 16-byte aligned; the rest are the merges' (req_*, token_request, num_tokens).
     FIELDS = ("work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request")
 
@@ -629,8 +629,10 @@ class _PlanBuffers:
         self.pointers = {name: base + 4 * off for name, off in self.offsets.items()}
         self.tmp_o = torch.empty(max(1, partial_rows * head_dim), dtype=torch.float32, device=device)
         self.tmp_lse = torch.empty(max(1, partial_rows), dtype=torch.float32, device=device)
-        # The fused merge's arrival counters: zero here, and the kernel leaves them zero.
+        # The fused merge's arrival counters and the split requests' shared-tile claims, per
+        # (request, KV head, row tile): zero here, and the kernel leaves them zero.
         self.merge_counters = torch.zeros(max(1, merge_groups), dtype=torch.int32, device=device)
+        self.tile_counters = torch.zeros(max(1, merge_groups), dtype=torch.int32, device=device)
         self.copies = _StreamCopies(device)
         # Launch arguments over these buffers; each plan() sets its scalars, each run() its tensors.
         p = self.pointers
@@ -638,7 +640,7 @@ class _PlanBuffers:
         for name in ("work_items", "req_qo_indptr", "req_work_indptr"):
             setattr(a, name, p[name])
         a.tmp_o, a.tmp_lse = self.tmp_o.data_ptr(), self.tmp_lse.data_ptr()
-        a.merge_counters = self.merge_counters.data_ptr()
+        a.merge_counters, a.tile_counters = self.merge_counters.data_ptr(), self.tile_counters.data_ptr()
         self.merge_args = m = MergeArgs()
         m.tmp_o, m.tmp_lse = a.tmp_o, a.tmp_lse
         m.token_request, m.req_qo_indptr, m.req_work_indptr = p["token_request"], p["req_qo_indptr"], p["req_work_indptr"]

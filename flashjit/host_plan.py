@@ -23,7 +23,7 @@ from . import checks
 from .plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
 from .small_arrays import largest, smallest
 
-ITEM_INTS = 8  # int32 per work-item record (decode_common.cuh's WorkItem, host_plan.c's fj_fill)
+ITEM_INTS = 12  # int32 per work-item record (decode_common.cuh's WorkItem, host_plan.c's ITEM_INTS)
 
 
 class NumpyTables:
@@ -49,11 +49,14 @@ class NumpyTables:
         _PlanBuffers.FIELDS): per item its record, then the merges' arrays."""
         work = self.work
         _, num_tokens, qo, work_indptr, token_request = starts
-        r, q_begin = work.work_request, work.req_qo_indptr
-        splits = work.req_work_indptr[1:] - work.req_work_indptr[:-1]
+        r, q_begin, first_item = work.work_request, work.req_qo_indptr, work.req_work_indptr
+        splits = first_item[1:] - first_item[:-1]
         records = item_records(host, starts)
+        # the request's span: from its first item's begin to its last item's end
+        span_begin, span_end = work.work_begin[first_item[:-1]][r], work.work_end[first_item[1:] - 1][r]
         records[:work.num_work] = np.stack([r, work.work_begin, work.work_end, self.kv_lens[r], self.indptr_h[r],
-                                            q_begin[r], self.q_lens[r], splits[r]], axis=1)
+                                            q_begin[r], self.q_lens[r], splits[r], np.arange(work.num_work) - first_item[r],
+                                            span_begin, span_end, np.zeros_like(r)], axis=1)
         records[work.num_work:, 0] = -1  # padding: positions of a CUDA-graph grid past this plan's items
         host[num_tokens] = work.num_tokens
         for start, values in ((qo, q_begin), (work_indptr, work.req_work_indptr), (token_request, work.token_request)):
@@ -64,8 +67,9 @@ class NumpyTables:
 
 
 def item_records(host: np.ndarray, starts: tuple) -> np.ndarray:
-    """The staging buffer's work-item records, [capacity, 8]: (request, v_begin, v_end, kv_len,
-    page_begin, q_begin, q_len, items of the request), as decode_common.cuh's WorkItem reads them."""
+    """The staging buffer's work-item records, [capacity, 12]: (request, v_begin, v_end, kv_len,
+    page_begin, q_begin, q_len, items of the request, the item's index among them, the request's
+    span begin and end, 0), as decode_common.cuh's WorkItem reads them."""
     first, end = starts[0], starts[1]
     return host[first:end].reshape(-1, ITEM_INTS)
 

@@ -33,7 +33,7 @@ class DecodeArgs(ctypes.Structure):
         ("req_qo_indptr", ctypes.c_void_p), ("req_work_indptr", ctypes.c_void_p),
         ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
         ("lse", ctypes.c_void_p), ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
-        ("merge_counters", ctypes.c_void_p),
+        ("merge_counters", ctypes.c_void_p), ("tile_counters", ctypes.c_void_p),
         ("num_qo_heads", ctypes.c_int), ("sm_scale_log2", ctypes.c_float),
         ("k_scale_ptr", ctypes.c_void_p), ("v_scale_ptr", ctypes.c_void_p),
         ("k_scale_stride", ctypes.c_int), ("v_scale_stride", ctypes.c_int),

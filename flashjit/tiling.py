@@ -42,6 +42,7 @@ class DecodeTiling:
     ring_align: int     # the shared-memory ring starts at a multiple of this (tensor-core kernels)
     heads_first: bool   # grid x runs the KV heads of a work item side by side (see CtaCoords)
     fused_merge: bool   # split requests merge in the decode kernel (merge_if_last), not in flashjit_merge
+    static_share: int   # % of a split CTA's fair share of tiles read before sharing the rest (100: none)
     min_ctas: int       # __launch_bounds__'s CTAs per SM: ptxas caps registers to fit them
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
@@ -114,6 +115,12 @@ HEADS_FIRST = True
 # 16.1 -> 14.9 us, e4m3 b16 L8192 87.8 -> 85.2). The CUDA-core kernel keeps the launch: fused, it
 # took 268.6 us against 256.4 at b16 L8192 (group 4).
 FUSED_MERGE = True
+# The CTAs of a split request share its tiles (stream_shared_tiles): each reads this percentage of
+# its fair share first, then claims the rest one tile at a time, so CTAs the memory system serves
+# faster read more. CTAs with the same work finish up to ~15 us apart in one call (e4m3 b16 L8192,
+# benchmarks/cta_timeline.py: 9.7 us median spread within a request's CTAs); 100 turns it off.
+# Needs the fused merge, whose last CTA resets the claim counter.
+STATIC_SHARE = 75
 
 
 def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple[int, int]:
@@ -162,7 +169,8 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
                             row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=stages, tensor_cores=True,
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
                             swizzle=swizzle, ring_align=RING_ALIGN, heads_first=HEADS_FIRST, fused_merge=FUSED_MERGE,
-                            min_ctas=TC_MIN_CTAS[spec.head_dim], **merge)
+                            static_share=STATIC_SHARE if FUSED_MERGE else 100, min_ctas=TC_MIN_CTAS[spec.head_dim],
+                            **merge)
     vec = 8
     chunks = spec.head_dim // vec
     bdx = _pow2_ceil(chunks)
@@ -178,5 +186,5 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
         k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec), swizzle=False, ring_align=16,
         heads_first=HEADS_FIRST,
-        fused_merge=False, min_ctas=1, **merge,
+        fused_merge=False, static_share=100, min_ctas=1, **merge,
     )

@@ -106,8 +106,11 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     r, w = work.work_request, work.num_work
     records = item_records(device, buffers.starts)
     q_lens, splits = np.diff(work.req_qo_indptr), np.diff(work.req_work_indptr)
+    index = [list(r[:i]).count(r[i]) for i in range(w)]  # among the request's items
+    span_begin = [work.work_begin[r == r[i]].min() for i in range(w)]
+    span_end = [work.work_end[r == r[i]].max() for i in range(w)]
     expected = np.stack([r, work.work_begin, work.work_end, kv_lens[r], indptr_h[r], work.req_qo_indptr[r],
-                         q_lens[r], splits[r]], axis=1)
+                         q_lens[r], splits[r], index, span_begin, span_end, np.zeros(w)], axis=1)
     assert np.array_equal(records[:w], expected) and (records[w:, 0] == -1).all()  # the rest: padding
     packed = {"req_qo_indptr": work.req_qo_indptr, "req_work_indptr": work.req_work_indptr,
               "token_request": work.token_request}
@@ -121,9 +124,10 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
         p["token_request"], p["req_qo_indptr"], p["req_work_indptr"], p["num_tokens"])
     assert a.page_indices == (decoder._graph_indices if decoder.use_cuda_graph else indices).data_ptr()
     assert (a.tmp_o, a.tmp_lse) == (m.tmp_o, m.tmp_lse) == (buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr())
-    assert a.merge_counters == buffers.merge_counters.data_ptr()
+    assert a.merge_counters == buffers.merge_counters.data_ptr() and a.tile_counters == buffers.tile_counters.data_ptr()
     groups = buffers.capacity.batch * num_kv_heads * tiling.row_tiles  # (request, KV head, row tile)
-    assert buffers.merge_counters.numel() >= groups and not buffers.merge_counters.any()  # zero at rest
+    for counters in (buffers.merge_counters, buffers.tile_counters):
+        assert counters.numel() >= groups and not counters.any()  # zero at rest
     assert a.num_qo_heads == m.num_qo_heads == num_qo_heads
     assert a.sm_scale_log2 == ctypes.c_float(sm_scale_log2).value
     graph = decoder.use_cuda_graph
@@ -410,8 +414,8 @@ def test_plan_buffers_pack_every_field_at_its_offset(native):
     buffers = _PlanBuffers(_Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, merge_groups=8,
                            device=CPU)
     offsets = list(buffers.offsets.values())
-    assert offsets == [0, 72, 73, 78, 83]  # fields in FIELDS order, each at its capacity (8 ints per item)
-    assert buffers.device_buffer.numel() == 83 + 6 and buffers.tmp_o.numel() == 640 and buffers.tmp_lse.numel() == 10
+    assert offsets == [0, 108, 109, 114, 119]  # fields in FIELDS order, each at its capacity (12 ints per item)
+    assert buffers.device_buffer.numel() == 119 + 6 and buffers.tmp_o.numel() == 640 and buffers.tmp_lse.numel() == 10
     planner = HostPlanner(native_library() if native else None)
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     tables = planner.read(i32([0, 19, 20, 29]), i32([12, 5, 1]), 16, i32([0, 2, 3, 5]))  # 300, 5, 129 tokens
@@ -419,16 +423,17 @@ def test_plan_buffers_pack_every_field_at_its_offset(native):
     tables.plan(None, None, ctas_per_item=4, max_ctas=8, granularity=16, chunk_tokens=128)
     buffers.write(tables)
     assert buffers.device_buffer.tolist() == [
-        # request, v_begin, v_end, kv_len, page_begin, q_begin, q_len, items of the request
-        0, 0, 128, 300, 0, 0, 2, 3,
-        0, 128, 256, 300, 0, 0, 2, 3,
-        0, 256, 300, 300, 0, 0, 2, 3,
-        1, 0, 5, 5, 19, 2, 1, 1,
-        2, 0, 128, 129, 20, 3, 2, 2,
-        2, 128, 129, 129, 20, 3, 2, 2,
-        -1, 0, 0, 0, 0, 0, 0, 0,         # padding past the plan's 6 items
-        -1, 0, 0, 0, 0, 0, 0, 0,
-        -1, 0, 0, 0, 0, 0, 0, 0,
+        # request, v_begin, v_end, kv_len, page_begin, q_begin, q_len, items of the request,
+        # the item's index among them, the request's span, 0
+        0, 0, 128, 300, 0, 0, 2, 3, 0, 0, 300, 0,
+        0, 128, 256, 300, 0, 0, 2, 3, 1, 0, 300, 0,
+        0, 256, 300, 300, 0, 0, 2, 3, 2, 0, 300, 0,
+        1, 0, 5, 5, 19, 2, 1, 1, 0, 0, 5, 0,
+        2, 0, 128, 129, 20, 3, 2, 2, 0, 0, 129, 0,
+        2, 128, 129, 129, 20, 3, 2, 2, 1, 0, 129, 0,
+        -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # padding past the plan's 6 items
+        -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
         5,                               # num_tokens
         0, 2, 3, 5, 0,                   # req_qo_indptr
         0, 3, 4, 6, 0,                   # req_work_indptr

@@ -13,6 +13,9 @@
 #include <math.h>
 #include <stdint.h>
 
+/* int32 per work-item record: decode_common.cuh's WorkItem, host_plan.py's ITEM_INTS. */
+#define ITEM_INTS 12
+
 typedef struct {
     /* inputs */
     const int32_t *indptr;         /* [batch + 1] page-table CSR offsets */
@@ -34,7 +37,7 @@ typedef struct {
 } fj_plan_t;
 
 /* The offsets (in int32 words) of the staging buffer's fields (see _PlanBuffers.FIELDS), and the
- * number of 8-int work-item records it holds. */
+ * number of ITEM_INTS-int work-item records it holds. */
 typedef struct {
     int64_t work_items, num_tokens, req_qo_indptr, req_work_indptr, token_request, work_capacity;
 } fj_layout_t;
@@ -162,7 +165,7 @@ int fj_fill(const fj_plan_t *p, int32_t *staging, const fj_layout_t *at) {
         int64_t q_end = p->qo_indptr ? p->qo_indptr[b + 1] : (b + 1) * p->q_len;
         for (int64_t i = 0; i < items; ++i, ++w) {
             int64_t first = begin + i * p->chunk;
-            int32_t *record = records + 8 * w;
+            int32_t *record = records + ITEM_INTS * w;
             record[0] = (int32_t)b;
             record[1] = (int32_t)first;
             record[2] = (int32_t)min64(first + p->chunk, end);
@@ -171,12 +174,16 @@ int fj_fill(const fj_plan_t *p, int32_t *staging, const fj_layout_t *at) {
             record[5] = (int32_t)q_begin;
             record[6] = (int32_t)(q_end - q_begin);
             record[7] = (int32_t)items;
+            record[8] = (int32_t)i;
+            record[9] = (int32_t)begin;
+            record[10] = (int32_t)end;
+            record[11] = 0;
         }
         staging[at->req_work_indptr + b + 1] = (int32_t)w;
         staging[at->req_qo_indptr + b + 1] = (int32_t)q_end;
         for (int64_t t = q_begin; t < q_end; ++t) staging[at->token_request + t] = (int32_t)b;
     }
-    for (; w < at->work_capacity; ++w) records[8 * w] = -1;
+    for (; w < at->work_capacity; ++w) records[ITEM_INTS * w] = -1;
     return 0;
 }
 

@@ -8,14 +8,16 @@ struct Args {
   const kv_t* __restrict__ k; const kv_t* __restrict__ v;
   i64 page_stride, slot_stride, head_stride;           // element strides of the paged cache
   const int* __restrict__ page_indices;
-  // Per grid position, one 32-byte record (WorkItem): (request, v_begin, v_end, kv_len) and
-  // (page_begin, q_begin, q_len, items of the request); request -1 marks CUDA-graph padding.
+  // Per grid position, one 48-byte record (WorkItem): (request, v_begin, v_end, kv_len),
+  // (page_begin, q_begin, q_len, items of the request) and (the item's index among them, the
+  // request's span begin and end, 0); request -1 marks CUDA-graph padding.
   const int4* __restrict__ work_items;
   const int* __restrict__ req_qo_indptr; const int* __restrict__ req_work_indptr;  // the merge's
   out_t* __restrict__ out; i64 out_stride;
   float* __restrict__ lse;                              // natural-log LSE [tokens, qo_heads] or null
   float* __restrict__ tmp_o; float* __restrict__ tmp_lse;
   int* __restrict__ merge_counters;                     // FUSED_MERGE: arrivals per (request, KV head, row tile), 0 at rest
+  int* __restrict__ tile_counters;                      // shared tiles claimed, per the same groups, 0 at rest
   int num_qo_heads;
   float sm_scale_log2;                                  // sm_scale * log2(e)
   // K and V scales (fp8 caches; 1 otherwise): host factor times *_scale_ptr[kv_head * stride]
@@ -58,22 +60,35 @@ struct CtaCoords {
 // Its tiles start at tile_begin, v_begin rounded down to a page: a span that starts inside a page
 // (a sliding window) still gives the loader whole pages per thread (runs), and the positions
 // before v_begin are neither read nor attended (in_span).
-// The planner writes the request's geometry into every item's record, so one 32-byte load gives
+// The planner writes the request's geometry into every item's record, so one round of loads gives
 // it all: the chain of dependent loads before a CTA's first copy (item, page id, K/V) is the
 // prologue of every CTA, and at small batches most of the kernel (benchmarks/cta_timeline.py).
+// With cfg::STATIC_SHARE < 100 the span is the whole request's, whose tiles its items' CTAs share
+// (stream_shared_tiles); split is the item's index among them.
 struct WorkItem {
-  int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len;
+  int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len, splits, split;
   bool direct;  // the request's only item: it writes the output, not a partial for the merge
   FJ_INLINE WorkItem(const Args& a, int w) {
-    const int4 span = __ldg(a.work_items + 2 * w), geometry = __ldg(a.work_items + 2 * w + 1);
+    const int4 span = __ldg(a.work_items + 3 * w), geometry = __ldg(a.work_items + 3 * w + 1);
     request = span.x; v_begin = span.y; v_end = span.z; kv_len = span.w;
-    page_begin = geometry.x; q_begin = geometry.y; q_len = geometry.z; direct = geometry.w == 1;
+    page_begin = geometry.x; q_begin = geometry.y; q_len = geometry.z; splits = geometry.w;
+    direct = splits == 1;
+    split = 0;
+    if constexpr (cfg::STATIC_SHARE < 100) {
+      const int4 shared = __ldg(a.work_items + 3 * w + 2);
+      split = shared.x; v_begin = shared.y; v_end = shared.z;
+    }
     tile_begin = v_begin - v_begin % cfg::PAGE_SIZE;
   }
   FJ_INLINE bool padding() const { return request < 0; }
   FJ_INLINE bool in_span(int vpos) const { return vpos >= v_begin && vpos < v_end; }
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
+
+// Index of the (request, KV head, row tile) group in merge_counters and tile_counters.
+FJ_INLINE i64 group_index(int num_qo_heads, int request, int kv_head, int row_tile, int row_tiles) {
+  return ((i64)request * (num_qo_heads / cfg::GROUP_SIZE) + kv_head) * row_tiles + row_tile;
+}
 
 // Four output columns of row (token, qo_head), times inv, and its natural-log LSE (written by the
 // thread of column 0) from a base-2 one.
@@ -99,7 +114,7 @@ FJ_INLINE void store_out4(out_t* out, i64 out_stride, float* lse, int num_qo_hea
 // kernel's parameters (or a struct by value) would go through local memory.
 template <int ROWS, int THREADS>
 __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, int* merge_counters,
-                                                    const float* tmp_o, const float* tmp_lse, out_t* out,
+                                                    int* tile_counters, const float* tmp_o, const float* tmp_lse, out_t* out,
                                                     i64 out_stride, float* lse, int num_qo_heads, int request,
                                                     int q_begin, int q_len, int kv_head, int row_tile, int tid) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4, ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
@@ -110,10 +125,12 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    const int kv_heads = num_qo_heads / cfg::GROUP_SIZE;
-    int* counter = merge_counters + ((i64)request * kv_heads + kv_head) * ROW_TILES + row_tile;
-    last = atomicAdd(counter, 1) == splits - 1;
-    if (last) *counter = 0;  // every other CTA of the group has counted itself in already
+    const i64 group = group_index(num_qo_heads, request, kv_head, row_tile, ROW_TILES);
+    last = atomicAdd(merge_counters + group, 1) == splits - 1;
+    if (last) {  // every other CTA of the group has counted itself in, its last tile claimed
+      merge_counters[group] = 0;
+      tile_counters[group] = 0;
+    }
   }
   __syncthreads();
   if (!last) return;
@@ -145,7 +162,8 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
 
 template <int ROWS, int THREADS>
 FJ_INLINE void merge_if_last(const Args& a, const WorkItem& item, const CtaCoords& cta, int tid) {
-  merge_partials_if_last<ROWS, THREADS>(a.req_work_indptr, a.merge_counters, a.tmp_o, a.tmp_lse, a.out, a.out_stride,
+  merge_partials_if_last<ROWS, THREADS>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
+                                        a.out, a.out_stride,
                                         a.lse, a.num_qo_heads, item.request, item.q_begin, item.q_len, cta.kv_head,
                                         cta.row_tile, tid);
 }
@@ -307,6 +325,95 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Consume&&
   }
   FJ_STAMP(2);
   cp_async_wait<0>();
+}
+
+// stream_tiles over the tiles of a whole request, shared by the CTAs of its items (split of
+// splits; cfg::STATIC_SHARE < 100). CTAs with the same work finish far apart (the memory system
+// serves some SMs faster), so a fixed split leaves the fast ones idle in the tail. Here each CTA
+// first reads a static run of STATIC_SHARE % of its fair share, then claims pool tiles one at a
+// time from the group's counter: the fast CTAs read more of the pool. The partials stay exact,
+// whatever tiles each CTA read (the merge weighs them by their LSEs); a CTA left without tiles
+// writes an empty partial. A direct item (one CTA), or a fair share of at most STAGES + 1 tiles,
+// reads its tiles statically.
+//
+// Thread 0 decides the tile of each sequence number j (SharedTiles::tile) and publishes it in
+// tiles[j % SLOTS]; the other threads only read that, so the scheme costs them one register.
+// It claims the tile of sequence t + 1 + STAGES at the start of iteration t (the atomic's latency
+// hides behind consume) and publishes it before the iteration's last barrier, one iteration before
+// locate() needs it. Claims come out increasing, and once a static tile is past the end so is the
+// pool, so the first tile past the end (-1) ends the stream.
+struct SharedTiles {
+  static constexpr int SLOTS = 8;  // sequence numbers in use at once: t .. t + 1 + STAGES
+  int tiles[SLOTS];                // tile of sequence number j at j % SLOTS; -1: past the end
+  int total, head, first, pool;    // the request's tiles; this CTA's static run [first, first + head); pool start
+
+  FJ_INLINE bool shares() const { return pool < total; }
+  // Tile of sequence number j, given the pool claim taken for it (if j >= head and shares()).
+  FJ_INLINE int tile(int j, int claim) const {
+    const int t = j < head ? first + j : shares() ? pool + claim : total;
+    return t < total ? t : -1;
+  }
+};
+
+template <int STAGES, int TILE, class Stage, class Consume>
+FJ_INLINE void stream_shared_tiles(Stage& loader, const WorkItem& item, int* counter, Consume&& consume) {
+  constexpr int SLOTS = SharedTiles::SLOTS;
+  static_assert(SLOTS >= STAGES + 2, "a slot is not reused while read");
+  __shared__ SharedTiles shared;
+  if (threadIdx.x == 0) {
+    const int total = item.num_tiles(TILE), fair = ceil_div(total, item.splits);
+    const int head = item.direct || fair <= STAGES + 1 ? fair : max(STAGES + 1, fair * cfg::STATIC_SHARE / 100);
+    shared.total = total; shared.head = head; shared.first = item.split * head; shared.pool = item.splits * head;
+#pragma unroll
+    for (int j = 0; j <= STAGES; ++j) shared.tiles[j] = shared.tile(j, total);  // static (or past the end)
+  }
+  __syncthreads();
+  const auto position = [&](int tile) { return item.tile_begin + tile * TILE; };
+#pragma unroll
+  for (int j = 0; j < STAGES - 1; ++j) {
+    if (shared.tiles[j] >= 0) {
+      loader.locate(position(shared.tiles[j]));
+      loader.issue(j);
+    }
+    cp_async_commit();
+  }
+  if (shared.tiles[STAGES - 1] >= 0) loader.locate(position(shared.tiles[STAGES - 1]));
+  for (int t = 0;; ++t) {
+    const int tile = shared.tiles[t % SLOTS];
+    if (tile < 0) break;
+    const int next = t + 1 + STAGES;  // the sequence number thread 0 claims for now
+    int claim = 0;
+    if (threadIdx.x == 0 && next >= shared.head && shared.shares()) claim = atomicAdd(counter, 1);
+    const int ahead = t + STAGES - 1;
+    if (shared.tiles[ahead % SLOTS] >= 0) {
+      loader.issue(ahead % STAGES);
+      const int after = shared.tiles[(ahead + 1) % SLOTS];
+      if (after >= 0) loader.locate(position(after));
+    }
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    if (t == 0) FJ_STAMP(1);
+    consume(t % STAGES, tile);
+    if (threadIdx.x == 0) shared.tiles[next % SLOTS] = shared.tile(next, claim);
+    __syncthreads();
+  }
+  FJ_STAMP(2);
+  cp_async_wait<0>();
+}
+
+// A tensor-core CTA's tiles: its item's (stream_tiles), or with cfg::STATIC_SHARE < 100 its
+// request's, shared with the request's other CTAs (stream_shared_tiles). ROWS: query rows per CTA.
+template <int STAGES, int TILE, int ROWS, class Stage, class Consume>
+FJ_INLINE void stream_item_tiles(Stage& loader, const Args& a, const WorkItem& item, const CtaCoords& cta,
+                                 Consume&& consume) {
+  if constexpr (cfg::STATIC_SHARE < 100) {
+    constexpr int ROW_TILES = ceil_div(cfg::GROUP_SIZE * cfg::MAX_Q_LEN, ROWS);
+    int* counter = a.tile_counters + group_index(a.num_qo_heads, item.request, cta.kv_head, cta.row_tile, ROW_TILES);
+    stream_shared_tiles<STAGES, TILE>(loader, item, counter, consume);
+  } else {
+    stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), consume);
+  }
 }
 
 }  // namespace decode

@@ -93,7 +93,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * K_PITCH, k_chunk = (mat & 1) ^ swizzle;  // K: [keys][dims]
   const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * V_PITCH, v_chunk = (mat >> 1) ^ swizzle;  // V: transposed
 
-  stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), [&](int stage, int t) {
+  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [&](int stage, int t) {
     const int key0 = item.tile_begin + t * TILE + warp * 16;  // this warp's first key
     if (key0 < item.v_end) {
       const unsigned char* ks = k_smem + stage * TILE * K_PITCH;

@@ -171,7 +171,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
 #pragma unroll
   for (int c = 0; c < COLS; ++c) m[c] = FJ_NEG_INF, dsum[c] = 0.f;
 
-  stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), [&](int stage, int tile) {
+  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [&](int stage, int tile) {
     const int key0 = item.tile_begin + tile * TILE + warp * 16;  // this warp's first key
     if (key0 >= item.v_end) return;
     float s[4] = {0.f, 0.f, 0.f, 0.f};
