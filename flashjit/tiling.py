@@ -115,12 +115,16 @@ HEADS_FIRST = True
 # 16.1 -> 14.9 us, e4m3 b16 L8192 87.8 -> 85.2). The CUDA-core kernel keeps the launch: fused, it
 # took 268.6 us against 256.4 at b16 L8192 (group 4).
 FUSED_MERGE = True
-# The CTAs of a split request share its tiles (stream_shared_tiles): each reads this percentage of
-# its fair share first, then claims the rest one tile at a time, so CTAs the memory system serves
-# faster read more. CTAs with the same work finish up to ~15 us apart in one call (e4m3 b16 L8192,
-# benchmarks/cta_timeline.py: 9.7 us median spread within a request's CTAs); 100 turns it off.
-# Needs the fused merge, whose last CTA resets the claim counter.
-STATIC_SHARE = 75
+# The CTAs of a split request may share its tiles (stream_shared_tiles): each reads this percentage
+# of its fair share first, then claims the rest one tile at a time, so CTAs the memory system serves
+# faster read more (100: a fixed split). Needs the fused merge, whose last CTA resets the claims.
+# H200, one process, 100 / 75 / 50: head_dim 256 (2 warps, the fewest CTAs) b16 L8192 288.1 / 271.6
+# / 275.9 us. At head_dims 64 and 128 the CTAs of one request finish within ~2 us of each other
+# once sharing, yet the call is no shorter (e4m3 b16 L8192 83.2 / 83.5 / 83.3: whole requests finish
+# up to 11 us apart, benchmarks/cta_timeline.py) and the claims cost a little (varlen 339.0 /
+# 344.0, d64 81.5 / 83.1, e4m3 b64 L8192 270.8 / 273.5).
+STATIC_SHARE = {64: 100, 128: 100, 256: 75}       # per head_dim, 16-bit K/V
+STATIC_SHARE_FP8 = {64: 100, 128: 100, 256: 100}  # fp8 K/V
 
 
 def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple[int, int]:
@@ -151,6 +155,11 @@ def _l2_prefetch(spec: DecodeSpec) -> int:
     return L2_PREFETCH_FP8 if spec.kv_is_fp8 else L2_PREFETCH
 
 
+def _static_share(spec: DecodeSpec) -> int:
+    """STATIC_SHARE of a tensor-core kernel: sharing needs the fused merge to reset its claims."""
+    return (STATIC_SHARE_FP8 if spec.kv_is_fp8 else STATIC_SHARE)[spec.head_dim] if FUSED_MERGE else 100
+
+
 def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     merge_lanes = spec.head_dim // MERGE_COLS_PER_THREAD
     merge = dict(merge_lanes=merge_lanes, merge_split_lanes=max(1, MERGE_THREADS // merge_lanes))
@@ -169,7 +178,7 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
                             row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=stages, tensor_cores=True,
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
                             swizzle=swizzle, ring_align=RING_ALIGN, heads_first=HEADS_FIRST, fused_merge=FUSED_MERGE,
-                            static_share=STATIC_SHARE if FUSED_MERGE else 100, min_ctas=TC_MIN_CTAS[spec.head_dim],
+                            static_share=_static_share(spec), min_ctas=TC_MIN_CTAS[spec.head_dim],
                             **merge)
     vec = 8
     chunks = spec.head_dim // vec

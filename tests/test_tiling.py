@@ -35,3 +35,19 @@ def test_16bit_rows_keep_sectors_whole_and_ldmatrix_at_most_two_way(head_dim):
     assert max(extra) <= (0 if t.swizzle else 1)
     # 16 bytes of padding would be conflict-free but split sectors: the trade the table makes
     assert tiling.ROW_PAD_16BIT[head_dim] * 2 % 32 == 0 or t.swizzle
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "e4m3"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_tiles_are_shared_only_where_the_fused_merge_resets_the_claims(monkeypatch, kv_dtype, head_dim):
+    """static_share comes from tiling's table for tensor-core kernels; the CUDA-core kernels, and any
+    kernel without the fused merge (whose last CTA sets the claim counter back to 0), never share."""
+    table = tiling.STATIC_SHARE_FP8 if kv_dtype == "e4m3" else tiling.STATIC_SHARE
+
+    def share(**kwargs):
+        return decode_tiling(DecodeSpec(head_dim=head_dim, kv_dtype=kv_dtype, arch="sm_90", **kwargs)).static_share
+
+    assert share(group_size=4, tensor_cores=True) == table[head_dim]
+    assert share(group_size=4, tensor_cores=False) == 100
+    monkeypatch.setattr(tiling, "FUSED_MERGE", False)
+    assert share(group_size=4, tensor_cores=True) == 100

@@ -137,6 +137,50 @@ def test_fused_merge_leaves_its_counters_at_zero(engine, q_len):
         assert not decoder._buffers.merge_counters.any()
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize("head_dim, q_len, mask", [(128, 1, "none"), (64, 3, "causal"), (256, 1, "sliding_window")])
+def test_shared_tiles_are_exact_and_leave_their_counters_at_zero(tmp_path, monkeypatch, kv_dtype, head_dim, q_len,
+                                                                 mask):
+    """Split requests whose CTAs share their tiles (tiling.STATIC_SHARE, here on for every kernel):
+    whatever tiles each CTA claims, the merged output matches the reference, on every launch, eager
+    and replayed, as the last CTA of each group sets its claim counter back to 0."""
+    from flashjit import tiling
+    from flashjit.quantize import dequantize_kv, quantize_kv
+
+    monkeypatch.setattr(tiling, "STATIC_SHARE", dict.fromkeys(tiling.STATIC_SHARE, 50))
+    monkeypatch.setattr(tiling, "STATIC_SHARE_FP8", dict.fromkeys(tiling.STATIC_SHARE_FP8, 50))
+    kv_lens = [9000, 1, 700, 0, 2500]
+    batch = make_batch(kv_lens, num_qo_heads=4 * NUM_KV_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
+                       page_size=16, q_lens=[min(q_len, n) for n in kv_lens], seed=12)
+    cache, scales, k_ref, v_ref = (batch.k_cache, batch.v_cache), (None, None), batch.k_cache, batch.v_cache
+    if kv_dtype != "bfloat16":
+        (k8, k_scale), (v8, v_scale) = (quantize_kv(c, kv_dtype) for c in (batch.k_cache, batch.v_cache))
+        cache, scales = (k8, v8), (k_scale.item(), v_scale.item())
+        k_ref, v_ref = dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale)
+    params = {"window_left": 1000} if mask == "sliding_window" else {}
+    ref, _ = decode_reference(batch.q, k_ref, v_ref, batch.indptr, batch.indices, batch.last_page_len,
+                              qo_indptr=batch.qo_indptr, mask=mask, mask_params=params)
+    decoder = flashjit.BatchDecode(flashjit.Engine(cache_dir=tmp_path))
+    decoder.plan(batch.indptr, batch.indices, batch.last_page_len, 4 * NUM_KV_HEADS, NUM_KV_HEADS, head_dim, 16,
+                 qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, kv_dtype=kv_dtype, chunk_tokens=1024,
+                 tensor_cores=True)
+    tiling_ = decoder.kernel.tiling
+    assert tiling_.static_share == 50 and decoder.work.max_splits >= 3
+    assert 1024 // tiling_.tile_tokens > tiling_.stages + 1  # fair shares long enough to share
+    out = torch.empty_like(batch.q)
+    run = lambda: decoder.run(batch.q, cache, out=out, k_scale=scales[0], v_scale=scales[1])  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for launch in (run, run, graph.replay, graph.replay, run):
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        assert rel_error(out, ref) <= 2e-2, decoder.spec.name
+        assert not decoder._buffers.tile_counters.any() and not decoder._buffers.merge_counters.any()
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("combined", [False, True], ids=["k_v", "kv"])
 def test_layouts_and_combined_cache(engine, layout, combined):
