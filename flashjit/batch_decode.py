@@ -234,7 +234,8 @@ class BatchDecode:
         buffers = self._ensure_buffers(capacity, setup)
 
         # Every argument is valid: from here on the new plan replaces the previous one.
-        fresh = (setup, buffers) != self._args_for  # the launch arguments hold another setup's values
+        held = self._args_for  # the launch arguments hold another setup's values unless it is this one
+        fresh = held is None or held[0] is not setup or held[1] is not buffers
         if setup is not self._setup:
             self._adopt(setup)
         self._max_page = max_page

@@ -266,6 +266,20 @@ def test_a_remembered_configuration_still_refuses_a_value_equal_to_its_own(plann
         decoder.plan(indptr, indices, last, 32, 8, head_dim, 16)
 
 
+def test_mask_tensors_given_anew_each_plan_are_pointed_at(planner):
+    """Plans given mask_params (tensors a serving loop builds every step) set up each time: equal
+    values in new tensors neither confuse the reuse of the launch arguments nor stay unpointed."""
+    indptr, indices, last = tables([300, 200], 16, np.random.default_rng(15))
+    decoder = cpu_decoder(planner)
+    for _ in range(2):
+        params = {"block_size": 16, "block_indptr": torch.tensor([0, 2, 3], dtype=torch.int32),
+                  "block_indices": torch.tensor([0, 5, 1], dtype=torch.int32)}
+        decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask="block_sparse", mask_params=params)
+        pointers = [ctypes.cast(decoder._decode_launch.params[i], ctypes.POINTER(ctypes.c_void_p))[0]
+                    for i in (2, 3)]  # after the Args struct and block_size
+        assert pointers == [params["block_indptr"].data_ptr(), params["block_indices"].data_ptr()]
+
+
 class _Copies:
     """A _StreamCopies stand-in that records its waits."""
 
