@@ -19,7 +19,7 @@ from pathlib import Path
 from . import __version__
 from .cache import KernelCache, cache_key, portable_key
 from .compile import compile_options, compile_source, compiler_fingerprint, nvrtc_version
-from .errors import KernelNotPrewarmed
+from .errors import KernelNotPrewarmed, SpecError
 from .kernel import Kernel
 from .registry import masks
 from .render import render, templates_digest
@@ -80,7 +80,11 @@ class Engine:
         with self._lock:
             generation = masks.generation
             for spec, kernel in list(self._kernels.items()):
-                if masks.get(spec.mask) != kernel.mask:
+                try:
+                    current = masks.get(spec.mask)
+                except SpecError:  # no longer registered: drop it too
+                    current = None
+                if current != kernel.mask:
                     del self._kernels[spec]
             self._mask_generation = generation
 

@@ -122,7 +122,7 @@ FUSED_MERGE = True
 # / 275.9 us. At head_dims 64 and 128 the CTAs of one request finish within ~2 us of each other
 # once sharing, yet the call is no shorter (e4m3 b16 L8192 83.2 / 83.5 / 83.3: whole requests finish
 # up to 11 us apart, benchmarks/cta_timeline.py) and the claims cost a little (varlen 339.0 /
-# 344.0, d64 81.5 / 83.1, e4m3 b64 L8192 270.8 / 273.5).
+# 344.0, d64 81.5 / 83.1, e4m3 b64 L8192 270.8 / 273.5). fp8 head_dim 256: 145.1 / 145.2 / 145.3.
 STATIC_SHARE = {64: 100, 128: 100, 256: 75}       # per head_dim, 16-bit K/V
 STATIC_SHARE_FP8 = {64: 100, 128: 100, 256: 100}  # fp8 K/V
 

@@ -140,6 +140,20 @@ def test_edited_user_mask_is_not_served_stale(isolated_masks, tmp_path, cache_di
     assert len(compile_log()) == 2
 
 
+def test_a_mask_replaced_in_the_process_is_not_served_stale(isolated_masks, cache_dir, mask_file, tmp_path,
+                                                            fake_nvrtc):
+    """register_mask(replace=True) after get_kernel: the same engine builds the new definition, and
+    keeps the kernels of the masks left alone."""
+    register_mask("swap_me", mask_file(tmp_path / "1", "swap_me", "return kv_pos < 8;"))
+    engine = Engine(cache_dir=cache_dir)
+    spec, other = DecodeSpec(64, mask="swap_me", arch="sm_90"), DecodeSpec(64, mask="causal", arch="sm_90")
+    before, kept = engine.get_kernel(spec), engine.get_kernel(other)
+    register_mask("swap_me", mask_file(tmp_path / "2", "swap_me", "return kv_pos < 9;"), replace=True)
+    after = engine.get_kernel(spec)
+    assert after.cubin != before.cubin and after.mask == isolated_masks.get("swap_me")
+    assert engine.get_kernel(other) is kept and len(fake_nvrtc) == 3
+
+
 def test_nvrtc_upgrade_is_not_served_a_stale_cubin(warm, cache_dir, monkeypatch, fake_nvrtc):
     """The index key holds the compiler fingerprint: after a CuPy/NVRTC upgrade the index misses,
     and the full key (with the new NVRTC version) finds no entry, so the kernel is rebuilt."""
