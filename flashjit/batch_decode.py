@@ -264,10 +264,11 @@ class BatchDecode:
         kernel = self.engine.get_kernel(spec)
         loaded = kernel.loaded(self.device.index)
         params = self._mask_params(kernel.mask, window_left, mask_params)
-        kv_shape = (page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD" else (num_kv_heads, page_size, head_dim)
-        return _Setup(spec, kernel, loaded, params, (1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)) * LOG2E,
-                      num_qo_heads, num_kv_heads, head_dim, page_size, _torch_dtype(spec.dtype),
-                      _torch_dtype(spec.kv_dtype), kv_shape, generation)
+        kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
+                    else (num_kv_heads, page_size, head_dim))
+        scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+        return _Setup(spec, kernel, loaded, params, scale * LOG2E, num_qo_heads, num_kv_heads, head_dim, page_size,
+                      _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype), kv_shape, generation)
 
     def _adopt(self, setup: "_Setup"):
         """The attributes run() and the properties read from a setup."""
@@ -298,7 +299,8 @@ class BatchDecode:
                         "(set max_q_len when constructing BatchDecode)", largest_q)
         return fixed
 
-    def _split_work(self, setup: "_Setup", tables, chunk_tokens, disable_split_kv: bool) -> "tuple[WorkPlan, _Capacity]":
+    def _split_work(self, setup: "_Setup", tables, chunk_tokens,
+                    disable_split_kv: bool) -> "tuple[WorkPlan, _Capacity]":
         """The work items over the span the mask reads, within the CUDA-graph capacity if any."""
         span_begin = span_end = None  # None: every span starts at 0 and ends at the request's kv_len
         kernel = setup.kernel

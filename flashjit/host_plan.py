@@ -54,9 +54,10 @@ class NumpyTables:
         records = item_records(host, starts)
         # the request's span: from its first item's begin to its last item's end
         span_begin, span_end = work.work_begin[first_item[:-1]][r], work.work_end[first_item[1:] - 1][r]
+        index = np.arange(work.num_work) - first_item[r]  # among the request's items
         records[:work.num_work] = np.stack([r, work.work_begin, work.work_end, self.kv_lens[r], self.indptr_h[r],
-                                            q_begin[r], self.q_lens[r], splits[r], np.arange(work.num_work) - first_item[r],
-                                            span_begin, span_end, np.zeros_like(r)], axis=1)
+                                            q_begin[r], self.q_lens[r], splits[r], index, span_begin, span_end,
+                                            np.zeros_like(r)], axis=1)
         records[work.num_work:, 0] = -1  # padding: positions of a CUDA-graph grid past this plan's items
         host[num_tokens] = work.num_tokens
         for start, values in ((qo, q_begin), (work_indptr, work.req_work_indptr), (token_request, work.token_request)):
