@@ -104,7 +104,7 @@ class LoadedKernel:
 
     module: object  # the CuPy Module, kept alive for the process lifetime
     decode: int
-    merge: int
+    merge: int | None  # None where the decode kernel merges split requests itself (tiling.fused_merge)
     ctas_per_sm: int
     num_sms: int
 
@@ -144,7 +144,7 @@ class Kernel:
                 module = cupy.cuda.function.Module()
                 module.load(self.cubin)
                 decode = module.get_function(DECODE_ENTRY).ptr
-                merge = module.get_function(MERGE_ENTRY).ptr
+                merge = None if self.tiling.fused_merge else module.get_function(MERGE_ENTRY).ptr
                 smem = self.tiling.smem_bytes
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
                     check(driver().cuFuncSetAttribute(decode, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),

@@ -13,6 +13,7 @@ from flashjit import CompileError, DecodeSpec, FlashJITError, register_mask
 from flashjit.compile import (BASE_OPTIONS, COMPILER_DISTRIBUTIONS, compile_options, compile_source,
                               compiler_fingerprint, nvrtc_version)
 from flashjit.render import render
+from flashjit.tiling import decode_tiling
 
 BAD_SOURCE = 'extern "C" __global__ void broken(int* out) {\n  out[0] = this_is_not_declared;\n}\n'
 
@@ -69,7 +70,17 @@ def test_sm90_cubin(warm):
     # compiled once for the session by the `warm` fixture, through the same compile_source
     assert warm.spec.arch == "sm_90"
     assert cubin_sm(warm.kernel.cubin) == 90
-    assert b"flashjit_decode" in warm.kernel.cubin and b"flashjit_merge" in warm.kernel.cubin
+    assert b"flashjit_decode" in warm.kernel.cubin
+
+
+def test_merge_entry_only_where_the_decode_kernel_does_not_merge(warm):
+    """A tensor-core spec merges split requests in its decode kernel: its cubin carries no
+    flashjit_merge (ptxas would spend ~10% of the compile on it). The CUDA-core kernel needs it."""
+    tc = warm.spec.replace(tensor_cores=True)
+    cuda_cores = warm.spec.replace(tensor_cores=False)
+    assert decode_tiling(tc).fused_merge and not decode_tiling(cuda_cores).fused_merge
+    assert b"flashjit_merge" not in compile_source(render(tc), "sm_90", tc.name).cubin
+    assert b"flashjit_merge" in compile_source(render(cuda_cores), "sm_90", cuda_cores.name).cubin
 
 
 def test_timeline_stamps_compile_in_only_on_request(warm):
