@@ -44,6 +44,7 @@ class DecodeTiling:
     fused_merge: bool   # split requests merge in the decode kernel (merge_if_last), not in flashjit_merge
     static_share: int   # % of a split CTA's fair share of tiles read before sharing the rest (100: none)
     min_ctas: int       # __launch_bounds__'s CTAs per SM: ptxas caps registers to fit them
+    merge_chunk: int    # partials the fused merge loads at once (tensor-core kernels)
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
 
@@ -125,6 +126,10 @@ FUSED_MERGE = True
 # 344.0, d64 81.5 / 83.1, e4m3 b64 L8192 270.8 / 273.5). fp8 head_dim 256: 145.1 / 145.2 / 145.3.
 STATIC_SHARE = {64: 100, 128: 100, 256: 75}       # per head_dim, 16-bit K/V
 STATIC_SHARE_FP8 = {64: 100, 128: 100, 256: 100}  # fp8 K/V
+# Partials the fused merge's last CTA loads at once, each chunk one L2 round trip
+# (merge_partials_if_last). The 16-bit head_dim 256 kernel sits at 255 registers: 3 or more spill.
+MERGE_CHUNK = {64: 8, 128: 8, 256: 2}  # per head_dim, 16-bit K/V
+MERGE_CHUNK_FP8 = 8
 
 
 def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple[int, int]:
@@ -179,7 +184,7 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
                             swizzle=swizzle, ring_align=RING_ALIGN, heads_first=HEADS_FIRST, fused_merge=FUSED_MERGE,
                             static_share=_static_share(spec), min_ctas=TC_MIN_CTAS[spec.head_dim],
-                            **merge)
+                            merge_chunk=MERGE_CHUNK_FP8 if spec.kv_is_fp8 else MERGE_CHUNK[spec.head_dim], **merge)
     vec = 8
     chunks = spec.head_dim // vec
     bdx = _pow2_ceil(chunks)
@@ -195,5 +200,5 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
         k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec), swizzle=False, ring_align=16,
         heads_first=HEADS_FIRST,
-        fused_merge=False, static_share=100, min_ctas=1, **merge,
+        fused_merge=False, static_share=100, min_ctas=1, merge_chunk=1, **merge,
     )

@@ -109,6 +109,11 @@ FJ_INLINE void store_out4(out_t* out, i64 out_stride, float* lse, int num_qo_hea
 // reads, which go through L2 (__ldcg): L1 is not coherent across CTAs. Partials with zero weight
 // (empty or fully masked splits) are skipped, so an unwritten one cannot leak NaN.
 //
+// The last CTA's merge is on the kernel's critical path (its group finishes last), so its reads come
+// MERGE_CHUNK partials at a time, LSEs and values together with no load behind another: one L2
+// round trip per chunk, the chunks combined by the online-softmax rule. (A pass for the maximum
+// LSE, then one whose value loads waited on each weight, made a round trip per partial.)
+//
 // Not inlined: its code in the kernel body would cost registers in the main loop, where the
 // 16-bit head_dim 256 kernel has none to spare. It takes scalars, as a reference to the
 // kernel's parameters (or a struct by value) would go through local memory.
@@ -118,7 +123,7 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
                                                     i64 out_stride, float* lse, int num_qo_heads, int request,
                                                     int q_begin, int q_len, int kv_head, int row_tile, int tid) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4, ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
-  constexpr int ROW_TILES = ceil_div(ROWS_TOTAL, ROWS);
+  constexpr int ROW_TILES = ceil_div(ROWS_TOTAL, ROWS), MERGE_CHUNK = cfg::MERGE_CHUNK;
   const int first_item = __ldg(req_work_indptr + request);
   const int splits = __ldg(req_work_indptr + request + 1) - first_item;
   __shared__ bool last;
@@ -142,21 +147,38 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
     if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
     const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
-    float m = FJ_NEG_INF;
-    for (int i = 0; i < splits; ++i) m = fmaxf(m, __ldcg(lse_0 + i * item_stride));
-    const float m_ref = m == FJ_NEG_INF ? 0.f : m;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, sum = 0.f;
-    for (int i = 0; i < splits; ++i) {
-      const float* lse_i = lse_0 + i * item_stride;
-      const float weight = exp2_approx(__ldcg(lse_i) - m_ref);
-      if (weight > 0.f) {
-        const float4 part = __ldcg(reinterpret_cast<const float4*>(tmp_o + (lse_i - tmp_lse) * D + col));
-        acc[0] += weight * part.x; acc[1] += weight * part.y; acc[2] += weight * part.z; acc[3] += weight * part.w;
-        sum += weight;
+    const float* o_0 = tmp_o + (lse_0 - tmp_lse) * D + col;
+    float m = FJ_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int i0 = 0; i0 < splits; i0 += MERGE_CHUNK) {
+      float part_lse[MERGE_CHUNK];
+      float4 part[MERGE_CHUNK];
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        const bool real = i0 + j < splits;
+        part_lse[j] = real ? __ldcg(lse_0 + (i0 + j) * item_stride) : FJ_NEG_INF;
+        part[j] = real ? __ldcg(reinterpret_cast<const float4*>(o_0 + (i0 + j) * item_stride * D))
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
       }
+      float m_new = m;
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[j]);
+      if (m_new == FJ_NEG_INF) continue;  // nothing with weight yet
+      const float rescale = exp2_approx(m - m_new);  // 0 while m is -inf
+      sum *= rescale;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c] *= rescale;
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        const float weight = exp2_approx(part_lse[j] - m_new);
+        if (weight > 0.f) {
+          acc[0] += weight * part[j].x; acc[1] += weight * part[j].y; acc[2] += weight * part[j].z; acc[3] += weight * part[j].w;
+          sum += weight;
+        }
+      }
+      m = m_new;
     }
     store_out4(out, out_stride, lse, num_qo_heads, q_begin + q_tok, qo_head, col, acc,
-               sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? m_ref + log2_approx(sum) : FJ_NEG_INF);
+               sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? m + log2_approx(sum) : FJ_NEG_INF);
   }
 }
 
