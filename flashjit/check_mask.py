@@ -222,6 +222,8 @@ def describe_params(params: dict) -> str:
 # CUDA built-ins mask code commonly uses, for the host compiler. A template that needs others
 # makes check_on_host skip (with the compiler's message), not fail.
 HOST_SHIM = r"""
+#include <cstddef>
+#include <cstring>
 #define FJ_INLINE static inline
 #define __device__
 #define __forceinline__
@@ -239,8 +241,11 @@ static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 # each (query row i, key pos) the kernel attends. Returns the first span position whose
 # kv_position does not increase within its page, or -1.
 HOST_WALK = r"""
-extern "C" int fj_walk(const MaskParams* params, int request, int kv_len, int q_len, int begin, int end,
+extern "C" int fj_walk(const MaskParams* runtime, int request, int kv_len, int q_len, int begin, int end,
                        int page_size, unsigned char* counts) {
+  MaskParams unbound;  // the host passes the runtime parameters; the state that follows is bind's
+  memcpy(&unbound, runtime, offsetof(MaskParams, _unused));
+  const MaskParams bound = mask_bind(unbound, request), *params = &bound;
   int bad = -1, prev = 0;
   for (int v = begin; v < end; ++v) {
     const int pos = mask_kv_position(*params, request, v);

@@ -36,7 +36,7 @@ static_assert(NT % 32 == 0, "whole warps, so full-mask shuffles are defined");
 static_assert(TILE % BDZ == 0, "every z-slice scores the same number of tokens");
 static_assert(BDZ == 1 || NT * VEC * 4 <= SMEM_BYTES, "reduction scratch fits in the K ring");
 
-FJ_INLINE void attend(const Args& a, const MaskParams& params) {
+FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   // 128-byte aligned: the rows are whole 16-byte chunks of ROW_BYTES, so each 32-byte sector a pair
   // of copies moves lands whole (one split across a 32-byte boundary is fetched twice: ncu).
   __shared__ __align__(128) unsigned char k_smem[SMEM_BYTES];
@@ -47,6 +47,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int w = cta.work, kv_head = cta.kv_head;
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
+  const MaskParams params = mask_bind(unbound, item.request);
   const int tx = threadIdx.x, ty = threadIdx.y, tz = threadIdx.z;
   const int tid = (tz * ROWS_PAD + ty) * BDX + tx;
 

@@ -35,7 +35,7 @@ using mma_t = kv_t;
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit queries and K/V");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= WARPS * M * D * 4, "the warps' reduction fits in the ring");
 
-FJ_INLINE void attend(const Args& a, const MaskParams& params) {
+FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
@@ -46,6 +46,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int w = cta.work, kv_head = cta.kv_head;
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
+  const MaskParams params = mask_bind(unbound, item.request);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 

@@ -120,7 +120,7 @@ FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* val
   }
 }
 
-FJ_INLINE void attend(const Args& a, const MaskParams& params) {
+FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
@@ -131,6 +131,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& params) {
   const int w = cta.work, kv_head = cta.kv_head;
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
+  const MaskParams params = mask_bind(unbound, item.request);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
 
