@@ -243,7 +243,7 @@ static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 HOST_WALK = r"""
 extern "C" int fj_walk(const MaskParams* runtime, int request, int kv_len, int q_len, int begin, int end,
                        int page_size, unsigned char* counts) {
-  MaskParams unbound;  // the host passes the runtime parameters; the state that follows is bind's
+  MaskParams unbound{};  // the host passes the runtime parameters; the state that follows is bind's
   memcpy(&unbound, runtime, offsetof(MaskParams, _unused));
   const MaskParams bound = mask_bind(unbound, request), *params = &bound;
   int bad = -1, prev = 0;

@@ -28,6 +28,7 @@ from flashjit import DecodeSpec, Engine, SpecError, cli, register_mask
 from flashjit import check_mask as cm
 from flashjit import sink_window, tree
 from flashjit.registry import MaskDef, MaskParam, masks
+from flashjit.compile import compile_source
 from flashjit.render import render, template_root
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -546,3 +547,38 @@ def test_check_batch_wiring_on_cpu(name, monkeypatch, isolated_masks):
     results = cm.check_batch(None, batch, name, params)
     zero_q = [r for r in results if r.probe == "zero q"]
     assert zero_q and all(any(f.startswith("lse: max error") for f in r.failures) for r in zero_q)
+
+
+SHIFTED = """{% extends "masks/base.cuh.j2" %}
+{% block state %}  int shift;{% endblock %}
+{% block bind %}  params.shift = __ldg(params.starts + request);{% endblock %}
+{% block kv_position %}  return v + params.shift;{% endblock %}
+{% block visible %}  return kv_pos <= q_pos;{% endblock %}
+"""
+
+
+@needs_cxx
+def test_bind_state_reaches_the_hooks_on_the_host_and_compiles(isolated_masks, tmp_path):
+    """A mask whose kv_position reads a per-request value that only bind sets: the host replay
+    binds as the kernels do (else every request would walk from key 0), and NVRTC compiles it."""
+    path = tmp_path / "shifted.cuh.j2"
+    path.write_text(SHIFTED)
+
+    def sample(rng, kv_lens, q_lens, page_size, device):
+        starts = [rng.randrange(0, max(1, n - q + 1)) for n, q in zip(kv_lens, q_lens)]
+        return {"starts": torch.tensor(starts or [0], dtype=torch.int32, device=device)}
+
+    def span(kv_lens, q_lens, params):
+        starts = params["starts"].cpu().numpy()[:len(kv_lens)]
+        return np.zeros_like(kv_lens), kv_lens - starts
+
+    def reference(q_pos, kv_pos, request, params):
+        return (kv_pos >= int(params["starts"][request])) & (kv_pos <= q_pos)
+
+    register_mask("shifted", template=path, params={"starts": "int_tensor"}, kv_span=span, reference=reference,
+                  sample_params=sample)
+    result = cm.check_on_host("shifted")
+    assert result.requests > 20 and result.passed, "\n".join(result.failures)
+    source = render(DecodeSpec(128, "bf16", mask="shifted", group_size=4, arch="sm_90"))
+    assert "int shift;" in source and "params.shift = __ldg(params.starts + request);" in source
+    assert compile_source(source, "sm_90", "shifted").cubin[:4] == b"\x7fELF"
