@@ -4,7 +4,10 @@
 
 ncu reports a kernel's averages; this shows its shape in time: how long CTAs wait for their first
 tile (the prologue's chain of loads), how far apart they finish (the tail, where the memory system
-idles), and what the epilogue and merge add. The kernel is built with -DFJ_TIMELINE, which compiles
+idles), and what the epilogue and merge add. Over the calls it also shows which SMs finish first
+(the same ones every call: the memory system serves some SMs faster) and, for a call whose CTAs
+have equal work, when the last tile would land if that work were spread over the CTAs at their
+measured rates: the most that balancing across CTAs could gain. The kernel is built with -DFJ_TIMELINE, which compiles
 in a %globaltimer stamp at four points of every CTA (templates/include/prelude.cuh, FJ_STAMP); the
 cubin built without it is unchanged. Inputs, flush and timing are those of benchmarks/decode.py.
 Percentiles are in µs from the first CTA's entry.
@@ -22,6 +25,7 @@ from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantiz
 STAMPS = ("entry", "first tile", "tiles done", "exit")
 PERCENTILES = (0, 10, 50, 90, 100)
 CTAS = 65536  # FJ_TIMELINE_CTAS
+NUM_SMS_MAX = 1024  # an upper bound on %smid
 
 
 def timeline_engine(cache_dir):
@@ -75,6 +79,9 @@ def main(argv=None):
         ctas = grid[0] * grid[1] * grid[2]
         print(f"{case.name}: {decoder.spec.name}, {decoder.work.num_work} work items, {ctas} CTAs")
         _, address, nbytes = read_stamps(decoder.kernel, 0)
+        spans = np.asarray(decoder.work.work_end) - np.asarray(decoder.work.work_begin)
+        equal_work = decoder.kernel.tiling.static_share == 100 and bool((spans == spans[0]).all())  # every CTA's
+        finish_by_sm = []
         for call in range(args.calls):
             runtime.memset(address, 0, nbytes)
             torch.cuda.synchronize()
@@ -94,6 +101,11 @@ def main(argv=None):
                   f"tiles {np.median(since[:, 2] - since[:, 1]):.1f}, epilogue {np.median(since[:, 3] - since[:, 2]):.1f} (medians)")
             print_by_sm_load(np, since, sm)
             print_by_request(np, since, np.nonzero(read)[0], decoder, grid)
+            if equal_work:
+                print(f"    if the work were spread over the CTAs at their rates, the last tile would land at "
+                      f"{balanced_finish(np, since[:, 1], since[:, 2]):.1f} µs (measured {since[:, 2].max():.1f})")
+            finish_by_sm.append(sm_means(np, since[:, 2], sm, NUM_SMS_MAX))
+        print_sm_speeds(np, finish_by_sm)
 
 
 def print_by_request(np, since, cta_index, decoder, grid):
@@ -118,6 +130,40 @@ def print_by_request(np, since, cta_index, decoder, grid):
         for name, values in (("group finish spread", spread), ("group last finish", last)):
             cells = "  ".join(f"p{p} {v:6.1f}" for p, v in zip(PERCENTILES, np.percentile(values, PERCENTILES)))
             print(f"    {name} ({len(spread)} split groups): {cells}")
+
+
+def balanced_finish(np, first, done) -> float:
+    """When the last tile would land if the call's work, equal per CTA, were spread over its CTAs so
+    that all finish together, each streaming from its first tile at the rate it measured
+    (1 / (done - first) CTA-works per µs): T with sum_i rate_i (T - first_i) = number of CTAs. The
+    gap to the measured last tile is what balancing across CTAs could gain at most."""
+    rate = 1.0 / (done - first)
+    return float((len(rate) + (rate * first).sum()) / rate.sum())
+
+
+def sm_means(np, done, sm, num_sms: int):
+    """Mean finish time of the CTAs on each SM (NaN for an SM that ran none)."""
+    total, count = np.zeros(num_sms), np.zeros(num_sms)
+    np.add.at(total, sm, done)
+    np.add.at(count, sm, 1)
+    with np.errstate(invalid="ignore"):
+        return total / count
+
+
+def print_sm_speeds(np, finish_by_sm):
+    """Whether the same SMs finish early in every call: the per-SM mean finish of each call, how
+    far apart the SMs are, and how the calls' per-SM means correlate (near 1: the memory system
+    serves some SMs faster, stably, so balancing must move work across SMs)."""
+    means = np.array(finish_by_sm)
+    seen = ~np.isnan(means).any(axis=0)
+    average = means[:, seen].mean(axis=0)
+    order = np.argsort(average)
+    sms = np.nonzero(seen)[0]
+    print(f"  per-SM mean finish over the calls: fastest SMs {sms[order[:6]].tolist()} at {average[order[0]]:.1f} µs, "
+          f"slowest {sms[order[-6:]].tolist()} at {average[order[-1]]:.1f}")
+    if len(means) > 1:
+        corr = np.corrcoef(means[:, seen])[np.triu_indices(len(means), 1)]
+        print(f"  correlation of the per-SM means between calls: min {corr.min():.2f}, median {np.median(corr):.2f}")
 
 
 def print_by_sm_load(np, since, sm):
