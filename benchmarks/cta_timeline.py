@@ -7,8 +7,9 @@ tile (the prologue's chain of loads), how far apart they finish (the tail, where
 idles), and what the epilogue and merge add. Over the calls it also shows which SMs finish first
 (the same ones every call: the memory system serves some SMs faster) and, for a call whose CTAs
 have equal work, when the last tile would land if that work were spread over the CTAs at their
-measured rates: the most that balancing across CTAs could gain. The kernel is built with -DFJ_TIMELINE, which compiles
-in a %globaltimer stamp at four points of every CTA (templates/include/prelude.cuh, FJ_STAMP); the
+measured rates: the most that balancing across CTAs could gain. The kernel is built with
+-DFJ_TIMELINE, which compiles in a %globaltimer stamp at four points of every CTA
+(templates/include/prelude.cuh, FJ_STAMP); the
 cubin built without it is unchanged. Inputs, flush and timing are those of benchmarks/decode.py.
 Percentiles are in µs from the first CTA's entry.
 """
@@ -79,8 +80,9 @@ def main(argv=None):
         ctas = grid[0] * grid[1] * grid[2]
         print(f"{case.name}: {decoder.spec.name}, {decoder.work.num_work} work items, {ctas} CTAs")
         _, address, nbytes = read_stamps(decoder.kernel, 0)
+        # The balanced bound needs equal work per CTA: equal items, and no tiles shared among CTAs.
         spans = np.asarray(decoder.work.work_end) - np.asarray(decoder.work.work_begin)
-        equal_work = decoder.kernel.tiling.static_share == 100 and bool((spans == spans[0]).all())  # every CTA's
+        equal_work = decoder.kernel.tiling.static_share == 100 and bool((spans == spans[0]).all())
         finish_by_sm = []
         for call in range(args.calls):
             runtime.memset(address, 0, nbytes)
