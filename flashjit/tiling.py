@@ -44,6 +44,7 @@ class DecodeTiling:
     fused_merge: bool   # split requests merge in the decode kernel (merge_if_last), not in flashjit_merge
     static_share: int   # % of a split CTA's fair share of tiles read before sharing the rest (100: none)
     min_ctas: int       # __launch_bounds__'s CTAs per SM: ptxas caps registers to fit them
+    col_split: int      # warps sharing a 16-key slice, each with a part of O's columns (16-bit tensor cores)
     merge_chunk: int    # partials the fused merge loads at once (tensor-core kernels)
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
@@ -72,7 +73,12 @@ class DecodeTiling:
 
 
 TC_ROWS = 16  # MMA M: query rows per tensor-core CTA (16-bit K/V)
-TC_WARPS = {64: 4, 128: 4, 256: 2}
+TC_WARPS = {64: 4, 128: 4, 256: 4}      # 16-bit K/V
+TC_WARPS_FP8 = {64: 4, 128: 4, 256: 2}
+# Warps per 16-key slice (16-bit K/V), each keeping head_dim / COL_SPLIT columns of O. At head_dim
+# 256 one warp with all of O (128 registers) and Q (64) sits at the 255-register limit, where ptxas
+# alone spends ~0.7 s; two warps per slice each hold half of O.
+TC_COL_SPLIT = {64: 1, 128: 1, 256: 2}
 # head_dim 128 takes 2 stages: in two sweeps on the H200 (benchmarks/tiling_sweep.py) 2 beat 3 on
 # every bf16 shape by 0.1-2.7% (b1 L32768 54.4 against 55.9 us, window 86.2 against 87.2) at the same
 # 2 CTAs/SM, which registers set; the shared memory given back goes to L1.
@@ -84,7 +90,10 @@ TC_MIN_CTAS = {64: 1, 128: 1, 256: 1}
 # fp8: CTAs per SM matter more than bytes in flight per CTA (H200, benchmarks/tiling_sweep.py:
 # at head_dim 128, 3 stages and 3 CTAs/SM beat 5 stages and 2 CTAs/SM by 8%). Since the swapped
 # kernel runs 4 CTAs/SM (registers), 2 stages match 3 (b16 L8192 86.4 against 87.2 us, b64 286.5
-# against 286.2). Capping registers for 5 CTAs/SM (TC_MIN_CTAS) is slower: 90.6 and 321.8.
+# against 286.2). Capping registers for 5 CTAs/SM (TC_MIN_CTAS) is slower: 90.6 and 321.8. The
+# masks whose fp8 kernels exceed 128 registers (sink_window 135, tree and block_sparse 130) run
+# 3 CTAs/SM; capped to 4 (120-126 registers, no spills) sink_window was slower: b16 L32768 with 4
+# sinks + window 4096, 53.3-53.8 -> 54.5-55.2 us (tenth session, same process pairs).
 TC_STAGES_FP8 = {64: 4, 128: 2, 256: 3}
 L2_PREFETCH = 128
 L2_PREFETCH_FP8 = 128
@@ -127,9 +136,8 @@ FUSED_MERGE = True
 STATIC_SHARE = {64: 100, 128: 100, 256: 75}       # per head_dim, 16-bit K/V
 STATIC_SHARE_FP8 = {64: 100, 128: 100, 256: 100}  # fp8 K/V
 # Partials the fused merge's last CTA loads at once, each chunk one L2 round trip
-# (merge_partials_if_last). The 16-bit head_dim 256 kernel sits at 255 registers: 3 or more spill.
-MERGE_CHUNK = {64: 8, 128: 8, 256: 2}  # per head_dim, 16-bit K/V
-MERGE_CHUNK_FP8 = 8
+# (merge_partials_if_last); no kernel spills with 8.
+MERGE_CHUNK = 8
 
 
 def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple[int, int]:
@@ -170,21 +178,24 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
     merge = dict(merge_lanes=merge_lanes, merge_split_lanes=max(1, MERGE_THREADS // merge_lanes))
     rows_total = spec.group_size * spec.max_q_len
     if spec.tensor_cores:
-        # Block (32 x warps): each warp takes 16 keys of every stage; rows ride in the MMA's M.
-        warps = TC_WARPS[spec.head_dim]
+        # Block (32 x warps): each slice of col_split warps takes 16 keys of every stage; rows ride in
+        # the MMA's M.
+        warps = (TC_WARPS_FP8 if spec.kv_is_fp8 else TC_WARPS)[spec.head_dim]
+        col_split = 1 if spec.kv_is_fp8 else TC_COL_SPLIT[spec.head_dim]
         stages = (TC_STAGES_FP8 if spec.kv_is_fp8 else TC_STAGES)[spec.head_dim]
-        tile = 16 * warps
+        slices = warps // col_split
+        tile = 16 * slices
         swizzle = (SWIZZLE_FP8 if spec.kv_is_fp8 else SWIZZLE)[spec.head_dim]
         k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes, swizzle)
         rows = tc_rows(spec)
-        reduction = warps * rows * spec.head_dim * 4  # the warps' fp32 states, in the same memory
+        reduction = slices * rows * spec.head_dim * 4  # the slices' fp32 states, in the same memory
         smem = max(stages * tile * (k_pitch + v_pitch), reduction) + RING_ALIGN - 16
         return DecodeTiling(vec=8, chunks_per_row=spec.head_dim // 8, bdx=32 * warps, rows=rows, rows_pad=1, bdz=1,
                             row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=stages, tensor_cores=True,
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
                             swizzle=swizzle, ring_align=RING_ALIGN, heads_first=HEADS_FIRST, fused_merge=FUSED_MERGE,
-                            static_share=_static_share(spec), min_ctas=TC_MIN_CTAS[spec.head_dim],
-                            merge_chunk=MERGE_CHUNK_FP8 if spec.kv_is_fp8 else MERGE_CHUNK[spec.head_dim], **merge)
+                            static_share=_static_share(spec), min_ctas=TC_MIN_CTAS[spec.head_dim], col_split=col_split,
+                            merge_chunk=MERGE_CHUNK, **merge)
     vec = 8
     chunks = spec.head_dim // vec
     bdx = _pow2_ceil(chunks)
@@ -200,5 +211,5 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
         row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=STAGES, tensor_cores=False, smem_bytes=0,
         k_pitch=row_bytes, v_pitch=row_bytes, l2_prefetch=_l2_prefetch(spec), swizzle=False, ring_align=16,
         heads_first=HEADS_FIRST,
-        fused_merge=False, static_share=100, min_ctas=1, merge_chunk=1, **merge,
+        fused_merge=False, static_share=100, min_ctas=1, col_split=1, merge_chunk=1, **merge,
     )

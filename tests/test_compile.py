@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import struct
 import subprocess
 import sys
@@ -81,6 +82,20 @@ def test_merge_entry_only_where_the_decode_kernel_does_not_merge(warm):
     assert decode_tiling(tc).fused_merge and not decode_tiling(cuda_cores).fused_merge
     assert b"flashjit_merge" not in compile_source(render(tc), "sm_90", tc.name).cubin
     assert b"flashjit_merge" in compile_source(render(cuda_cores), "sm_90", cuda_cores.name).cubin
+
+
+@pytest.mark.parametrize("head_dim, dtype, mask", [(256, "bf16", "none"), (256, "fp16", "sink_window"),
+                                                    (128, "bf16", "tree")])
+def test_16bit_tensor_core_kernels_compile_without_spills_below_the_register_limit(head_dim, dtype, mask):
+    """At head_dim 256 each slice of keys is shared by two warps, each holding half of O: one warp
+    holding all of it sat at the 255-register limit, where ptxas took over a second."""
+    spec = DecodeSpec(head_dim, dtype, mask=mask, group_size=8, max_q_len=2, page_size=16, arch="sm_90")
+    tiling = decode_tiling(spec)
+    assert tiling.tensor_cores and tiling.tile_tokens == 16 * tiling.threads // 32 // tiling.col_split
+    log = compile_source(render(spec), "sm_90", spec.name, extra_options=("--ptxas-options=-v",)).log
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
+    registers = [int(n) for n in re.findall(r"Used (\d+) registers", log)]
+    assert spills and not any(spills) and registers and max(registers) <= 240, log
 
 
 def test_timeline_stamps_compile_in_only_on_request(warm):

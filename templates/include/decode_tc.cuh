@@ -5,13 +5,15 @@
 // the MMAs through ldmatrix. (fp8 caches take decode_tc_fp8.cuh.)
 //
 // Expects from the including template:
-//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS STAGES K_PITCH V_PITCH
+//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS COL_SPLIT STAGES K_PITCH V_PITCH
 //   types q_t, kv_t, out_t (fj::half_t or fj::bfloat16_t)
 //   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh and
 //   decode_tc_common.cuh.
 //
 // Each warp owns a 16-key slice of every pipeline stage (S = Q K^T, online softmax, O += P V in
-// registers); the warps' states meet in shared memory at the end. Same outputs as decode.cuh:
+// registers); the warps' states meet in shared memory at the end. With COL_SPLIT > 1, that many
+// warps share a slice: each computes the same S and keeps D / COL_SPLIT columns of O (head_dim 256,
+// where one warp holding all of O sits at the register limit and ptxas takes over a second). Same outputs as decode.cuh:
 // direct for one-item requests, else normalized fp32 partials and base-2 LSEs for the merge.
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
 
@@ -23,31 +25,35 @@ constexpr int K_PITCH = cfg::K_PITCH;     // smem row bytes (D elements swizzled
 constexpr int V_PITCH = cfg::V_PITCH;
 constexpr int WARPS = cfg::WARPS;
 constexpr int NT = 32 * WARPS;
+constexpr int COL_SPLIT = cfg::COL_SPLIT;  // warps per key slice, each with its share of O's columns
+constexpr int SLICES = WARPS / COL_SPLIT;  // key slices per stage, one softmax state each
 constexpr int M = 16;                     // query rows per CTA
 constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
-constexpr int TILE = 16 * WARPS;          // keys per pipeline stage
+constexpr int TILE = 16 * SLICES;         // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
-constexpr int NTILES = D / 8;             // MMA n-tiles of O
+constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
 using mma_t = kv_t;
 
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit queries and K/V");
-static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= WARPS * M * D * 4, "the warps' reduction fits in the ring");
+static_assert(WARPS % COL_SPLIT == 0 && (COL_SPLIT == 1 || NTILES % 8 == 0), "whole 128-byte column blocks per warp");
+static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the slices' reduction fits in the ring");
 
 FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
-  __shared__ float red_m[WARPS][M], red_d[WARPS][M];
+  __shared__ float red_m[SLICES][M], red_d[SLICES][M];
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
   const MaskParams params = mask_bind(unbound, item.request);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // keys 16 slice.., columns of O
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
   const HeadScales scales(a, kv_head);
@@ -91,11 +97,13 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   // XOR adds the lane's column, and in a swizzled ring (PagedKVStage) also flips its row's low bits.
   // Written as a 128-byte block plus a chunk inside it: four distinct offsets per lane.
   const int mat = lane / 8, mrow = lane % 8, swizzle = SWIZZLE ? mrow : 0;
-  const int k_ld = (warp * 16 + mrow + (mat >> 1) * 8) * K_PITCH, k_chunk = (mat & 1) ^ swizzle;  // K: [keys][dims]
-  const int v_ld = (warp * 16 + mrow + (mat & 1) * 8) * V_PITCH, v_chunk = (mat >> 1) ^ swizzle;  // V: transposed
+  // A column part starts NTILES n-tiles (whole 128-byte blocks) into V's rows.
+  const int k_ld = (slice * 16 + mrow + (mat >> 1) * 8) * K_PITCH, k_chunk = (mat & 1) ^ swizzle;  // K: [keys][dims]
+  const int v_ld = (slice * 16 + mrow + (mat & 1) * 8) * V_PITCH + col_part * NTILES * 16,
+            v_chunk = (mat >> 1) ^ swizzle;  // V: transposed
 
   stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [&](int stage, int t) {
-    const int key0 = item.tile_begin + t * TILE + warp * 16;  // this warp's first key
+    const int key0 = item.tile_begin + t * TILE + slice * 16;  // this warp's first key
     if (key0 < item.v_end) {
       const unsigned char* ks = k_smem + stage * TILE * K_PITCH;
       const unsigned char* vs = v_smem + stage * TILE * V_PITCH;
@@ -166,14 +174,15 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
     }
   });
 
-  // Merge the warps' states: row sums over the quad's lanes, then through shared memory.
-  float* red_o = reinterpret_cast<float*>(smem);  // [WARPS][M][D]
+  // Merge the slices' states: row sums over the quad's lanes, then through shared memory. The warps
+  // of a slice hold the same m and sum.
+  float* red_o = reinterpret_cast<float*>(smem);  // [SLICES][M][D]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
     dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
-    if (lane % 4 == 0) { red_m[warp][quad + 8 * h] = m[h]; red_d[warp][quad + 8 * h] = dsum[h]; }
-    float* red_row = red_o + (warp * M + quad + 8 * h) * D;
+    if (lane % 4 == 0 && col_part == 0) { red_m[slice][quad + 8 * h] = m[h]; red_d[slice][quad + 8 * h] = dsum[h]; }
+    float* red_row = red_o + (slice * M + quad + 8 * h) * D + col_part * NTILES * 8;
 #pragma unroll
     for (int n = 0; n < NTILES; ++n) {
       *reinterpret_cast<float2*>(red_row + 8 * n + pair) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
@@ -181,7 +190,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   }
   __syncthreads();
 
-  finish_rows<M>(a, item, scales, cta, red_o, red_m, red_d);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d);
 }
 
 }  // namespace decode

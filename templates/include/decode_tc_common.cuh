@@ -42,11 +42,11 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
   u32 r; asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x)); return r;
 }
 
-// The CTA's M query rows from the warps' partial states in shared memory: red_o [WARPS][M][D]
-// (unnormalized O in head-dim order), red_m / red_d [WARPS][M] (base-2 max and sum). Rows merge
+// The CTA's M query rows from the STATES partial states in shared memory: red_o [STATES][M][D]
+// (unnormalized O in head-dim order), red_m / red_d [STATES][M] (base-2 max and sum). Rows merge
 // by the online-softmax rule; each thread finishes 4 columns of some rows and writes the output
 // (a request's only item) or a normalized fp32 partial and its base-2 LSE for the merge kernel.
-template <int M>
+template <int M, int STATES>
 FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales& scales, const CtaCoords& cta,
                            const float* red_o, const float (*red_m)[M], const float (*red_d)[M]) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4;
@@ -58,11 +58,11 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
     const int qo_head = cta.kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     float m_all = FJ_NEG_INF;
 #pragma unroll
-    for (int wi = 0; wi < cfg::WARPS; ++wi) m_all = fmaxf(m_all, red_m[wi][row_in]);
+    for (int wi = 0; wi < STATES; ++wi) m_all = fmaxf(m_all, red_m[wi][row_in]);
     const float m_ref = m_all == FJ_NEG_INF ? 0.f : m_all;
     float d_all = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int wi = 0; wi < cfg::WARPS; ++wi) {
+    for (int wi = 0; wi < STATES; ++wi) {
       const float weight = exp2_approx(red_m[wi][row_in] - m_ref);
       d_all += weight * red_d[wi][row_in];
       const float4 part = *reinterpret_cast<const float4*>(red_o + (wi * M + row_in) * D + col);

@@ -239,7 +239,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   }
   __syncthreads();
 
-  finish_rows<M>(a, item, scales, cta, red_o, red_m, red_d);
+  finish_rows<M, WARPS>(a, item, scales, cta, red_o, red_m, red_d);
 }
 
 }  // namespace decode
