@@ -23,7 +23,8 @@ SHAPES = ["b1 L2048", "b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform
 
 
 def set_tiling(tiling, head_dim, fp8, warps, stages, min_ctas, prefetch, heads_first, fused_merge):
-    warp_table, stage_table = (tiling.TC_WARPS_FP8, tiling.TC_STAGES_FP8) if fp8 else (tiling.TC_WARPS, tiling.TC_STAGES)
+    warp_table = tiling.TC_WARPS_FP8 if fp8 else tiling.TC_WARPS
+    stage_table = tiling.TC_STAGES_FP8 if fp8 else tiling.TC_STAGES
     warp_table[head_dim], stage_table[head_dim], tiling.TC_MIN_CTAS[head_dim] = warps, stages, min_ctas
     tiling.L2_PREFETCH = tiling.L2_PREFETCH_FP8 = prefetch
     tiling.HEADS_FIRST, tiling.FUSED_MERGE = heads_first, fused_merge
@@ -50,7 +51,8 @@ def main():
                     + [(*chosen[:4], not chosen[4], chosen[5]), (*chosen[:5], not chosen[5])])
         prefetches, row = (tiling.L2_PREFETCH, tiling.L2_PREFETCH_FP8), []
         for warps, stages, min_ctas, prefetch, heads_first, fused_merge in variants:
-            set_tiling(tiling, case.head_dim, fp8 is not None, warps, stages, min_ctas, prefetch, heads_first, fused_merge)
+            set_tiling(tiling, case.head_dim, fp8 is not None, warps, stages, min_ctas, prefetch, heads_first,
+                       fused_merge)
             engine = flashjit.Engine(cache_dir=tempfile.mkdtemp())
             run, _, _ = flashjit_impl(torch, batch, case, engine, fp8)
             label = f"w{warps}s{stages}m{min_ctas}p{prefetch}{'h' if heads_first else ''}{'f' if fused_merge else ''}"

@@ -13,8 +13,9 @@
 // Each warp owns a 16-key slice of every pipeline stage (S = Q K^T, online softmax, O += P V in
 // registers); the warps' states meet in shared memory at the end. With COL_SPLIT > 1, that many
 // warps share a slice: each computes the same S and keeps D / COL_SPLIT columns of O (head_dim 256,
-// where one warp holding all of O sits at the register limit and ptxas takes over a second). Same outputs as decode.cuh:
-// direct for one-item requests, else normalized fp32 partials and base-2 LSEs for the merge.
+// where one warp holding all of O sits at the register limit and ptxas takes over a second).
+// Same outputs as decode.cuh: direct for one-item requests, else normalized fp32 partials and
+// base-2 LSEs for the merge.
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
 
 namespace decode {
@@ -53,7 +54,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
   const MaskParams params = mask_bind(unbound, item.request);
   const int tid = threadIdx.x, lane = tid % 32;
-  const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // keys 16 slice.., columns of O
+  const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // the warp's keys, and O's columns
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
   const HeadScales scales(a, kv_head);
