@@ -136,7 +136,11 @@ FUSED_MERGE = True
 STATIC_SHARE = {64: 100, 128: 100, 256: 75}       # per head_dim, 16-bit K/V
 STATIC_SHARE_FP8 = {64: 100, 128: 100, 256: 100}  # fp8 K/V
 # Partials the fused merge's last CTA loads at once, each chunk one L2 round trip
-# (merge_partials_if_last); no kernel spills with 8.
+# (merge_partials_if_last); no kernel spills with 8. Candidate, timed but not yet through the GPU
+# tests: 16 costs no registers but 2 at 16-bit head_dim 128 (32 takes the head_dim 64 and fp8
+# kernels to 220). H200, same-process pairs, two rounds (8 / 16 / 32, us): b1 L2048 (16 splits)
+# 13.2-13.3 / 12.9-13.0 / 14.3; b1 L32768 (32 splits) 51.2-51.4 / 50.4-51.2 / 50.3-50.9;
+# b1 L131072 138.9-139.5 / 138.4-138.9 / 138.4-138.9; varlen equal.
 MERGE_CHUNK = 8
 
 
