@@ -30,6 +30,7 @@ struct Args {
 // Per-CTA factors of one KV head: logits = (q . k_stored) * score, out = (p . v_stored) * value.
 struct HeadScales {
   float score, value;
+  HeadScales() = default;
   FJ_INLINE HeadScales(const Args& a, int kv_head) {
     score = a.sm_scale_log2 * kv_scale(a.k_scale, a.k_scale_ptr, a.k_scale_stride, kv_head) * Kv<kv_t>::UNIT;
     value = kv_scale(a.v_scale, a.v_scale_ptr, a.v_scale_stride, kv_head) * Kv<kv_t>::UNIT;
@@ -320,9 +321,12 @@ struct PagedKVStage {
 
 // The ring: STAGES - 1 stages in flight while one is consumed. The next stage's page lookups are
 // issued one iteration before its copies, so page-table latency stays off the copy path.
-// consume(stage, t) runs between two barriers with tile t resident in `stage`.
-template <int STAGES, int TILE, class Stage, class Consume>
-FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Consume&& consume) {
+// prepare() runs once the first stages' copies are issued: the CTA's setup that the copies do not
+// need (Q and its conversion, the scales) then overlaps their flight instead of delaying the first
+// page lookup by a round trip (a Q conversion waits for Q's load). consume(stage, t) runs between
+// two barriers with tile t resident in `stage`.
+template <int STAGES, int TILE, class Stage, class Prepare, class Consume>
+FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&& prepare, Consume&& consume) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < num_tiles) {
@@ -332,6 +336,7 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Consume&&
     cp_async_commit();
   }
   if (STAGES - 1 < num_tiles) loader.locate(v_begin + (STAGES - 1) * TILE);
+  prepare();
   for (int t = 0; t < num_tiles; ++t) {
     const int ahead = t + STAGES - 1;
     if (ahead < num_tiles) {
@@ -377,8 +382,9 @@ struct SharedTiles {
   }
 };
 
-template <int STAGES, int TILE, class Stage, class Consume>
-FJ_INLINE void stream_shared_tiles(Stage& loader, const WorkItem& item, int* counter, Consume&& consume) {
+template <int STAGES, int TILE, class Stage, class Prepare, class Consume>
+FJ_INLINE void stream_shared_tiles(Stage& loader, const WorkItem& item, int* counter, Prepare&& prepare,
+                                   Consume&& consume) {
   constexpr int SLOTS = SharedTiles::SLOTS;
   static_assert(SLOTS >= STAGES + 2, "a slot is not reused while read");
   __shared__ SharedTiles shared;
@@ -400,6 +406,7 @@ FJ_INLINE void stream_shared_tiles(Stage& loader, const WorkItem& item, int* cou
     cp_async_commit();
   }
   if (shared.tiles[STAGES - 1] >= 0) loader.locate(position(shared.tiles[STAGES - 1]));
+  prepare();
   for (int t = 0;; ++t) {
     const int tile = shared.tiles[t % SLOTS];
     if (tile < 0) break;
@@ -426,15 +433,15 @@ FJ_INLINE void stream_shared_tiles(Stage& loader, const WorkItem& item, int* cou
 
 // A tensor-core CTA's tiles: its item's (stream_tiles), or with cfg::STATIC_SHARE < 100 its
 // request's, shared with the request's other CTAs (stream_shared_tiles). ROWS: query rows per CTA.
-template <int STAGES, int TILE, int ROWS, class Stage, class Consume>
+template <int STAGES, int TILE, int ROWS, class Stage, class Prepare, class Consume>
 FJ_INLINE void stream_item_tiles(Stage& loader, const Args& a, const WorkItem& item, const CtaCoords& cta,
-                                 Consume&& consume) {
+                                 Prepare&& prepare, Consume&& consume) {
   if constexpr (cfg::STATIC_SHARE < 100) {
     constexpr int ROW_TILES = ceil_div(cfg::GROUP_SIZE * cfg::MAX_Q_LEN, ROWS);
     int* counter = a.tile_counters + group_index(a.num_qo_heads, item.request, cta.kv_head, cta.row_tile, ROW_TILES);
-    stream_shared_tiles<STAGES, TILE>(loader, item, counter, consume);
+    stream_shared_tiles<STAGES, TILE>(loader, item, counter, prepare, consume);
   } else {
-    stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), consume);
+    stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), prepare, consume);
   }
 }
 

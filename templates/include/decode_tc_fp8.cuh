@@ -135,8 +135,6 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
 
-  const HeadScales scales(a, kv_head);
-
   // The query rows of this lane's S^T and O^T columns: 2t + c.
   constexpr int COLS = 2;
   int col_tok[COLS], col_pos[COLS];
@@ -149,9 +147,14 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
     col_pos[c] = item.kv_len - item.q_len + col_tok[c];
   }
 
-  // Q as B fragments, loaded once: qb[ks] = Q[row g][k_byte(ks, t) + 0..1 | 2..3], in f16.
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
+
+  // Q as B fragments, loaded once the first copies are in flight (stream_tiles' prepare):
+  // qb[ks] = Q[row g][k_byte(ks, t) + 0..1 | 2..3], in f16.
   u32 qb[STEPS][2];
-  {
+  HeadScales scales;
+  const auto prepare = [&] {
+    scales = HeadScales(a, kv_head);
     const int row = cta.row_tile * M + g, tok = row / cfg::GROUP_SIZE;
     const bool valid = row < ROWS_TOTAL && tok < item.q_len;
     const q_t* q_row = a.q + (i64)(item.q_begin + tok) * a.q_stride + (kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE) * D;
@@ -161,9 +164,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
       for (int h = 0; h < 2; ++h)
         qb[ks][h] = valid ? QueryPair<q_t, half_t>::convert(*reinterpret_cast<const u32*>(q_row + k_byte(ks, t) + 2 * h))
                           : 0u;
-  }
-
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
+  };
 
   float o[STEPS][4];  // O^T: o[mt][0..1] dim o_dim(mt, g), o[mt][2..3] dim o_dim(mt, g + 8); rows 2t, 2t + 1
 #pragma unroll
@@ -172,7 +173,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
 #pragma unroll
   for (int c = 0; c < COLS; ++c) m[c] = FJ_NEG_INF, dsum[c] = 0.f;
 
-  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [&](int stage, int tile) {
+  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, [&](int stage, int tile) {
     const int key0 = item.tile_begin + tile * TILE + warp * 16;  // this warp's first key
     if (key0 >= item.v_end) return;
     float s[4] = {0.f, 0.f, 0.f, 0.f};
