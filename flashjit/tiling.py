@@ -136,13 +136,12 @@ FUSED_MERGE = True
 STATIC_SHARE = {64: 100, 128: 100, 256: 75}       # per head_dim, 16-bit K/V
 STATIC_SHARE_FP8 = {64: 100, 128: 100, 256: 100}  # fp8 K/V
 # Partials the fused merge's last CTA loads at once, each chunk one L2 round trip
-# (merge_partials_if_last). 16-bit K/V: 16 costs the kernels no registers and spills none (32
-# takes head_dim 64 to 220). H200, same-process pairs, two rounds (8 / 16 / 32, us): b1 L2048 (16
-# splits) 13.2-13.3 / 12.9-13.0 / 14.3; b1 L32768 (32 splits) 51.2-51.4 / 50.4-51.2 / 50.3-50.9;
-# b1 L131072 138.9-139.5 / 138.4-138.9 / 138.4-138.9; varlen equal. fp8 kernels keep 8: the merge's
-# 16 partials in registers take head_dim 64 from 89-100 registers to 122-128 (5 CTAs/SM to 4).
-MERGE_CHUNK = 16
-MERGE_CHUNK_FP8 = 8
+# (merge_partials_if_last); no kernel spills with 8. 16 is faster with many splits but slower with
+# few, whose merge then runs 16 slots for 2 partials. H200, same-process pairs (8 / 16, us): b1
+# L2048 (16 splits) 13.1-13.2 / 12.8, b1 L32768 (32 splits) 51.5-51.6 / 50.7-50.8, but b16 L8192
+# (2 splits) 138.4-138.6 / 139.4-139.5 and head_dim 256 (2 splits) 267.0-267.2 / 268.5-268.8.
+# And the merge's registers count in the kernel's: 16 takes fp8 head_dim 64 from 89-100 to 122-128.
+MERGE_CHUNK = 8
 
 
 def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False) -> tuple[int, int]:
@@ -200,7 +199,7 @@ def decode_tiling(spec: DecodeSpec) -> DecodeTiling:
                             smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch, l2_prefetch=_l2_prefetch(spec),
                             swizzle=swizzle, ring_align=RING_ALIGN, heads_first=HEADS_FIRST, fused_merge=FUSED_MERGE,
                             static_share=_static_share(spec), min_ctas=TC_MIN_CTAS[spec.head_dim], col_split=col_split,
-                            merge_chunk=MERGE_CHUNK_FP8 if spec.kv_is_fp8 else MERGE_CHUNK, **merge)
+                            merge_chunk=MERGE_CHUNK, **merge)
     vec = 8
     chunks = spec.head_dim // vec
     bdx = _pow2_ceil(chunks)

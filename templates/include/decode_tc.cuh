@@ -57,6 +57,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // the warp's keys, and O's columns
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
+  const HeadScales scales(a, kv_head);
+
   // The two query rows this thread's fragments touch: quad and quad + 8.
   int row_tok[2], row_head[2], row_pos[2];
   bool row_valid[2];
@@ -69,26 +71,24 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
     row_pos[h] = item.kv_len - item.q_len + row_tok[h];
   }
 
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
-
-  // Q as MMA A-fragments, loaded once the first copies are in flight (stream_tiles' prepare):
-  // a[k][0..3] = Q[quad|quad+8][16k + pair (+8)].
+  // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)]. Here, unlike
+  // the fp8 kernel, Q needs no conversion, so its loads do not hold the first page lookup back; and
+  // loaded in stream_tiles' prepare() instead, head_dim 256 took 272.3 us against 265.4-266.6 (H200).
   u32 qa[KSTEPS][4];
-  HeadScales scales;
-  const auto prepare = [&] {
-    scales = HeadScales(a, kv_head);
-    const q_t* q_rows[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) q_rows[h] = a.q + (i64)(item.q_begin + row_tok[h]) * a.q_stride + row_head[h] * D;
+  for (int k = 0; k < KSTEPS; ++k) {
 #pragma unroll
-    for (int k = 0; k < KSTEPS; ++k) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int h = r & 1, col = 16 * k + pair + (r >> 1) * 8;
-        qa[k][r] = row_valid[h] ? QueryPair<q_t, mma_t>::convert(*reinterpret_cast<const u32*>(q_rows[h] + col)) : 0u;
-      }
+    for (int r = 0; r < 4; ++r) {
+      const int h = r & 1, col = 16 * k + pair + (r >> 1) * 8;
+      qa[k][r] = row_valid[h]
+          ? QueryPair<q_t, mma_t>::convert(
+                *reinterpret_cast<const u32*>(a.q + (i64)(item.q_begin + row_tok[h]) * a.q_stride
+                                              + row_head[h] * D + col))
+          : 0u;
     }
-  };
+  }
+
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
 
   float o[NTILES][4];
 #pragma unroll
@@ -105,7 +105,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   const int v_ld = (slice * 16 + mrow + (mat & 1) * 8) * V_PITCH + col_part * NTILES * 16,
             v_chunk = (mat >> 1) ^ swizzle;  // V: transposed
 
-  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, [&](int stage, int t) {
+  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [] {}, [&](int stage, int t) {
     const int key0 = item.tile_begin + t * TILE + slice * 16;  // this warp's first key
     if (key0 < item.v_end) {
       const unsigned char* ks = k_smem + stage * TILE * K_PITCH;
