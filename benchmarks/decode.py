@@ -4,9 +4,11 @@
     python benchmarks/decode.py compile [--json out.json]        # compile, cache and host costs (CPU ok)
 
 Method: random inputs, shuffled page tables, the L2 flushed before every timed call (--flush: "dirty"
-writes 256 MB, as PERFORMANCE.md's anchors were measured, which leaves ~60 MB of dirty lines the timed
-call then pays to write back; "clean" reads the 256 MB after writing them, so the call starts from a
-cold, clean L2, as a serving step does), CUDA events around the call alone, warm-up first, the median of --iters calls. Every implementation
+writes 256 MB, as PERFORMANCE.md's anchors were measured (their peer times reproduce), which leaves
+~60 MB of dirty lines the timed call then pays to write back; "clean" reads the 256 MB after writing
+them, so the call starts from a cold, clean L2, as a serving step does and as rotating inputs larger
+than the L2 would, though stricter: the page table and work list are cold too), CUDA events around
+the call alone, warm-up first, the median of --iters calls. Every implementation
 is checked against flashjit.reference (float32) before it is timed; a wrong one is reported, not timed.
 Bandwidth counts the K/V bytes attended (a window counts only the window) plus q and out, and is
 compared with a device-to-device copy measured in the same run. Each row's "floor" is a streaming
@@ -411,8 +413,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a subset of the shapes")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--flush", choices=["dirty", "clean"], default="dirty",
-                        help="L2 flush before each timed call: a 256 MB write (dirty, PERFORMANCE.md's method) "
-                             "or that write read back (clean)")
+                        help="L2 flush before each timed call: a 256 MB write (dirty, as PERFORMANCE.md's anchors "
+                             "were measured) or that write read back (clean: a cold L2 with nothing to write back)")
     parser.add_argument("--only", default="", help="rows whose name matches this regular expression")
     parser.add_argument("--cuda-cores", action="store_true", help="also time flashjit's CUDA-core kernel")
     parser.add_argument("--json", help="write the results here")
