@@ -58,30 +58,26 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
   const bool row_valid = ty < ROWS && row < ROWS_TOTAL && q_tok < item.q_len;
   const int q_pos = item.kv_len - item.q_len + q_tok;
-  PagedKVStage<TILE, ROW_BYTES, ROW_BYTES, NT> loader(a, params, kv_head, k_smem, v_smem, tid, item);
+  const HeadScales scales(a, kv_head);
 
-  // This row's q, times the score scale, loaded once the first copies are in flight (stream_tiles'
-  // prepare).
   float q[VEC];
-  HeadScales scales;
-  const auto prepare = [&] {
-    scales = HeadScales(a, kv_head);
-    if (row_valid && tx < CPR) {
-      const q_t* q_row = a.q + (i64)(item.q_begin + q_tok) * a.q_stride + qo_head * D;
-      uint4 raw = *reinterpret_cast<const uint4*>(q_row + tx * VEC);
-      unpack8<q_t>(raw, q);
+  if (row_valid && tx < CPR) {
+    const q_t* q_row = a.q + (i64)(item.q_begin + q_tok) * a.q_stride + qo_head * D;
+    uint4 raw = *reinterpret_cast<const uint4*>(q_row + tx * VEC);
+    unpack8<q_t>(raw, q);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) q[i] *= scales.score;
-    } else {
+    for (int i = 0; i < VEC; ++i) q[i] *= scales.score;
+  } else {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) q[i] = 0.f;
-    }
-  };
+    for (int i = 0; i < VEC; ++i) q[i] = 0.f;
+  }
+
+  PagedKVStage<TILE, ROW_BYTES, ROW_BYTES, NT> loader(a, params, kv_head, k_smem, v_smem, tid, item);
   float m = FJ_NEG_INF, dsum = 0.f, o[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;
 
-  stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), prepare, [&](int stage, int t) {
+  stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), [] {}, [&](int stage, int t) {
     float s[TPZ];
     float tile_max = FJ_NEG_INF;
 #pragma unroll
