@@ -31,8 +31,8 @@ NUM_SMS_MAX = 1024  # an upper bound on %smid
 def timeline_engine(cache_dir):
     """An Engine whose kernels carry the timeline stamps (built beside the cached plain ones)."""
     import flashjit
-    from flashjit.compile import compile_source
-    from flashjit.kernel import Kernel
+    from flashjit.jit.compile import compile_source
+    from flashjit.jit.kernel import Kernel
 
     class TimelineEngine(flashjit.Engine):
         def __init__(self, *args, **kwargs):

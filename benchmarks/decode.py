@@ -9,7 +9,7 @@ writes 256 MB, as PERFORMANCE.md's anchors were measured (their peer times repro
 them, so the call starts from a cold, clean L2, as a serving step does and as rotating inputs larger
 than the L2 would, though stricter: the page table and work list are cold too), CUDA events around
 the call alone, warm-up first, the median of --iters calls. Every implementation
-is checked against flashjit.reference (float32) before it is timed; a wrong one is reported, not timed.
+is checked against flashjit.decode.reference (float32) before it is timed; a wrong one is reported, not timed.
 Bandwidth counts the K/V bytes attended (a window counts only the window) plus q and out, and is
 compared with a device-to-device copy measured in the same run. Each row's "floor" is a streaming
 read of the same number of bytes under the same flush and timing (benchmarks/read_floor.py): no
@@ -157,7 +157,7 @@ class Fp8Cache:
 
 
 def quantize(batch, case) -> Fp8Cache | None:
-    from flashjit.quantize import dequantize_kv, quantize_kv
+    from flashjit.decode.quantize import dequantize_kv, quantize_kv
 
     if case.kv_dtype is None:
         return None
@@ -182,7 +182,7 @@ def flashjit_impl(torch, batch, case, engine, fp8: Fp8Cache | None, tensor_cores
 
 def sdpa_impl(torch, batch, case):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from flashjit.reference import gather_request_kv
+    from flashjit.decode.reference import gather_request_kv
 
     lengths = batch.kv_lens
     if len(set(lengths)) != 1 or case.kv_dtype:
@@ -240,7 +240,7 @@ def bench_kernels(args) -> dict:
     import torch
 
     import flashjit
-    from flashjit.reference import decode_reference
+    from flashjit.decode.reference import decode_reference
     from tests.gpu.batches import rel_error
 
     engine = flashjit.Engine(cache_dir=args.cache_dir)
@@ -323,8 +323,8 @@ def print_row(row, ceiling):
 def bench_compile(args) -> dict:
     """Cold compile, warm-disk first call in a fresh process, in-memory get_kernel, and (GPU) plan/run host time."""
     import flashjit
-    from flashjit.compile import compile_source
-    from flashjit.render import render
+    from flashjit.jit.compile import compile_source
+    from flashjit.jit.render import render
 
     arch = args.arch
     spec = flashjit.DecodeSpec(128, "bf16", group_size=4, page_size=16, arch=arch)
@@ -423,7 +423,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.mode == "compile":
         if args.arch is None:
-            from flashjit.spec import current_arch
+            from flashjit.jit.spec import current_arch
             args.arch = current_arch() or "sm_90"
         result = bench_compile(args)
     else:

@@ -17,7 +17,7 @@ def main():
     import torch
 
     import flashjit
-    from flashjit.batches import make_batch
+    from flashjit.deploy.random_batches import make_batch
 
     engine = flashjit.Engine(cache_dir=tempfile.mkdtemp())
     batch = make_batch([128 + 6 * i for i in range(64)], num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)

@@ -1,4 +1,4 @@
-"""Time the tensor-core kernel under other tilings (GPU), to tune flashjit.tiling: warp/stage
+"""Time the tensor-core kernel under other tilings (GPU), to tune flashjit.jit.tiling: warp/stage
 counts, the L2 prefetch hint, the grid order and the fused merge, each varied alone from the current choice.
 
     python benchmarks/tiling_sweep.py [REGEX]     # only the shapes whose name matches
@@ -34,7 +34,7 @@ def main():
     import torch
 
     import flashjit
-    from flashjit import tiling
+    from flashjit.jit import tiling
 
     timer = Timer(torch, 15)
     only = sys.argv[1] if len(sys.argv) > 1 else ""

@@ -1,15 +1,15 @@
 """flashjit: JIT-generated paged-KV decode attention kernels (Jinja2 templates, NVRTC, disk cache)."""
 
-__version__ = "0.1.0"
+from ._version import __version__
 
-from .batch_decode import BatchDecode, decode, default_engine  # noqa: E402
-from .engine import Engine, PrewarmResult  # noqa: E402
-from .quantize import dequantize_kv, quantize_kv  # noqa: E402
-from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError  # noqa: E402
-from .registry import register_mask  # noqa: E402
-from .sink_window import sink_window_params  # noqa: E402
-from .spec import DecodeSpec  # noqa: E402
-from .tree import pack_tree_mask  # noqa: E402
+from .decode.batch_decode import BatchDecode, decode, default_engine
+from .jit.engine import Engine, PrewarmResult
+from .decode.quantize import dequantize_kv, quantize_kv
+from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError
+from .masks.registry import register_mask
+from .masks.sink_window import sink_window_params
+from .jit.spec import DecodeSpec
+from .masks.tree import pack_tree_mask
 
 
 def get_kernel(spec: DecodeSpec):

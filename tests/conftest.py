@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-import flashjit.engine as engine_module
+import flashjit.jit.engine as engine_module
 from flashjit import DecodeSpec, Engine
-from flashjit.cache import KernelCache
-from flashjit.compile import CompiledKernel
-from flashjit.kernel import Kernel
-from flashjit.registry import masks
+from flashjit.jit.cache import KernelCache
+from flashjit.jit.compile import CompiledKernel
+from flashjit.jit.kernel import Kernel
+from flashjit.masks.registry import masks
 
 # Every spec the suite builds names its arch: the CI machine has no GPU to infer it from.
 WARM_SPEC = DecodeSpec(head_dim=64, dtype="bf16", mask="none", arch="sm_90")

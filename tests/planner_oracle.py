@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashjit import checks
-from flashjit.checks import host_int_array, indptr_array
-from flashjit.plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan
+from flashjit import validation as checks
+from flashjit.validation import host_int_array, indptr_array
+from flashjit.decode.split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan
 
 
 def reference_estimate_time(span_lens, chunks, ctas_per_item, max_ctas):

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import flashjit.engine as engine_module
+import flashjit.jit.engine as engine_module
 from flashjit import DecodeSpec, Engine, KernelNotPrewarmed
-from flashjit import bundle as bundle_module
-from flashjit.bundle import HEADER, BundleError, export_bundle, import_bundle
-from flashjit.cache import SCHEMA, KernelCache
-from flashjit.compile import CompiledKernel
+from flashjit.deploy import bundle as bundle_module
+from flashjit.deploy.bundle import HEADER, BundleError, export_bundle, import_bundle
+from flashjit.jit.cache import SCHEMA, KernelCache
+from flashjit.jit.compile import CompiledKernel
 from flashjit.errors import CacheError
 
 from conftest import fake_cubin

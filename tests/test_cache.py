@@ -14,11 +14,11 @@ import time
 import pytest
 
 from flashjit import DecodeSpec, Engine, __version__
-from flashjit import cache as cache_module
-from flashjit.cache import SCHEMA, KernelCache, cache_key, default_cache_dir
-from flashjit.compile import compile_options, nvrtc_version
-from flashjit.registry import register_mask
-from flashjit.render import render
+from flashjit.jit import cache as cache_module
+from flashjit.jit.cache import SCHEMA, KernelCache, cache_key, default_cache_dir
+from flashjit.jit.compile import compile_options, nvrtc_version
+from flashjit.masks.registry import register_mask
+from flashjit.jit.render import render
 
 from conftest import collect_flashjit_log, run_children
 

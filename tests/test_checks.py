@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit import checks
-from flashjit.checks import host_int_array, indptr_array, rows_16b_aligned, tensor
+from flashjit import validation as checks
+from flashjit.validation import host_int_array, indptr_array, rows_16b_aligned, tensor
 from planner_oracle import reference_page_table
 
 

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from flashjit import CompileError, DecodeSpec, __version__, cli, host_library, selfcheck
-from flashjit.cache import KernelCache
+from flashjit import CompileError, DecodeSpec, __version__
+from flashjit.deploy import cli, smoke_test as selfcheck
+from flashjit.jit import host_library
+from flashjit.jit.cache import KernelCache
 
 SPEC = DecodeSpec(head_dim=64, dtype="bf16", mask="none", page_size=16, group_size=1, arch="sm_90")
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +129,7 @@ def test_prewarm_compile_error_shows_log_and_source(tmp_path, monkeypatch):
     def broken(source, arch, name, **kwargs):
         raise CompileError(name, "kernel.cu(1): error: expected a ';'", tmp_path / f"{name}.cu")
 
-    monkeypatch.setattr("flashjit.engine.compile_source", broken)
+    monkeypatch.setattr("flashjit.jit.engine.compile_source", broken)
     code, out, err = run("prewarm", "--spec", SPEC.name, "--cache-dir", tmp_path / "c")
     assert code == 1 and out == ""
     first, *rest = err.splitlines()
@@ -169,7 +171,7 @@ def test_show_prints_the_rendered_source():
     code, out, _ = run("show", name)
     assert code == 0
     assert name in out and "mask: causal" in out
-    assert out == __import__("flashjit.render", fromlist=["render"]).render(DecodeSpec.from_name(name))
+    assert out == __import__("flashjit.jit.render", fromlist=["render"]).render(DecodeSpec.from_name(name))
 
 
 def test_show_bad_name():

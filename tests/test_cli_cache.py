@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from flashjit import DecodeSpec, Engine, KernelNotPrewarmed
-from flashjit.cache import SCHEMA, KernelCache
-from flashjit.cli import parse_size
+from flashjit.jit.cache import SCHEMA, KernelCache
+from flashjit.deploy.cli import parse_size
 
 from test_cli import run
 

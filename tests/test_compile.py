@@ -11,10 +11,10 @@ import tempfile
 import pytest
 
 from flashjit import CompileError, DecodeSpec, FlashJITError, register_mask
-from flashjit.compile import (BASE_OPTIONS, COMPILER_DISTRIBUTIONS, compile_options, compile_source,
+from flashjit.jit.compile import (BASE_OPTIONS, COMPILER_DISTRIBUTIONS, compile_options, compile_source,
                               compiler_fingerprint, nvrtc_version)
-from flashjit.render import render
-from flashjit.tiling import decode_tiling
+from flashjit.jit.render import render
+from flashjit.jit.tiling import decode_tiling
 
 BAD_SOURCE = 'extern "C" __global__ void broken(int* out) {\n  out[0] = this_is_not_declared;\n}\n'
 
@@ -133,7 +133,7 @@ def test_compiler_fingerprint_names_the_installed_versions():
 
 def test_compiler_fingerprint_is_cheap_and_loads_no_cupy():
     """Measured in a fresh process: the first call (the one a warm start pays) and its imports."""
-    code = ("import sys, time; from flashjit.compile import compiler_fingerprint; t = time.perf_counter(); "
+    code = ("import sys, time; from flashjit.jit.compile import compiler_fingerprint; t = time.perf_counter(); "
             "compiler_fingerprint(); t = time.perf_counter() - t; "
             "print(t, 'cupy' in sys.modules, 'importlib.metadata' in sys.modules)")
     seconds, cupy, metadata = subprocess.check_output([sys.executable, "-c", code], text=True).split()

@@ -19,14 +19,15 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit import DecodeSpec, host_library
-from flashjit.batch_decode import _NO_CACHE, LOG2E, BatchDecode, _Capacity, _PageIdRange, _PlanBuffers
-from flashjit.cache import KernelCache
-from flashjit.host_plan import HostPlanner, item_records
-from flashjit.kernel import Kernel, LoadedKernel
-from flashjit.registry import masks, register_mask
-from flashjit import tiling as tiling_module
-from flashjit.tiling import decode_tiling
+from flashjit import DecodeSpec
+from flashjit.jit import host_library
+from flashjit.decode.batch_decode import _NO_CACHE, LOG2E, BatchDecode, _Capacity, _PageIdRange, _PlanBuffers
+from flashjit.jit.cache import KernelCache
+from flashjit.decode.host_planner import HostPlanner, item_records
+from flashjit.jit.kernel import Kernel, LoadedKernel
+from flashjit.masks.registry import masks, register_mask
+from flashjit.jit import tiling as tiling_module
+from flashjit.jit.tiling import decode_tiling
 from planner_oracle import reference_page_table, reference_plan_work
 
 NUM_SMS, CTAS_PER_SM, DECODE_FN, MERGE_FN = 132, 2, 0xD0, 0xE0
@@ -420,7 +421,7 @@ def test_page_id_range_reads_only_the_used_prefix(native):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 def test_plan_buffers_pack_every_field_at_its_offset(native):
-    from flashjit.batch_decode import _Capacity
+    from flashjit.decode.batch_decode import _Capacity
 
     if native and native_library() is None:
         pytest.skip("no C compiler: plan() uses the numpy planner here")
@@ -460,7 +461,7 @@ def test_plan_buffers_pack_every_field_at_its_offset(native):
 
 
 def test_prepared_launch_passes_its_ctypes_arguments_and_the_current_stream(monkeypatch):
-    from flashjit import kernel
+    from flashjit.jit import kernel
 
     calls = []
     monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append([getattr(x, "value", x) for x in args]) or 0)
@@ -480,7 +481,7 @@ def test_prepared_launch_passes_its_ctypes_arguments_and_the_current_stream(monk
 def test_prepared_launch_passes_ctypes_objects_of_the_parameter_types(monkeypatch):
     """cuLaunchKernel is called without argtypes, so ctypes passes each argument as it comes: a Python
     int would go as a 32-bit C int. Every argument must be a ctypes object of the parameter's type."""
-    from flashjit import kernel
+    from flashjit.jit import kernel
 
     calls = []
     monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append(args) or 0)
@@ -495,7 +496,7 @@ def test_prepared_launch_passes_ctypes_objects_of_the_parameter_types(monkeypatc
 
 def test_prepared_launch_is_kept_for_the_same_kernel_and_arguments(monkeypatch):
     """A new plan re-aims the launch at its grid; another function, block, smem or params array gets a new one."""
-    from flashjit import kernel
+    from flashjit.jit import kernel
 
     calls = []
     monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append([getattr(x, "value", x) for x in args]) or 0)

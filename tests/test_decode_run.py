@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit import batch_decode, kernel, tiling
+from flashjit.decode import batch_decode
+from flashjit.jit import kernel, tiling
 from test_decode_plan import cpu_decoder, planner, tables  # noqa: F401  (planner: a fixture)
 
 HEADS, KV_HEADS, DIM, PAGE = 8, 2, 64, 16

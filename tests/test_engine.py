@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-import flashjit.engine as engine_module
+import flashjit.jit.engine as engine_module
 from flashjit import DecodeSpec, Engine, KernelNotPrewarmed, PrewarmResult, register_mask
-from flashjit.engine import prewarm_command
+from flashjit.jit.engine import prewarm_command
 
 
 def test_memory_hit_returns_same_object(warm, compile_log):

@@ -21,12 +21,12 @@ import time
 
 import pytest
 
-import flashjit.engine as engine_module
+import flashjit.jit.engine as engine_module
 from flashjit import DecodeSpec, Engine
-from flashjit import cache as cache_module
-from flashjit.cache import KernelCache, cache_key
-from flashjit.compile import CompiledKernel, compile_options, nvrtc_version
-from flashjit.render import render
+from flashjit.jit import cache as cache_module
+from flashjit.jit.cache import KernelCache, cache_key
+from flashjit.jit.compile import CompiledKernel, compile_options, nvrtc_version
+from flashjit.jit.render import render
 from flashjit import __version__
 
 from conftest import collect_flashjit_log, fake_cubin, run_children

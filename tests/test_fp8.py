@@ -8,11 +8,12 @@ import re
 import pytest
 import torch
 
-from flashjit import DecodeSpec, SpecError, checks
-from flashjit.compile import compile_source
-from flashjit.quantize import FP8_MAX, dequantize_kv, quantize_kv
-from flashjit.render import render
-from flashjit.tiling import decode_tiling
+from flashjit import DecodeSpec, SpecError
+from flashjit import validation as checks
+from flashjit.jit.compile import compile_source
+from flashjit.decode.quantize import FP8_MAX, dequantize_kv, quantize_kv
+from flashjit.jit.render import render
+from flashjit.jit.tiling import decode_tiling
 
 
 @pytest.mark.parametrize("value, canonical", [
@@ -148,7 +149,7 @@ def test_scale_tensor_values_are_checked():
 
 
 def test_manifests_name_fp8_caches(tmp_path):
-    from flashjit.manifest import specs_from_manifest
+    from flashjit.deploy.manifest import specs_from_manifest
 
     path = tmp_path / "fp8.toml"
     path.write_text('archs = ["sm_90"]\n[[model]]\nname = "m"\nnum_qo_heads = 32\nnum_kv_heads = 8\nhead_dim = 128\n'

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flashjit.hf_config import manifest_from_hf_config, read_hf_config
-from flashjit.manifest import ManifestError
+from flashjit.deploy.hf_config import manifest_from_hf_config, read_hf_config
+from flashjit.deploy.manifest import ManifestError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
 LLAMA = json.loads((EXAMPLES / "llama-3-8b" / "config.json").read_text())

@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from flashjit import host_library
-from flashjit.cache import KernelCache
+from flashjit.jit import host_library
+from flashjit.jit.cache import KernelCache
 
 pytestmark = pytest.mark.skipif(host_library.compiler() is None, reason="no C compiler on this machine")
 

@@ -11,17 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit import host_library
-from flashjit.batch_decode import _Capacity, _PlanBuffers
-from flashjit.host_plan import HostPlanner, NativeTables, NumpyTables
-from flashjit.plan import WorkPlan
+from flashjit.jit import host_library
+from flashjit.decode.batch_decode import _Capacity, _PlanBuffers
+from flashjit.decode.host_planner import HostPlanner, NativeTables, NumpyTables
+from flashjit.decode.split_plan import WorkPlan
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    from flashjit.cache import KernelCache
+    from flashjit.jit.cache import KernelCache
 
     lib = host_library.load("host_plan", KernelCache(tmp_path_factory.mktemp("host-cache")))
     if lib is None:

@@ -1,4 +1,4 @@
-"""flashjit.manifest: TOML -> DecodeSpecs. Pure parsing and expansion: no compile here."""
+"""flashjit.deploy.manifest: TOML -> DecodeSpecs. Pure parsing and expansion: no compile here."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from flashjit import DecodeSpec, SpecError
-from flashjit import manifest as mf
-from flashjit.manifest import ManifestError, load_manifest, resolve_archs, specs_from_manifest
+from flashjit.deploy import manifest as mf
+from flashjit.deploy.manifest import ManifestError, load_manifest, resolve_archs, specs_from_manifest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -23,13 +23,14 @@ import pytest
 import torch
 
 import flashjit
-import flashjit.batches
-from flashjit import DecodeSpec, Engine, SpecError, cli, register_mask
-from flashjit import check_mask as cm
-from flashjit import sink_window, tree
-from flashjit.registry import MaskDef, MaskParam, masks
-from flashjit.compile import compile_source
-from flashjit.render import render, template_root
+import flashjit.deploy.random_batches
+from flashjit import DecodeSpec, Engine, SpecError, register_mask
+from flashjit.deploy import cli
+from flashjit.deploy import mask_check as cm
+from flashjit.masks import sink_window, tree
+from flashjit.masks.registry import MaskDef, MaskParam, masks
+from flashjit.jit.compile import compile_source
+from flashjit.jit.render import render, template_root
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_cxx = pytest.mark.skipif(cm.host_compiler() is None, reason="no host C++ compiler")
@@ -109,8 +110,8 @@ PLUGIN_MODULE = '''
 from pathlib import Path
 
 import flashjit
-import flashjit.batches
-from flashjit.registry import MaskDef, MaskParam
+import flashjit.deploy.random_batches
+from flashjit.masks.registry import MaskDef, MaskParam
 
 HERE = Path(__file__).parent
 CALLS = []
@@ -512,7 +513,7 @@ class _ReferenceDecoder:
             mask_def.kv_span(kv_lens, np.diff(np.asarray(qo_indptr)), mask_params)
 
     def run(self, q, kv_cache, *, out, lse):
-        from flashjit.reference import decode_reference
+        from flashjit.decode.reference import decode_reference
 
         indptr, indices, last, qo_indptr, mask, params, layout = self.args
         k, v = kv_cache
@@ -530,13 +531,13 @@ class _ReferenceDecoder:
 
 @pytest.mark.parametrize("name", ["tree", "sink_window"])
 def test_check_batch_wiring_on_cpu(name, monkeypatch, isolated_masks):
-    from flashjit import batch_decode
+    from flashjit.decode import batch_decode
 
     monkeypatch.setattr(batch_decode, "BatchDecode", _ReferenceDecoder)
     rng = random.Random(0)
     kv_lens = cm.random_lengths(rng, 16)
     q_lens = [min(4, n) for n in kv_lens]
-    batch = flashjit.batches.make_batch(kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+    batch = flashjit.deploy.random_batches.make_batch(kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                                         dtype=torch.float16, q_lens=q_lens, seed=1, device="cpu")
     params = cm.sample_params(masks.get(name), rng, kv_lens, q_lens, 16, "cpu")
     results = cm.check_batch(None, batch, name, params)

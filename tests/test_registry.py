@@ -9,8 +9,8 @@ import pytest
 
 import flashjit
 from flashjit import DecodeSpec, Engine, SpecError, register_mask
-from flashjit.registry import MaskParam, masks
-from flashjit.render import render
+from flashjit.masks.registry import MaskParam, masks
+from flashjit.jit.render import render
 
 BUILT_INS = {
     "none": (),

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from flashjit import DecodeSpec, TemplateError, register_mask
-from flashjit.render import ENTRY_TEMPLATE, render, template_root
+from flashjit.jit.render import ENTRY_TEMPLATE, render, template_root
 
 
 def user_mask(tmp_path, name: str, text: str):
@@ -129,7 +129,7 @@ def test_rendering_is_deterministic():
     spec = DecodeSpec(128, mask="sliding_window", group_size=8, max_q_len=2, arch="sm_90")
     first = render(spec)
     assert render(spec) == first
-    code = ("import sys; from flashjit import DecodeSpec; from flashjit.render import render; "
+    code = ("import sys; from flashjit import DecodeSpec; from flashjit.jit.render import render; "
             "sys.stdout.write(render(DecodeSpec(128, mask='sliding_window', group_size=8, max_q_len=2, arch='sm_90')))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env=dict(os.environ, PYTHONHASHSEED="777", PYTHONPATH=os.pathsep.join(sys.path)))

@@ -14,8 +14,8 @@ import torch
 
 import flashjit
 from flashjit import DecodeSpec, SpecError
-from flashjit import spec as spec_module
-from flashjit.spec import ARCHS, HEAD_DIMS
+from flashjit.jit import spec as spec_module
+from flashjit.jit.spec import ARCHS, HEAD_DIMS
 
 
 @pytest.mark.parametrize("value", ["bf16", "bfloat16", "BF16", torch.bfloat16, "torch.bfloat16"])

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from flashjit import tiling
-from flashjit.spec import DecodeSpec
-from flashjit.tiling import decode_tiling
+from flashjit.jit import tiling
+from flashjit.jit.spec import DecodeSpec
+from flashjit.jit.tiling import decode_tiling
 
 
 def ldmatrix_extra_wavefronts(pitch: int, swizzle: bool, chunk: int) -> int:

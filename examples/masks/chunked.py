@@ -46,7 +46,7 @@ def register():
 def main() -> int:
     import torch
 
-    from flashjit.check_mask import check_mask, gpu_available
+    from flashjit.deploy.mask_check import check_mask, gpu_available
 
     register()
     report = check_mask("chunked", archs=None if gpu_available() else "sm_90")  # host check, compile, GPU cases
@@ -56,8 +56,8 @@ def main() -> int:
         return 0 if report.passed else 1
 
     # One decode step by hand: 3 requests, 2 query tokens each, GQA 32/8, head_dim 128, pages of 16.
-    from flashjit.batches import make_batch
-    from flashjit.reference import decode_reference
+    from flashjit.deploy.random_batches import make_batch
+    from flashjit.decode.reference import decode_reference
 
     batch = make_batch([70, 1000, 4097], num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_lens=2)
     decoder = flashjit.BatchDecode(device="cuda")

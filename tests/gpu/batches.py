@@ -1,3 +1,3 @@
-"""Random paged batches for GPU tests and benchmarks (the package's flashjit.batches, shared with check-mask)."""
+"""Random paged batches for GPU tests and benchmarks (the package's flashjit.deploy.random_batches, shared with check-mask)."""
 
-from flashjit.batches import PagedBatch, make_batch, rel_error  # noqa: F401
+from flashjit.deploy.random_batches import PagedBatch, make_batch, rel_error  # noqa: F401

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.reference import decode_reference
+from flashjit.decode.reference import decode_reference
 
 from .batches import make_batch, rel_error
 
@@ -150,8 +150,8 @@ def test_shared_tiles_are_exact_and_leave_their_counters_at_zero(tmp_path, monke
     """Split requests whose CTAs share their tiles (tiling.STATIC_SHARE, here on for every kernel):
     whatever tiles each CTA claims, the merged output matches the reference, on every launch, eager
     and replayed, as the last CTA of each group sets its claim counter back to 0."""
-    from flashjit import tiling
-    from flashjit.quantize import dequantize_kv, quantize_kv
+    from flashjit.jit import tiling
+    from flashjit.decode.quantize import dequantize_kv, quantize_kv
 
     monkeypatch.setattr(tiling, "STATIC_SHARE", dict.fromkeys(tiling.STATIC_SHARE, 50))
     monkeypatch.setattr(tiling, "STATIC_SHARE_FP8", dict.fromkeys(tiling.STATIC_SHARE_FP8, 50))

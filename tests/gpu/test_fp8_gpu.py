@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import flashjit
-from flashjit import check_mask as cm
-from flashjit.quantize import dequantize_kv, quantize_kv
-from flashjit.reference import decode_reference
-from flashjit.registry import masks
+from flashjit.deploy import mask_check as cm
+from flashjit.decode.quantize import dequantize_kv, quantize_kv
+from flashjit.decode.reference import decode_reference
+from flashjit.masks.registry import masks
 
 from .batches import make_batch
 

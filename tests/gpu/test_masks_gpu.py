@@ -1,7 +1,7 @@
 """tree and sink_window kernels against the torch reference (H200), through check-mask's runner.
 
 Each batch runs under every split policy and with random and zero queries
-(flashjit.check_mask.check_batch); zero queries make the lse an exact count of visible keys.
+(flashjit.deploy.mask_check.check_batch); zero queries make the lse an exact count of visible keys.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import flashjit
-from flashjit import check_mask as cm
-from flashjit import sink_window
-from flashjit.reference import decode_reference
-from flashjit.registry import masks
+from flashjit.deploy import mask_check as cm
+from flashjit.masks import sink_window
+from flashjit.decode.reference import decode_reference
+from flashjit.masks.registry import masks
 
 from .batches import make_batch, rel_error
 

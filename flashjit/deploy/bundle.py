@@ -30,9 +30,9 @@ import time
 import zlib
 from pathlib import Path
 
-from . import __version__
-from .cache import ENTRY_FILES, KEY_PATTERN, SCHEMA, KernelCache, atomic_file
-from .errors import CacheError, FlashJITError
+from .._version import __version__
+from ..jit.cache import ENTRY_FILES, KEY_PATTERN, SCHEMA, KernelCache, atomic_file
+from ..errors import CacheError, FlashJITError
 
 BUNDLE_FORMAT = 1
 HEADER = "flashjit-bundle.json"
@@ -77,7 +77,7 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
     cache = KernelCache(cache_dir)
     entries = {e["key"]: e for e in cache.entries()}
     if specs is not None:
-        from .engine import Engine, prewarm_command  # the engine knows how a spec maps to an entry
+        from ..jit.engine import Engine, prewarm_command  # the engine knows how a spec maps to an entry
 
         engine = Engine(cache_dir, allow_compile=False)
         index, missing = {}, []

@@ -1,7 +1,7 @@
 """The `flashjit` command: prewarm, list, show, clear, cache, doctor, run-example.
 
 Argument parsing and printing only; the work is done by the engine, the cache, the manifest
-module and selfcheck. Tables go to stdout, progress bars and log lines to stderr.
+module and smoke_test. Tables go to stdout, progress bars and log lines to stderr.
 Exit codes: 0 success, 1 a compile/check failure, 2 a bad argument, spec or manifest.
 """
 
@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import __version__
-from .errors import FlashJITError, SpecError
+from .._version import __version__
+from ..errors import FlashJITError, SpecError
 
 DEFAULT_EXAMPLE = "llama-3-8b.toml"
 log = logging.getLogger("flashjit")
@@ -80,7 +80,7 @@ _ORIGIN = {"memory": "hit (memory)", "disk": "hit (disk)", "compiled": "compiled
 
 def _collect_specs(manifest, spec_names, arch_text) -> list:
     from .manifest import parse_arch_list, resolve_archs, specs_from_manifest
-    from .spec import DecodeSpec
+    from ..jit.spec import DecodeSpec
 
     specs = []
     if manifest:
@@ -154,7 +154,7 @@ def summary(results, wall_s: float) -> str:
 
 
 def cmd_prewarm(args) -> int:
-    from .engine import Engine
+    from ..jit.engine import Engine
 
     if not args.manifest and not args.spec and not args.hf_config:
         _err("nothing to prewarm: give a MANIFEST.toml and/or --spec NAME, or --hf-config config.json")
@@ -170,7 +170,7 @@ def cmd_prewarm(args) -> int:
 
 def host_planner_status(engine) -> str:
     """Builds plan()'s C helper into the cache too, so the first plan() of a server does not."""
-    from .host_library import load
+    from ..jit.host_library import load
 
     return "built (C)" if load("host_plan", engine.cache) is not None else "numpy (no C helper: see the warning)"
 
@@ -178,7 +178,7 @@ def host_planner_status(engine) -> str:
 # ---- list / show / clear ----------------------------------------------------------------------
 
 def cmd_list(args) -> int:
-    from .cache import KernelCache
+    from ..jit.cache import KernelCache
 
     cache = KernelCache(args.cache_dir)
     entries = sorted(cache.entries(), key=lambda e: (e.get("name", ""), e.get("created", 0)))
@@ -194,15 +194,15 @@ def cmd_list(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from .render import render
-    from .spec import DecodeSpec
+    from ..jit.render import render
+    from ..jit.spec import DecodeSpec
 
     sys.stdout.write(render(DecodeSpec.from_name(args.spec_name)))
     return 0
 
 
 def cmd_clear(args) -> int:
-    from .cache import KernelCache
+    from ..jit.cache import KernelCache
 
     cache = KernelCache(args.cache_dir)
     count = cache.clear()
@@ -261,7 +261,7 @@ def cmd_cache_import(args) -> int:
 
 
 def cmd_cache_info(args) -> int:
-    from .cache import KernelCache
+    from ..jit.cache import KernelCache
 
     usage = KernelCache(args.cache_dir).usage()
     if args.json:
@@ -283,7 +283,7 @@ def cmd_cache_info(args) -> int:
 
 
 def cmd_cache_prune(args) -> int:
-    from .cache import KernelCache
+    from ..jit.cache import KernelCache
 
     if args.max_size is None and not args.old_versions:
         _err("nothing to prune: give --max-size SIZE and/or --old-versions")
@@ -324,10 +324,10 @@ def _nvrtc_library() -> str:
 
 
 def cmd_doctor(args) -> int:
-    from .cache import KernelCache
-    from .compile import compile_source, nvrtc_version
-    from .render import render
-    from .spec import DecodeSpec, current_arch
+    from ..jit.cache import KernelCache
+    from ..jit.compile import compile_source, nvrtc_version
+    from ..jit.render import render
+    from ..jit.spec import DecodeSpec, current_arch
 
     ok = True
     rows = [("flashjit", __version__), ("python", f"{platform.python_version()} ({sys.executable})"),
@@ -378,15 +378,15 @@ def cmd_doctor(args) -> int:
 
 def _default_manifest() -> Path | None:
     """examples/llama-3-8b.toml from the working directory, else from the source checkout."""
-    for folder in (Path.cwd() / "examples", Path(__file__).resolve().parent.parent / "examples"):
+    for folder in (Path.cwd() / "examples", Path(__file__).resolve().parents[2] / "examples"):
         if (folder / DEFAULT_EXAMPLE).is_file():
             return folder / DEFAULT_EXAMPLE
     return None
 
 
 def cmd_run_example(args) -> int:
-    from . import selfcheck
-    from .engine import Engine
+    from . import smoke_test
+    from ..jit.engine import Engine
     from .manifest import specs_from_manifest
 
     manifest = args.manifest or _default_manifest()
@@ -400,10 +400,10 @@ def cmd_run_example(args) -> int:
     print(summary(results, wall))
     print(f"cache: {engine.cache.root}")
     print(f"host planner: {host_planner_status(engine)}")
-    if not selfcheck.gpu_available():
+    if not smoke_test.gpu_available():
         print("no CUDA GPU: skipped the GPU decode step (kernels were compiled and cached only)")
         return 0
-    check = selfcheck.decode_check(engine)
+    check = smoke_test.decode_check(engine)
     verdict = "PASS" if check.passed else "FAIL"
     print(f"GPU decode step: {check.spec_name}, kv_lens {list(check.kv_lens)}: "
           f"max abs error {check.max_abs_err:.3e} vs float32 reference: {verdict}")
@@ -413,8 +413,8 @@ def cmd_run_example(args) -> int:
 # ---- check-mask -------------------------------------------------------------------------------
 
 def cmd_check_mask(args) -> int:
-    from .check_mask import check_mask
-    from .engine import Engine
+    from .mask_check import check_mask
+    from ..jit.engine import Engine
 
     report = check_mask(args.mask, archs=args.arch, overrides=args.params, engine=Engine(args.cache_dir),
                         seed=args.seed, jobs=args.jobs)

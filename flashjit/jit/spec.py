@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import re
 
-from .errors import SpecError
+from ..errors import SpecError
 
 HEAD_DIMS = (64, 96, 128, 256)
 QUERY_DTYPES = ("float16", "bfloat16")
@@ -103,7 +103,7 @@ class DecodeSpec:
         elif self.tensor_cores not in (True, False) or (self.tensor_cores and not tc_ok):
             raise SpecError("tensor_cores", self.tensor_cores,
                             f"None (automatic), False, or True with head_dim in {TENSOR_CORE_HEAD_DIMS}")
-        from .registry import masks  # late import: the registry imports nothing from here
+        from ..masks.registry import masks  # late import: the registry imports nothing from here
 
         if self.mask not in masks:
             raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)")

@@ -16,9 +16,9 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import SandboxedEnvironment
 
-from . import __version__
-from .errors import TemplateError
-from .registry import MaskDef, masks
+from .._version import __version__
+from ..errors import TemplateError
+from ..masks.registry import MaskDef, masks
 from .spec import DecodeSpec
 from .tiling import decode_tiling
 
@@ -28,11 +28,11 @@ STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float8_e4m3fn":
 
 def template_root() -> Path:
     """templates/ inside the installed package, else the source checkout's top-level folder."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "templates", here.parent / "templates"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "templates", package.parent / "templates"):
         if (candidate / ENTRY_TEMPLATE).is_file():
             return candidate
-    raise TemplateError(f"flashjit templates not found next to {here}; reinstall flashjit")
+    raise TemplateError(f"flashjit templates not found next to {package}; reinstall flashjit")
 
 
 def _load_absolute(name: str):

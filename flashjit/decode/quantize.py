@@ -7,18 +7,18 @@ Works on one K or V cache of 4 dimensions, NHD or HND; quantize K and V separate
 
 from __future__ import annotations
 
-from . import checks
-from .spec import FP8_DTYPES, normalize_dtype
+from .. import validation
+from ..jit.spec import FP8_DTYPES, normalize_dtype
 
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 _PAGES_PER_STEP = 4096  # bounds the float32 temporaries of a large cache
 
 
 def _head_axis(cache, kv_layout: str) -> int:
-    checks.tensor("cache", cache, ndim=4)
+    validation.tensor("cache", cache, ndim=4)
     layout = str(kv_layout).upper()
     if layout not in ("NHD", "HND"):
-        checks.fail("kv_layout", "NHD or HND", kv_layout)
+        validation.fail("kv_layout", "NHD or HND", kv_layout)
     return 2 if layout == "NHD" else 1
 
 
@@ -38,11 +38,11 @@ def quantize_kv(cache, kv_dtype="float8_e4m3fn", *, per_head: bool = False, kv_l
     name = normalize_dtype(kv_dtype, "kv_dtype", FP8_DTYPES)
     axis = _head_axis(cache, kv_layout)
     if not cache.dtype.is_floating_point:
-        checks.fail("cache", "a floating-point tensor", cache.dtype)
+        validation.fail("cache", "a floating-point tensor", cache.dtype)
     dims = [d for d in range(4) if d != axis] if per_head else list(range(4))
     amax = cache.abs().amax(dim=dims).float().reshape(-1)
     if not bool(torch.isfinite(amax).all()):
-        checks.fail("cache", "finite values", "inf or nan")
+        validation.fail("cache", "finite values", "inf or nan")
     scale = torch.where(amax > 0, amax / FP8_MAX[name], torch.ones_like(amax))
     out = torch.empty(cache.shape, dtype=getattr(torch, name), device=cache.device)
     inverse = _broadcastable(1.0 / scale, axis)

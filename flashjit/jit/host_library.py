@@ -32,7 +32,7 @@ from .cache import KernelCache, atomic_file, lock_timeout
 
 log = logging.getLogger("flashjit")
 
-SOURCE_DIR = Path(__file__).resolve().parent / "native"
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "decode" / "native"
 # No -ffast-math, and no fused multiply-adds: the helpers must round exactly as the Python references.
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
 BUILD_TIMEOUT_S = 120

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks
+from .. import validation
 
 MASK = "tree"
 PARAMS = {"tree_mask": "int_tensor", "tree_qo_indptr": "int_tensor"}
@@ -29,11 +29,11 @@ def tree_words(parents) -> list[int]:
     """
     parents = [int(p) for p in parents]
     if len(parents) > MAX_TREE_TOKENS:
-        checks.fail("parents", f"at most {MAX_TREE_TOKENS} draft tokens per request", len(parents))
+        validation.fail("parents", f"at most {MAX_TREE_TOKENS} draft tokens per request", len(parents))
     words: list[int] = []
     for i, parent in enumerate(parents):
         if not -1 <= parent < i:
-            checks.fail(f"parents[{i}]", f"-1 (a child of the prefix) or an earlier draft token 0..{i - 1}", parent)
+            validation.fail(f"parents[{i}]", f"-1 (a child of the prefix) or an earlier draft token 0..{i - 1}", parent)
         words.append((1 << i) | (words[parent] if parent >= 0 else 0))
     return words
 
@@ -61,17 +61,17 @@ def pack_tree_mask(parents_per_request, device="cuda") -> dict:
 def kv_span(kv_lens, q_lens, params):
     """[0, kv_len): every key may be visible. Checks the parameters against the plan (one copy to the host)."""
     if int(q_lens.max(initial=0)) > MAX_TREE_TOKENS:
-        checks.fail("q_len", f"at most {MAX_TREE_TOKENS} query tokens per request for mask 'tree'",
+        validation.fail("q_len", f"at most {MAX_TREE_TOKENS} query tokens per request for mask 'tree'",
                     int(q_lens.max()))
-    indptr = checks.host_int_array("mask param tree_qo_indptr", params["tree_qo_indptr"])
+    indptr = validation.host_int_array("mask param tree_qo_indptr", params["tree_qo_indptr"])
     expected = np.concatenate([[0], np.cumsum(q_lens)])
     if len(indptr) != len(expected) or np.any(indptr != expected):
         bad = next((i for i, (a, b) in enumerate(zip(indptr, expected)) if a != b), min(len(indptr), len(expected)))
-        checks.fail("mask param tree_qo_indptr", f"the plan's qo_indptr ({len(expected)} entries, "
+        validation.fail("mask param tree_qo_indptr", f"the plan's qo_indptr ({len(expected)} entries, "
                     f"entry {bad} = {expected[bad] if bad < len(expected) else 'none'})",
                     f"{len(indptr)} entries, entry {bad} = {indptr[bad] if bad < len(indptr) else 'none'}")
     if len(params["tree_mask"]) < expected[-1]:
-        checks.fail("mask param tree_mask", f"at least one word per query token ({expected[-1]})",
+        validation.fail("mask param tree_mask", f"at least one word per query token ({expected[-1]})",
                     len(params["tree_mask"]))
     return np.zeros_like(kv_lens), kv_lens
 

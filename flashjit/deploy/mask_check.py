@@ -7,7 +7,7 @@
   random queries, and with zero queries. Zero queries give every visible key the same weight, so
   a row's LSE is ln(number of visible keys): an exact count that a missed or an extra key fails
   (COUNT_LSE_ATOL), however long the row. Each run is compared with
-  flashjit.reference.decode_reference, which applies the mask's torch predicate. A mask without
+  flashjit.decode.reference.decode_reference, which applies the mask's torch predicate. A mask without
   a predicate (a template folder's mask) is compared with its own unsplit run instead: that
   checks the span, the kv_position mapping and split/merge consistency, not the predicate.
 - check_mask(name) draws random cases (head_dim, dtype, GQA group, query tokens, page size,
@@ -38,9 +38,9 @@ import subprocess
 import tempfile
 import time
 
-from .errors import FlashJITError, SpecError
-from .registry import MaskDef, masks
-from .spec import DecodeSpec
+from ..errors import FlashJITError, SpecError
+from ..masks.registry import MaskDef, masks
+from ..jit.spec import DecodeSpec
 
 GROUPS = (1, 4, 7)
 Q_LENS = (1, 4)
@@ -75,10 +75,10 @@ def split_options(split: str, kv_lens) -> dict:
 
 
 def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *, q=None, tensor_cores=None):
-    """BatchDecode on a flashjit.batches.PagedBatch; out and lse start as NaN. Returns (out, lse, decoder)."""
+    """BatchDecode on a flashjit.deploy.random_batches.PagedBatch; out and lse start as NaN. Returns (out, lse, decoder)."""
     import torch
 
-    from .batch_decode import BatchDecode
+    from ..decode.batch_decode import BatchDecode
 
     q = batch.q if q is None else q
     num_kv_heads = batch.k_cache.shape[2 if batch.kv_layout == "NHD" else 1]
@@ -95,7 +95,7 @@ def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *,
 def compare(out, lse, ref, ref_lse, *, tolerance: float, lse_atol: float = LSE_ATOL,
             lse_rtol: float = LSE_RTOL) -> tuple[float, float, list[str]]:
     """(relative error of out, max lse error, failures) of one run against a reference."""
-    from .batches import rel_error
+    from .random_batches import rel_error
 
     failures = []
     nan_rows = int(out.isnan().any(-1).sum())
@@ -141,8 +141,8 @@ def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes
     """Every split policy x probe of one batch against decode_reference (see the module docstring)."""
     import torch
 
-    from .reference import decode_reference
-    from .spec import normalize_dtype
+    from ..decode.reference import decode_reference
+    from ..jit.spec import normalize_dtype
 
     has_reference = masks.get(mask).reference is not None
     tolerance = TOLERANCE[normalize_dtype(batch.q.dtype)]
@@ -267,9 +267,9 @@ def host_compiler() -> str | None:
 
 def render_mask_hooks(mask: MaskDef, spec: DecodeSpec) -> str:
     """The mask template alone (MaskParams and its two hooks), rendered as for `spec`."""
-    from . import __version__
-    from .render import STORAGE_TYPES, environment
-    from .tiling import decode_tiling
+    from .._version import __version__
+    from ..jit.render import STORAGE_TYPES, environment
+    from ..jit.tiling import decode_tiling
 
     # The context render.render() gives the entry template, which includes the mask template.
     context = dict(spec=spec, tiling=decode_tiling(spec), mask=mask, ctype=STORAGE_TYPES, version=__version__)
@@ -529,7 +529,7 @@ def check_case(engine, mask: str, case: Case, *, overrides=None, device="cuda", 
     """One random batch of a case through check_batch; an exception becomes the case's error."""
     import torch
 
-    from .batches import make_batch
+    from .random_batches import make_batch
 
     mask_def = masks.get(mask)
     rng = random.Random(case.seed)
@@ -573,7 +573,7 @@ def check_mask(name: str, *, archs=None, overrides=None, engine=None, seed: int 
     overrides: int/float mask params fixed for every case (dict, or ['name=value', ...]).
     cases: the GPU cases (default random_cases(seed)).
     """
-    from .engine import Engine
+    from ..jit.engine import Engine
 
     mask = masks.get(name)
     overrides = parse_overrides(mask, overrides)  # the CLI's checks and types for Python callers too

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import CompileError
+from ..errors import CompileError
 
 BASE_OPTIONS = ("--std=c++17", "--use_fast_math")
 # Installed distributions that decide which NVRTC compiles: CuPy finds NVRTC through

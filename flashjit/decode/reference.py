@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .registry import masks
+from ..masks.registry import masks
 
 
 def gather_request_kv(cache: torch.Tensor, page_ids: torch.Tensor, kv_len: int, kv_layout: str = "NHD") -> torch.Tensor:

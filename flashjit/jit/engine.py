@@ -16,12 +16,12 @@ import threading
 import time
 from pathlib import Path
 
-from . import __version__
+from .._version import __version__
 from .cache import KernelCache, cache_key, portable_key
 from .compile import compile_options, compile_source, compiler_fingerprint, nvrtc_version
-from .errors import KernelNotPrewarmed, SpecError
+from ..errors import KernelNotPrewarmed, SpecError
 from .kernel import Kernel
-from .registry import masks
+from ..masks.registry import masks
 from .render import render, templates_digest
 from .spec import DecodeSpec
 from .tiling import decode_tiling

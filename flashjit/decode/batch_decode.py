@@ -20,15 +20,15 @@ import weakref
 
 import numpy as np
 
-from . import checks
-from .engine import Engine
-from .host_library import load as load_host_library
-from .host_plan import ITEM_INTS, HostPlanner
-from .kernel import MASK_PARAM_CTYPES, DecodeArgs, Kernel, LoadedKernel, MergeArgs, PreparedLaunch
-from .plan import WorkPlan
-from .registry import masks
-from .small_arrays import largest
-from .spec import KV_DTYPES, DecodeSpec, normalize_dtype
+from .. import validation
+from ..jit.engine import Engine
+from ..jit.host_library import load as load_host_library
+from .host_planner import ITEM_INTS, HostPlanner
+from ..jit.kernel import MASK_PARAM_CTYPES, DecodeArgs, Kernel, LoadedKernel, MergeArgs, PreparedLaunch
+from .split_plan import WorkPlan
+from ..masks.registry import masks
+from ..small_arrays import largest
+from ..jit.spec import KV_DTYPES, DecodeSpec, normalize_dtype
 
 LOG2E = 1.4426950408889634
 _default_engine: Engine | None = None
@@ -140,16 +140,16 @@ class BatchDecode:
         self.engine = engine or default_engine()
         self.device = torch.device(device)
         if self.device.type != "cuda":
-            checks.fail("device", "a CUDA device", self.device)
+            validation.fail("device", "a CUDA device", self.device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._arch = "sm_%d%d" % torch.cuda.get_device_capability(self.device)
         self.use_cuda_graph = use_cuda_graph
         for name, value in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages)):
             if use_cuda_graph and (not isinstance(value, int) or value < 1):
-                checks.fail(name, "a positive int when use_cuda_graph=True", value)
+                validation.fail(name, "a positive int when use_cuda_graph=True", value)
         if max_q_len is not None and (not use_cuda_graph or not isinstance(max_q_len, int) or max_q_len < 1):
-            checks.fail("max_q_len", "a positive int, with use_cuda_graph=True", max_q_len)
+            validation.fail("max_q_len", "a positive int, with use_cuda_graph=True", max_q_len)
         self._graph_q_len = max_q_len  # the CUDA-graph kernel's query tokens per request, once known
         self._max_batch_size, self._max_tokens = max_batch_size, max_tokens
         self._graph_indices = (torch.zeros(max_num_pages, dtype=torch.int32, device=self.device)
@@ -197,20 +197,20 @@ class BatchDecode:
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             key = known = None
         if known is None:
-            checks.head_counts(num_qo_heads, num_kv_heads, page_size)
+            validation.head_counts(num_qo_heads, num_kv_heads, page_size)
         # The query tokens are each request's newest positions (kv_len - q_len + i).
         tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len)
         num_page_ids = tables.num_page_ids
 
-        checks.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
+        validation.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
         if indices.shape[0] < num_page_ids:
-            checks.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
+            validation.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
         if num_page_ids > 1 and indices.stride(0) != 1:  # the kernel reads them as one run
-            checks.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
+            validation.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
         if self._graph_indices is not None and num_page_ids > self._graph_indices.numel():
-            checks.fail("indices", f"at most max_num_pages={self._graph_indices.numel()} page ids", num_page_ids)
+            validation.fail("indices", f"at most max_num_pages={self._graph_indices.numel()} page ids", num_page_ids)
         if not isinstance(check_page_ids, bool):
-            checks.fail("check_page_ids", "True or False", check_page_ids)
+            validation.fail("check_page_ids", "True or False", check_page_ids)
         # The page-id range travels to the host while the host plans, instead of in a round trip of
         # its own; a negative id is still reported ahead of any later argument error.
         self._page_range.start(indices, num_page_ids if check_page_ids else 0)
@@ -224,13 +224,13 @@ class BatchDecode:
                         self._setups.clear()
                     self._setups.setdefault(key, {})[kernel_q_len] = setup
             if self.use_cuda_graph and self._planned and setup.spec != self.spec:
-                checks.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}",
+                validation.fail("plan() with use_cuda_graph=True", f"the first plan's kernel {self.spec.name}",
                             setup.spec.name)
             work, capacity = self._split_work(setup, tables, chunk_tokens, disable_split_kv)
         finally:
             landed, max_page = self._page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
-                max_page = checks.largest_page_id(*self._host_planner.id_range(self._page_range.host, landed))
+                max_page = validation.largest_page_id(*self._host_planner.id_range(self._page_range.host, landed))
         buffers = self._ensure_buffers(capacity, setup)
 
         # Every argument is valid: from here on the new plan replaces the previous one.
@@ -257,7 +257,7 @@ class BatchDecode:
         """What a plan's scalars decide: validated, the spec compiled (or found) and loaded."""
         (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout, sm_scale,
          tensor_cores) = scalars
-        checks.head_counts(num_qo_heads, num_kv_heads, page_size)
+        validation.head_counts(num_qo_heads, num_kv_heads, page_size)
         generation = masks.generation  # before the lookups: a mask registered meanwhile makes a new setup
         spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
                                  kernel_q_len, kv_layout, self._arch, tensor_cores)
@@ -295,7 +295,7 @@ class BatchDecode:
         if fixed is None:
             return largest_q
         if largest_q > fixed:
-            checks.fail("plan() with use_cuda_graph=True", f"at most max_q_len={fixed} query tokens per request "
+            validation.fail("plan() with use_cuda_graph=True", f"at most max_q_len={fixed} query tokens per request "
                         "(set max_q_len when constructing BatchDecode)", largest_q)
         return fixed
 
@@ -308,7 +308,7 @@ class BatchDecode:
             span_begin, span_end = kernel.mask.kv_span(tables.kv_lens, tables.q_lens, setup.params)
             span_end = np.minimum(span_end, np.iinfo(np.int32).max)
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
-            checks.fail("chunk_tokens", "a positive int", chunk_tokens)
+            validation.fail("chunk_tokens", "a positive int", chunk_tokens)
         if disable_split_kv:
             span_lens = (tables.kv_lens if span_end is None else span_end if span_begin is None
                          else span_end - span_begin)
@@ -322,7 +322,7 @@ class BatchDecode:
         if capacity is None:
             capacity = _Capacity(batch, work.num_tokens, work.num_work)
         elif work.num_work > capacity.work:
-            checks.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
+            validation.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
                         f"{work.num_work} items of {work.chunk_tokens} tokens")
         return work, capacity
 
@@ -336,7 +336,7 @@ class BatchDecode:
             max_tokens = self._max_tokens or self._max_batch_size * spec.max_q_len
             cap = _Capacity(self._max_batch_size, max_tokens, max(self._max_batch_size, one_wave_items))
         if batch > cap.batch or tokens > cap.tokens:
-            checks.fail("plan() with use_cuda_graph=True", f"at most {cap.batch} requests and {cap.tokens} query tokens",
+            validation.fail("plan() with use_cuda_graph=True", f"at most {cap.batch} requests and {cap.tokens} query tokens",
                         f"{batch} requests, {tokens} tokens")
         return cap
 
@@ -347,7 +347,7 @@ class BatchDecode:
         current = self._buffers
         if current is None or not current.fits(capacity, partial_rows * setup.head_dim, merge_groups):
             if current is not None and self.use_cuda_graph:
-                checks.fail("plan() with use_cuda_graph=True", "the buffers of the first plan", "a larger plan")
+                validation.fail("plan() with use_cuda_graph=True", "the buffers of the first plan", "a larger plan")
             current = self._buffers = _PlanBuffers(capacity, partial_rows, setup.head_dim, merge_groups, self.device)
         return current
 
@@ -360,18 +360,18 @@ class BatchDecode:
         missing = [p for p in mask.param_names if p not in params]
         unknown = [p for p in params if p not in mask.param_names]
         if missing or unknown:
-            checks.fail(f"mask_params for mask {mask.name!r}", f"exactly {list(mask.param_names)}",
+            validation.fail(f"mask_params for mask {mask.name!r}", f"exactly {list(mask.param_names)}",
                         f"missing {missing}, unknown {unknown}")
         for p in mask.params:
             value = params[p.name]
             if p.kind == "int" and (not isinstance(value, (int, np.integer)) or value < 0):
-                checks.fail(f"mask param {p.name}", "a non-negative int", value)
+                validation.fail(f"mask param {p.name}", "a non-negative int", value)
             if p.kind == "int_tensor":
                 import torch
 
-                checks.tensor(f"mask param {p.name}", value, dtype=torch.int32, device=self.device, ndim=1)
+                validation.tensor(f"mask param {p.name}", value, dtype=torch.int32, device=self.device, ndim=1)
                 if value.numel() > 1 and value.stride(0) != 1:
-                    checks.fail(f"mask param {p.name}", "a contiguous tensor (stride 1)", f"stride {value.stride(0)}")
+                    validation.fail(f"mask param {p.name}", "a contiguous tensor (stride 1)", f"stride {value.stride(0)}")
         return params
 
     def _build_args(self, setup: "_Setup", work: WorkPlan, indices, fresh: bool):
@@ -463,10 +463,10 @@ class BatchDecode:
         required, heads = self.spec.kv_is_fp8, self.num_kv_heads
         self._scales_key = None  # a v_scale refused after k_scale was set leaves no stale match
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
-            host, pointer, stride = checks.kv_scale(name, value, num_kv_heads=heads, device=self.device,
+            host, pointer, stride = validation.kv_scale(name, value, num_kv_heads=heads, device=self.device,
                                                     required=required)
             if pointer and not torch.cuda.is_current_stream_capturing():  # a capture cannot synchronize
-                checks.tensor_scale_values(name, value)
+                validation.tensor_scale_values(name, value)
             setattr(a, name, host)
             setattr(a, name + "_ptr", pointer)
             setattr(a, name + "_stride", stride)
@@ -474,7 +474,7 @@ class BatchDecode:
 
     def _query_args(self, name: str, t) -> tuple[int, int]:
         """(data_ptr, row stride) of q or out. The common valid case costs one read of each attribute
-        (torch's stride(i) costs twice stride()); anything else gets the full checks."""
+        (torch's stride(i) costs twice stride()); anything else gets the full validation."""
         try:
             pointer, (rows, heads, dim), (row_stride, head_stride, unit) = t.data_ptr(), t.shape, t.stride()
             low, high = self._q_rows
@@ -495,18 +495,18 @@ class BatchDecode:
                 return lse.data_ptr()
         except AttributeError:  # not a tensor: the checks say what it is
             pass
-        checks.tensor("lse", lse, dtype=self._lse_dtype, device=self.device, shape=tuple(out.shape[:2]))
+        validation.tensor("lse", lse, dtype=self._lse_dtype, device=self.device, shape=tuple(out.shape[:2]))
         if not lse.is_contiguous():
-            checks.fail("lse", "a contiguous tensor", f"strides {lse.stride()}")
+            validation.fail("lse", "a contiguous tensor", f"strides {lse.stride()}")
         return lse.data_ptr()
 
     def _check_query(self, name: str, t):
         low, high = self._q_rows
         rows = t.shape[0] if getattr(t, "dim", lambda: 0)() == 3 and low <= t.shape[0] <= high else low
-        checks.tensor(name, t, dtype=self._q_dtype, device=self.device, shape=(rows,) + self._q_shape[1:])
-        checks.rows_16b_aligned(name, t, self.head_dim)
+        validation.tensor(name, t, dtype=self._q_dtype, device=self.device, shape=(rows,) + self._q_shape[1:])
+        validation.rows_16b_aligned(name, t, self.head_dim)
         if t.stride(1) != self.head_dim:
-            checks.fail(name, f"heads packed densely (stride(1) == head_dim == {self.head_dim})", f"strides {t.stride()}")
+            validation.fail(name, f"heads packed densely (stride(1) == head_dim == {self.head_dim})", f"strides {t.stride()}")
 
     def _set_cache(self, kv_cache, a):
         """Point the arguments at K and V; a cache tensor is validated once, then recognised.
@@ -529,10 +529,10 @@ class BatchDecode:
             a.k, k_strides = self._checked("k_cache", k, 4)
             a.v, v_strides = self._checked("v_cache", v, 4)
             if v_strides != k_strides:
-                checks.fail("v_cache", f"the shape and strides of k_cache {tuple(k.shape)}/{k.stride()}",
+                validation.fail("v_cache", f"the shape and strides of k_cache {tuple(k.shape)}/{k.stride()}",
                             f"{tuple(v.shape)}/{v.stride()}")
         elif isinstance(kv_cache, (tuple, list)):
-            checks.fail("kv_cache", "a (k_cache, v_cache) pair or one [pages, 2, ...] tensor", f"{len(kv_cache)} tensors")
+            validation.fail("kv_cache", "a (k_cache, v_cache) pair or one [pages, 2, ...] tensor", f"{len(kv_cache)} tensors")
         else:
             a.k, k_strides = self._checked("kv_cache", kv_cache, 5)
             a.v = a.k + kv_cache.stride(1) * kv_cache.element_size()
@@ -545,21 +545,21 @@ class BatchDecode:
             pointer = t.data_ptr()
             if pointer == seen[1] and t.dtype is seen[2] and t.shape == seen[3]:  # not re-pointed by .set_()
                 return pointer, seen[4]
-        checks.tensor(name, t, dtype=self._kv_dtype, device=self.device, ndim=ndim)
+        validation.tensor(name, t, dtype=self._kv_dtype, device=self.device, ndim=ndim)
         if ndim == 5 and t.shape[1] != 2:
-            checks.fail(name, "shape [pages, 2, ...] (K then V)", f"shape {tuple(t.shape)}")
+            validation.fail(name, "shape [pages, 2, ...] (K then V)", f"shape {tuple(t.shape)}")
         page_view = t[:, 0] if ndim == 5 else t
         layout = "[pages, page_size, kv_heads, head_dim]" if self.spec.kv_layout == "NHD" else "[pages, kv_heads, page_size, head_dim]"
         if tuple(page_view.shape[1:]) != self._kv_shape:
-            checks.fail(name, f"{self.spec.kv_layout} layout {layout} = [*, {', '.join(map(str, self._kv_shape))}]",
+            validation.fail(name, f"{self.spec.kv_layout} layout {layout} = [*, {', '.join(map(str, self._kv_shape))}]",
                         f"shape {tuple(t.shape)}")
         if page_view.shape[0] <= self._max_page:
-            checks.fail(name, f"more than {self._max_page} pages (indices refer to page {self._max_page})",
+            validation.fail(name, f"more than {self._max_page} pages (indices refer to page {self._max_page})",
                         f"{page_view.shape[0]} pages")
-        checks.rows_16b_aligned(name, page_view, self.head_dim)
+        validation.rows_16b_aligned(name, page_view, self.head_dim)
         slot_dim, head_dim = (1, 2) if self.spec.kv_layout == "NHD" else (2, 1)
         strides = (page_view.stride(0), page_view.stride(slot_dim), page_view.stride(head_dim))
-        checks.strides_fit_int32(name, strides)
+        validation.strides_fit_int32(name, strides)
         if len(self._kv_checked) > 1024:
             self._kv_checked.clear()
         self._kv_checked[id(t)] = (weakref.ref(t), t.data_ptr(), t.dtype, t.shape, strides)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import checks
+from .. import validation
 
 MASK = "sink_window"
 PARAMS = {"num_sink": "int", "window_left": "int", "first_q_pos": "int_tensor"}
@@ -51,10 +51,10 @@ def kv_positions(kv_len: int, q_len: int, num_sink: int, window_left: int) -> np
 
 def kv_span(kv_lens, q_lens, params):
     """[0, kv_len - gap): the sinks, then the window. Checks first_q_pos (one copy to the host)."""
-    first = checks.host_int_array("mask param first_q_pos", params["first_q_pos"])
+    first = validation.host_int_array("mask param first_q_pos", params["first_q_pos"])
     expected = kv_lens - q_lens
     if len(first) < len(expected) or np.any(first[:len(expected)] != expected):
-        checks.fail("mask param first_q_pos", "kv_len - q_len per request (flashjit.sink_window.sink_window_params)",
+        validation.fail("mask param first_q_pos", "kv_len - q_len per request (flashjit.masks.sink_window.sink_window_params)",
                     f"{first[:8].tolist()} for kv_lens {kv_lens[:8].tolist()}, q_lens {q_lens[:8].tolist()}")
     return np.zeros_like(kv_lens), kv_lens - gaps(expected, params["num_sink"], params["window_left"])
 

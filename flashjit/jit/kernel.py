@@ -12,8 +12,8 @@ import ctypes
 import dataclasses
 import threading
 
-from .errors import KernelNotPrewarmed
-from .registry import MaskDef
+from ..errors import KernelNotPrewarmed
+from ..masks.registry import MaskDef
 from .spec import DecodeSpec
 from .tiling import DecodeTiling
 

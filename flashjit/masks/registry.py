@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .errors import SpecError
+from ..errors import SpecError
 
 log = logging.getLogger("flashjit")
 
@@ -50,7 +50,7 @@ class MaskDef:
     kv_span: (kv_lens, q_lens, params) -> (begin, end) numpy arrays of the positions worth reading
         per request; the planner cuts only that span into chunks. None means [0, kv_len).
     reference: (q_pos, kv_pos, request, params) -> bool tensor, the torch predicate used by
-        flashjit.reference and the tests; q_pos is the request's [q_len, 1] column of query
+        flashjit.decode.reference and the tests; q_pos is the request's [q_len, 1] column of query
         positions (kv_len - q_len + i), kv_pos the [1, kv_len] row of keys. None means every key
         below kv_len is visible.
     sample_params: (rng, kv_lens, q_lens, page_size, device) -> mask_params for a random batch
@@ -292,7 +292,8 @@ masks.register("block_sparse", "masks/block_sparse.cuh.j2",
 
 def _register_mask_modules():
     """Built-in masks whose helpers are public API live in their own modules."""
-    from . import sink_window, tree
+    from . import sink_window
+    from . import tree
 
     for module in (tree, sink_window):
         masks.register(module.MASK, f"masks/{module.MASK}.cuh.j2", module.PARAMS, kv_span=module.kv_span,

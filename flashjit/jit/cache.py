@@ -39,7 +39,7 @@ from pathlib import Path
 
 import filelock
 
-from .errors import CacheError
+from ..errors import CacheError
 
 SCHEMA = 1
 DEFAULT_LOCK_TIMEOUT_S = 120.0

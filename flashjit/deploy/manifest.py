@@ -26,8 +26,8 @@ import itertools
 import sys
 from pathlib import Path
 
-from .errors import SpecError
-from .spec import HEAD_DIMS, DecodeSpec, current_arch
+from ..errors import SpecError
+from ..jit.spec import HEAD_DIMS, DecodeSpec, current_arch
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from .small_arrays import largest
+from ..small_arrays import largest
 
 MIN_CHUNK_TOKENS = 128  # below this a split costs more in merging than it gains in parallelism
 ITEM_OVERHEAD_TOKENS = 64  # a CTA's fixed cost (prologue, pipeline fill, epilogue) in key-equivalents

@@ -24,9 +24,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from .errors import SpecError
+from ..errors import SpecError
 from .manifest import Manifest, ManifestError, ModelEntry
-from .spec import HEAD_DIMS, QUERY_DTYPES, normalize_dtype
+from ..jit.spec import HEAD_DIMS, QUERY_DTYPES, normalize_dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """plan()'s host work: read the page table, plan the split-KV work, write the work list for the GPU.
 
 Two implementations of the same steps, giving the same values:
-  * NumpyTables, the reference: checks.page_table, checks.query_indptr and plan.plan_work over
+  * NumpyTables, the reference: validation.page_table, validation.query_indptr and plan.plan_work over
     numpy arrays. It takes any input form (tensors, numpy arrays, lists; any integer dtype) and
     says what is wrong with a bad one.
   * NativeTables: the same in one C file (native/host_plan.c, built by host_library) over the
@@ -19,9 +19,9 @@ import functools
 
 import numpy as np
 
-from . import checks
-from .plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
-from .small_arrays import largest, smallest
+from .. import validation
+from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
+from ..small_arrays import largest, smallest
 
 ITEM_INTS = 12  # int32 per work-item record (decode_common.cuh's WorkItem, host_plan.c's ITEM_INTS)
 
@@ -30,9 +30,9 @@ class NumpyTables:
     """One plan's host tables and work, in numpy (the reference)."""
 
     def __init__(self, indptr, last_page_len, page_size: int, qo_indptr, q_len):
-        self.indptr_h, self.kv_lens = checks.page_table(indptr, last_page_len, page_size)
+        self.indptr_h, self.kv_lens = validation.page_table(indptr, last_page_len, page_size)
         self.batch = len(self.kv_lens)
-        self.qo_h = checks.query_indptr(qo_indptr, q_len, self.batch)
+        self.qo_h = validation.query_indptr(qo_indptr, q_len, self.batch)
         self.q_lens = self.qo_h[1:] - self.qo_h[:-1]
         self.num_tokens = int(self.qo_h[-1])
         self.max_q_len = max(1, largest(self.q_lens, 1))
