@@ -394,11 +394,11 @@ def test_host_check_skips_device_only_code(isolated_masks, mask_file, tmp_path):
 
 def test_host_check_without_a_compiler(monkeypatch):
     monkeypatch.setenv("CXX", "/nonexistent/c++")
-    cm._host_library.cache_clear()
+    cm.build_host_library.cache_clear()
     try:
         result = cm.check_on_host("causal")
     finally:
-        cm._host_library.cache_clear()
+        cm.build_host_library.cache_clear()
     assert result.skipped.startswith("no host C++ compiler") and result.passed
 
 

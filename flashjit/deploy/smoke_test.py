@@ -15,7 +15,7 @@ ATOL = RTOL = 2e-2  # bf16 output (8 mantissa bits) against a float32 reference
 
 
 @dataclasses.dataclass(frozen=True)
-class CheckResult:
+class DecodeCheckResult:
     spec_name: str
     kv_lens: tuple[int, ...]
     max_abs_err: float
@@ -23,6 +23,7 @@ class CheckResult:
 
 
 def gpu_available() -> bool:
+    """True when torch imports and sees a CUDA GPU."""
     try:
         import torch
     except ImportError:
@@ -30,7 +31,8 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
-def decode_check(engine, *, device="cuda", kv_lens=KV_LENS, mask: str = "none", seed: int = 0) -> CheckResult:
+def decode_check(engine, *, device="cuda", kv_lens=KV_LENS, mask: str = "none",
+                 seed: int = 0) -> DecodeCheckResult:
     """Plan and run BatchDecode on random bf16 data and compare with decode_reference."""
     import torch
 
@@ -61,4 +63,4 @@ def decode_check(engine, *, device="cuda", kv_lens=KV_LENS, mask: str = "none", 
     out = out.float().cpu()
     err = (out - ref).abs()
     passed = bool(torch.isfinite(out).all()) and bool((err <= ATOL + RTOL * ref.abs()).all())
-    return CheckResult(decoder.spec.name, tuple(kv_lens), float(err.max()), passed)
+    return DecodeCheckResult(decoder.spec.name, tuple(kv_lens), float(err.max()), passed)
