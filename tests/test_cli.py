@@ -1,8 +1,8 @@
 """The `flashjit` command, run in-process through cli.main (plus one `python -m flashjit` subprocess).
 
-Real NVRTC compiles cost ~0.4 s each on a 2-core CI machine, so the suite compiles twice: the
-module's `seeded` cache (the first `prewarm`) and `doctor`'s test compile. Other tests copy the
-seeded cache and see disk hits.
+A real NVRTC compile costs about 0.4 s, so the suite compiles twice: the module's `seeded` cache
+(the first `prewarm`) and `doctor`'s test compile. Other tests copy the seeded cache and see disk
+hits.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from flashjit import CompileError, DecodeSpec, __version__
-from flashjit.deploy import cli, smoke_test as selfcheck
+from flashjit.deploy import cli, cli_kernels, smoke_test
 from flashjit.jit import host_library
 from flashjit.jit.cache import KernelCache
 
@@ -209,7 +209,7 @@ def test_doctor(tmp_path):
 
 
 def test_run_example_without_gpu_skips_the_gpu_step(cache, tiny_manifest, monkeypatch):
-    monkeypatch.setattr(selfcheck, "gpu_available", lambda: False)
+    monkeypatch.setattr(smoke_test, "gpu_available", lambda: False)
     code, out, _ = run("run-example", "--manifest", tiny_manifest, "--arch", "sm_90", "--cache-dir", cache)
     assert code == 0
     assert f"prewarming 1 kernels from {tiny_manifest}" in out
@@ -218,11 +218,11 @@ def test_run_example_without_gpu_skips_the_gpu_step(cache, tiny_manifest, monkey
 
 
 def test_run_example_default_manifest_is_the_llama_example():
-    assert cli._default_manifest() == ROOT / "examples" / "llama-3-8b.toml"
+    assert cli_kernels.default_manifest() == ROOT / "examples" / "llama-3-8b.toml"
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not selfcheck.gpu_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not smoke_test.gpu_available(), reason="needs a CUDA GPU")
 def test_run_example_gpu_step_passes(tmp_path):
     code, out, err = run("run-example", "--cache-dir", tmp_path / "c")
     assert code == 0, out + err

@@ -14,7 +14,7 @@ import pytest
 
 from flashjit import DecodeSpec, Engine, KernelNotPrewarmed
 from flashjit.jit.cache import SCHEMA, KernelCache
-from flashjit.deploy.cli import parse_size
+from flashjit.deploy.cli_cache import parse_size
 
 from test_cli import run
 
@@ -76,7 +76,7 @@ def test_printed_prewarm_line_works_verbatim(tmp_path, monkeypatch, fake_nvrtc):
     line = str(info.value).rsplit("build it with: ", 1)[1]
     assert line.startswith(f"flashjit prewarm --spec {spec.name} --cache-dir ")
     assert run_shell_line(line, monkeypatch) == 0 and fake_nvrtc == [spec.name]
-    assert Engine(cache_dir=cache_dir).get_kernel(spec).spec == spec  # strict mode now serves it
+    assert Engine(cache_dir=cache_dir).get_kernel(spec).spec == spec  # strict mode serves what the line built
 
 
 def test_printed_prewarm_line_for_a_template_folder_mask(tmp_path, monkeypatch, fake_nvrtc, isolated_masks, mask_file):

@@ -1,0 +1,134 @@
+"""The `flashjit` commands on the kernel cache: list, clear, and cache export / import / info / prune."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+import time
+
+from .cli_kernels import hf_specs, named_specs
+from .cli_output import UsageError, error, format_size, table
+
+
+# ---- list / clear -----------------------------------------------------------------------------
+
+def cmd_list(args) -> int:
+    from ..jit.cache import KernelCache
+
+    cache = KernelCache(args.cache_dir)
+    entries = sorted(cache.entries(), key=lambda e: (e.get("name", ""), e.get("created", 0)))
+    if args.json:
+        keep = ("name", "arch", "key", "cubin_bytes", "compile_seconds", "created", "flashjit", "nvrtc", "path")
+        print(json.dumps([{k: e.get(k) for k in keep} for e in entries], indent=1))
+        return 0
+    rows = [(e.get("name", "?"), e.get("arch", "?"), format_size(int(e.get("cubin_bytes", 0))),
+             f"{e.get('compile_seconds', 0):.2f}") for e in entries]
+    print(table(rows, ("spec", "arch", "cubin", "compile s")))
+    print(f"{len(entries)} entries in {cache.root}")
+    return 0
+
+
+def cmd_clear(args) -> int:
+    from ..jit.cache import KernelCache
+
+    cache = KernelCache(args.cache_dir)
+    count = cache.clear()
+    print(f"removed {count} entries from {cache.root}")
+    return 0
+
+
+# ---- cache export / import / info / prune -----------------------------------------------------
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+              "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2*10**9, '1.5GiB' -> 1.5*2**30, '500M' -> 500*2**20 (like du), '0' -> 0."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if unit not in SIZE_UNITS:
+        raise UsageError(f"--max-size {text!r}: expected a size such as 2GB, 500MiB, 1.5G or 0")
+    return int(float(match.group(1)) * SIZE_UNITS[unit])
+
+
+def cmd_cache_export(args) -> int:
+    from .bundle import export_bundle
+    from .manifest import resolve_archs
+
+    specs = None
+    if args.manifest or args.spec or args.hf_config:
+        specs = named_specs(args)
+    else:
+        hf_specs(args)  # rejects --page-size and friends without --hf-config
+    archs = resolve_archs(args.arch) if args.arch and specs is None else None
+    hint = ["flashjit", "prewarm"] + ([args.manifest] if args.manifest else [])
+    for flag in ("spec", "hf_config", "page_size", "dtype", "kv_dtype", "max_q_len", "arch", "cache_dir"):
+        values = getattr(args, flag)
+        for value in (values if isinstance(values, list) else [values] if values else []):
+            hint += ["--" + flag.replace("_", "-"), str(value)]
+    report = export_bundle(args.out, args.cache_dir, specs=specs, archs=archs, prewarm_hint=shlex.join(hint))
+    rows = [(e.get("name", "?"), e.get("arch", "?"), format_size(int(e.get("cubin_bytes", 0)))) for e in report.entries]
+    print(table(rows, ("spec", "arch", "cubin")))
+    print(f"exported {len(report.entries)} entries and {report.index_files} index files to {report.path} "
+          f"({format_size(report.bytes)})")
+    return 0
+
+
+def cmd_cache_import(args) -> int:
+    from .bundle import import_bundle
+
+    report = import_bundle(args.bundle, args.cache_dir)
+    for key, why in report.rejected:
+        print(f"flashjit: rejected entry {key[:16]}: {why}", file=sys.stderr)
+    print(f"imported {len(report.imported)} entries ({len(report.present)} already present, "
+          f"{len(report.rejected)} rejected) and {report.index_files} index files from {report.path} "
+          f"into {report.cache_dir}")
+    return 1 if report.rejected else 0
+
+
+def cmd_cache_info(args) -> int:
+    from ..jit.cache import KernelCache
+
+    usage = KernelCache(args.cache_dir).usage()
+    if args.json:
+        print(json.dumps(usage, indent=1))
+        return 0
+    print(f"cache dir: {usage['root']} ({'writable' if usage['writable'] else 'NOT writable: serves what it holds'})")
+    print(f"schema v{usage['schema']}: {usage['entries']} entries ({format_size(usage['entry_bytes'])}), "
+          f"{usage['incomplete']} incomplete, {usage['index_files']} index files ({usage['index_stale']} stale), "
+          f"{format_size(usage['bytes'])} on disk")
+    if usage["by_arch"]:
+        rows = [(arch, slot["entries"], format_size(slot["bytes"])) for arch, slot in usage["by_arch"].items()]
+        print(table(rows, ("arch", "entries", "size")))
+    for v in usage["other_versions"]:
+        hint = "; `flashjit cache prune --old-versions` removes it" if v["state"] == "older" else ""
+        print(f"other version v{v['version']}: {v['entries']} entries, {format_size(v['bytes'])} at {v['path']} "
+              f"({v['state']}{hint})")
+    print(f"total: {format_size(usage['total_bytes'])}")
+    return 0
+
+
+def cmd_cache_prune(args) -> int:
+    from ..jit.cache import KernelCache
+
+    if args.max_size is None and not args.old_versions:
+        error("nothing to prune: give --max-size SIZE and/or --old-versions")
+        return 2
+    max_bytes = parse_size(args.max_size) if args.max_size is not None else None
+    cache = KernelCache(args.cache_dir)
+    report = cache.prune(max_bytes=max_bytes, old_versions=args.old_versions, dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for e in report["removed"]:
+        print(f"{verb} {e['name']} ({e['arch']}, {format_size(e['bytes'])}, last used "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e['last_used']))})")
+    for v in report["versions_removed"]:
+        print(f"{verb} schema v{v['version']} ({v['entries']} entries, {format_size(v['bytes'])}) at {v['path']}")
+    print(f"{verb} {len(report['removed'])} entries, {report['incomplete']} incomplete entries, "
+          f"{report['index_removed']} index files and {len(report['versions_removed'])} old versions: "
+          f"{format_size(report['freed_bytes'])} freed; kept {report['kept']} entries "
+          f"({format_size(report['kept_bytes'])}) in {cache.root}")
+    return 0
+

@@ -1,0 +1,176 @@
+"""The `flashjit` commands that build and check kernels: prewarm, show, run-example, check-mask."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .cli_output import UsageError, error, table
+
+DEFAULT_EXAMPLE = "llama-3-8b.toml"
+ORIGIN = {"memory": "hit (memory)", "disk": "hit (disk)", "compiled": "compiled"}
+
+
+# ---- the kernels a command line names ---------------------------------------------------------
+
+def collect_specs(manifest, spec_names, arch_text) -> list:
+    """The specs of a manifest and of --spec names (retargeted to every --arch when given), once each."""
+    from .manifest import parse_arch_list, resolve_archs, specs_from_manifest
+    from ..jit.spec import DecodeSpec
+
+    specs = []
+    if manifest:
+        specs += specs_from_manifest(manifest, arch_text)
+    for name in spec_names or ():
+        spec = DecodeSpec.from_name(name)
+        if arch_text:  # --arch retargets named specs too (one name, a fleet of archs)
+            specs += [spec.replace(arch=arch) for arch in resolve_archs(parse_arch_list(arch_text))]
+        else:
+            specs.append(spec)
+    return list(dict.fromkeys(specs))
+
+
+def hf_specs(args) -> list:
+    """The specs of every --hf-config (a config.json or its folder); says what it derived on stderr."""
+    from .hf_config import manifest_from_hf_config, read_hf_config
+    from .manifest import parse_arch_list
+
+    configs = getattr(args, "hf_config", None) or ()
+    if not configs:
+        if args.page_size or args.dtype or args.kv_dtype or args.max_q_len:
+            raise UsageError("--page-size, --dtype, --kv-dtype and --max-q-len apply to --hf-config only")
+        return []
+    ints = lambda text, default: [int(v) for v in parse_arch_list(text)] if text else default  # noqa: E731
+    try:
+        page_sizes, max_q_lens = ints(args.page_size, [16]), ints(args.max_q_len, [1])
+    except ValueError:
+        raise UsageError(f"--page-size {args.page_size} / --max-q-len {args.max_q_len}: expected "
+                         "comma-separated integers such as 16,32") from None
+    specs = []
+    for config in configs:
+        model = read_hf_config(config, dtype=args.dtype)
+        print(f"flashjit: {model.path}: {model.summary()}", file=sys.stderr)
+        for note in model.notes:
+            print(f"flashjit: note: {note}", file=sys.stderr)
+        specs += manifest_from_hf_config(config, page_sizes, args.dtype, args.kv_dtype, max_q_lens).specs(args.arch)
+    return specs
+
+
+def named_specs(args) -> list:
+    """Every spec the command line names: manifest, --spec and --hf-config, once each, in that order."""
+    return list(dict.fromkeys(collect_specs(args.manifest, args.spec, args.arch) + hf_specs(args)))
+
+
+# ---- prewarm ----------------------------------------------------------------------------------
+
+def prewarm_specs(engine, specs, jobs: int | None, *, progress: bool = True) -> tuple[list, float]:
+    """Engine.prewarm with a progress bar on stderr; returns (results, wall seconds)."""
+    from tqdm import tqdm
+
+    lock = threading.Lock()
+    start = time.perf_counter()
+    with tqdm(total=len(specs), desc="prewarm", unit="kernel", file=sys.stderr,
+              disable=None if progress else True, leave=False) as bar:
+        def on_done(result):
+            with lock:
+                bar.set_postfix_str(result.spec.name, refresh=False)
+                bar.update(1)
+
+        results = engine.prewarm(specs, jobs=jobs, on_done=on_done)
+    return results, time.perf_counter() - start
+
+
+def prewarm_summary(results, wall_s: float) -> str:
+    """One row per kernel (where it came from, seconds), then the totals."""
+    rows = [(r.spec.name, r.spec.arch, ORIGIN.get(r.source, r.source), f"{r.seconds:.2f}") for r in results]
+    counts = {origin: sum(r.source == origin for r in results) for origin in ("compiled", "disk", "memory")}
+    total = (f"total: {len(results)} kernels, {counts['compiled']} compiled, {counts['disk']} disk hits, "
+             f"{counts['memory']} memory hits in {wall_s:.2f} s")
+    return table(rows, ("spec", "arch", "result", "seconds")) + "\n" + total
+
+
+def cmd_prewarm(args) -> int:
+    from ..jit.engine import Engine
+
+    if not args.manifest and not args.spec and not args.hf_config:
+        error("nothing to prewarm: give a MANIFEST.toml and/or --spec NAME, or --hf-config config.json")
+        return 2
+    specs = named_specs(args)
+    engine = Engine(args.cache_dir, allow_compile=True)  # compiling is its job, even where FLASHJIT_NO_COMPILE is set
+    results, wall = prewarm_specs(engine, specs, args.jobs)
+    print(prewarm_summary(results, wall))
+    print(f"cache: {engine.cache.root}" + ("" if engine.cache.writable else " (not writable: kept in memory only)"))
+    print(f"host planner: {host_planner_status(engine)}")
+    return 0
+
+
+def host_planner_status(engine) -> str:
+    """Builds plan()'s C helper into the cache too, so the first plan() of a server does not."""
+    from ..jit.host_library import load
+
+    return "built (C)" if load("host_plan", engine.cache) is not None else "numpy (no C helper: see the warning)"
+
+
+# ---- show -------------------------------------------------------------------------------------
+
+def cmd_show(args) -> int:
+    from ..jit.render import render
+    from ..jit.spec import DecodeSpec
+
+    sys.stdout.write(render(DecodeSpec.from_name(args.spec_name)))
+    return 0
+
+
+# ---- run-example ------------------------------------------------------------------------------
+
+def default_manifest() -> Path | None:
+    """examples/llama-3-8b.toml from the working directory, else from the source checkout."""
+    for folder in (Path.cwd() / "examples", Path(__file__).resolve().parents[2] / "examples"):
+        if (folder / DEFAULT_EXAMPLE).is_file():
+            return folder / DEFAULT_EXAMPLE
+    return None
+
+
+def cmd_run_example(args) -> int:
+    from . import smoke_test
+    from ..jit.engine import Engine
+    from .manifest import specs_from_manifest
+
+    manifest = args.manifest or default_manifest()
+    if manifest is None:
+        error(f"examples/{DEFAULT_EXAMPLE} not found here or next to the package; pass --manifest PATH")
+        return 2
+    specs = specs_from_manifest(manifest, args.arch)
+    engine = Engine(args.cache_dir)
+    print(f"prewarming {len(specs)} kernels from {manifest}")
+    results, wall = prewarm_specs(engine, specs, args.jobs)
+    print(prewarm_summary(results, wall))
+    print(f"cache: {engine.cache.root}")
+    print(f"host planner: {host_planner_status(engine)}")
+    if not smoke_test.gpu_available():
+        print("no CUDA GPU: skipped the GPU decode step (kernels were compiled and cached only)")
+        return 0
+    check = smoke_test.decode_check(engine)
+    verdict = "PASS" if check.passed else "FAIL"
+    print(f"GPU decode step: {check.spec_name}, kv_lens {list(check.kv_lens)}: "
+          f"max abs error {check.max_abs_err:.3e} vs float32 reference: {verdict}")
+    return 0 if check.passed else 1
+
+
+# ---- check-mask -------------------------------------------------------------------------------
+
+def cmd_check_mask(args) -> int:
+    from .mask_check import check_mask
+    from ..jit.engine import Engine
+
+    report = check_mask(args.mask, archs=args.arch, overrides=args.params, engine=Engine(args.cache_dir),
+                        seed=args.seed, jobs=args.jobs)
+    for title, header, rows in report.tables():
+        print(f"{title}\n{table(rows, header)}\n")
+    for line in report.notes + report.failures():
+        print(line)
+    print(f"check-mask {args.mask}: {'PASS' if report.passed else 'FAIL'}")
+    return 0 if report.passed else 1
+

@@ -1,0 +1,66 @@
+"""How the `flashjit` commands talk: error lines, the usage error, log routing, tables and sizes.
+
+Tables go to stdout; progress bars, log lines and errors to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+
+from ..errors import SpecError
+
+log = logging.getLogger("flashjit")
+
+
+def error(message: str) -> None:
+    print(f"flashjit: error: {message}", file=sys.stderr)
+
+
+class UsageError(SpecError):
+    """A bad command-line value: exit status 2, like a bad spec or manifest."""
+
+    def __init__(self, message: str):
+        self.field = self.value = self.accepted = None
+        Exception.__init__(self, message)
+
+
+class _TqdmHandler(logging.Handler):
+    """Log lines that do not tear the progress bar."""
+
+    def emit(self, record):
+        from tqdm import tqdm
+
+        tqdm.write(self.format(record), file=sys.stderr)
+
+
+@contextlib.contextmanager
+def routed_logging(verbose: bool):
+    """Route the 'flashjit' logger through tqdm for one command, then restore it (main() may run in-process)."""
+    handler = _TqdmHandler()
+    handler.setFormatter(logging.Formatter("flashjit: %(message)s"))
+    saved = log.level, log.propagate
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if verbose else logging.WARNING)
+    log.propagate = False
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
+def table(rows: list[tuple], header: tuple) -> str:
+    rows = [tuple(str(c) for c in row) for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows])
+
+
+def format_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
