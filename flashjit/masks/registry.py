@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import SpecError
+from .params import PARAM_CTYPES
 
 log = logging.getLogger("flashjit")
 
 ENTRY_POINT_GROUP = "flashjit.masks"
-PARAM_CTYPES = {"int": "int", "float": "float", "int_tensor": "const int* __restrict__"}
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEADER = re.compile(r"\{#-?\s*params:(?P<params>[^#]*?)-?#\}")  # lazy: '-#}' is not a param
 

@@ -17,6 +17,7 @@ import random
 
 from ...errors import SpecError
 from ...jit.spec import DecodeSpec
+from ...masks.params import MASK_PARAM_CTYPES
 from ...masks.registry import MaskDef, masks
 from .cases import CPU_SPEC, PAGE_SIZES, Q_LENS, random_lengths
 from .host_build import build_host_library
@@ -74,15 +75,12 @@ def render_mask_hooks(mask: MaskDef, spec: DecodeSpec) -> str:
     return environment().get_template(mask.template).render(**context)
 
 
-_PARAM_CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "int_tensor": ctypes.c_void_p}
-
-
 def _params_struct(mask: MaskDef, params: dict):
     """MaskParams for the host library; returns (struct, arrays to keep alive)."""
     import numpy as np
 
     class MaskParams(ctypes.Structure):
-        _fields_ = [(p.name, _PARAM_CTYPES[p.kind]) for p in mask.params] + [("_unused", ctypes.c_int)]
+        _fields_ = [(p.name, MASK_PARAM_CTYPES[p.kind]) for p in mask.params] + [("_unused", ctypes.c_int)]
 
     struct, keep = MaskParams(), []
     for p in mask.params:
