@@ -20,10 +20,9 @@ import functools
 import numpy as np
 
 from .. import validation
+from ..jit.abi import ITEM_INTS  # int32 per work-item record
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
 from ..small_arrays import largest, smallest
-
-ITEM_INTS = 12  # int32 per work-item record (decode_common.cuh's WorkItem, host_plan.c's ITEM_INTS)
 
 
 class NumpyTables:
@@ -68,9 +67,8 @@ class NumpyTables:
 
 
 def item_records(host: np.ndarray, starts: tuple) -> np.ndarray:
-    """The staging buffer's work-item records, [capacity, 12]: (request, v_begin, v_end, kv_len,
-    page_begin, q_begin, q_len, items of the request, the item's index among them, the request's
-    span begin and end, 0), as decode_common.cuh's WorkItem reads them."""
+    """The staging buffer's work-item records, [capacity, ITEM_INTS]: the fields of
+    abi.WORK_ITEM_FIELDS, as decode_common.cuh's WorkItem reads them."""
     first, end = starts[0], starts[1]
     return host[first:end].reshape(-1, ITEM_INTS)
 

@@ -2,8 +2,8 @@
 
 Modules are loaded with CuPy on first use, on the tensor's device, and pinned for the process
 lifetime, so CUDA-graph replays never see an unloaded module. Launches go straight to the driver's
-cuLaunchKernel through ctypes with argument structs built once and patched per call: the cheapest
-host path from Python (see PERFORMANCE.md), and captured correctly by torch.cuda.graph.
+cuLaunchKernel through ctypes with argument structs (abi.DecodeArgs, abi.MergeArgs) built once and
+patched per call: the cheapest host path from Python, and captured correctly by torch.cuda.graph.
 """
 
 from __future__ import annotations
@@ -13,48 +13,15 @@ import dataclasses
 import threading
 
 from ..errors import KernelNotPrewarmed
+from ..masks.params import MASK_PARAM_CTYPES  # noqa: F401 (re-exported for the launch path)
 from ..masks.registry import MaskDef
+from .abi import DecodeArgs, MergeArgs  # noqa: F401 (re-exported: the launch arguments)
 from .spec import DecodeSpec
 from .tiling import DecodeTiling
 
 DECODE_ENTRY = "flashjit_decode"
 MERGE_ENTRY = "flashjit_merge"
-
-
-class DecodeArgs(ctypes.Structure):
-    """Mirror of decode::Args in templates/include/decode_common.cuh (same order, natural alignment)."""
-
-    _fields_ = [
-        ("q", ctypes.c_void_p), ("q_stride", ctypes.c_int64),
-        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
-        ("page_stride", ctypes.c_int64), ("slot_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
-        ("page_indices", ctypes.c_void_p),
-        ("work_items", ctypes.c_void_p),
-        ("req_qo_indptr", ctypes.c_void_p), ("req_work_indptr", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
-        ("lse", ctypes.c_void_p), ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
-        ("merge_counters", ctypes.c_void_p), ("tile_counters", ctypes.c_void_p),
-        ("num_qo_heads", ctypes.c_int), ("sm_scale_log2", ctypes.c_float),
-        ("k_scale_ptr", ctypes.c_void_p), ("v_scale_ptr", ctypes.c_void_p),
-        ("k_scale_stride", ctypes.c_int), ("v_scale_stride", ctypes.c_int),
-        ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float),
-    ]
-
-
-class MergeArgs(ctypes.Structure):
-    """Mirror of merge::Args in templates/include/merge.cuh."""
-
-    _fields_ = [
-        ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
-        ("token_request", ctypes.c_void_p), ("req_qo_indptr", ctypes.c_void_p),
-        ("req_work_indptr", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
-        ("lse", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int),
-    ]
-
-
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-MASK_PARAM_CTYPES = {"int": ctypes.c_int, "float": ctypes.c_float, "int_tensor": ctypes.c_void_p}
 
 _driver = None
 _driver_lock = threading.Lock()
@@ -83,7 +50,7 @@ LAUNCH_ARG_TYPES = (ctypes.c_void_p,) + (ctypes.c_uint,) * 7 + (ctypes.c_void_p,
 def _launcher():
     """cuLaunchKernel without argtypes: PreparedLaunch passes ctypes objects of the parameters' own
     types (LAUNCH_ARG_TYPES), which ctypes hands over as they are, where argtypes would convert each
-    of the eleven on every call (2.1 -> 0.9 us per call on the CPU machine)."""
+    of the eleven on every call (2.1 -> 0.9 us per call)."""
     global _cu_launch
     launch = driver()["cuLaunchKernel"]  # a function pointer of its own: no argtypes
     launch.restype = ctypes.c_int

@@ -19,6 +19,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from .._version import __version__
 from ..errors import TemplateError
 from ..masks.registry import MaskDef, masks
+from . import abi
 from .spec import DecodeSpec
 from .tiling import decode_tiling
 
@@ -91,9 +92,11 @@ def templates_digest(mask: MaskDef) -> str:
 
 
 def render(spec: DecodeSpec, mask: MaskDef | None = None) -> str:
-    """The CUDA source of one specialization."""
+    """The CUDA source of one specialization, with its ABI checks (abi.source_checks)."""
     mask = mask or masks.get(spec.mask)
-    context = dict(spec=spec, tiling=decode_tiling(spec), mask=mask, ctype=STORAGE_TYPES, version=__version__)
+    tiling = decode_tiling(spec)
+    context = dict(spec=spec, tiling=tiling, mask=mask, ctype=STORAGE_TYPES, version=__version__,
+                   item_ints=abi.ITEM_INTS, abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge))
     try:
         return environment().get_template(ENTRY_TEMPLATE).render(**context)
     except jinja2.TemplateNotFound as exc:

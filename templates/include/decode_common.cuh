@@ -1,5 +1,6 @@
-// What the decode kernels (CUDA-core and tensor-core) share: the launch arguments (mirrored by
-// flashjit.kernel.DecodeArgs: keep the two in the same order) and the paged K/V copy pipeline.
+// What the decode kernels (CUDA-core and tensor-core) share: the launch arguments and the paged
+// K/V copy pipeline. The host's copy of Args is flashjit.jit.abi.DecodeArgs; the rendered source
+// asserts that the two lay out every field alike.
 namespace decode {
 using namespace fj;
 
@@ -8,9 +9,9 @@ struct Args {
   const kv_t* __restrict__ k; const kv_t* __restrict__ v;
   i64 page_stride, slot_stride, head_stride;           // element strides of the paged cache
   const int* __restrict__ page_indices;
-  // Per grid position, one 48-byte record (WorkItem): (request, v_begin, v_end, kv_len),
-  // (page_begin, q_begin, q_len, items of the request) and (the item's index among them, the
-  // request's span begin and end, 0); request -1 marks CUDA-graph padding.
+  // Per grid position, one record of FJ_ITEM_INTS int32 (WorkItem): (request, v_begin, v_end,
+  // kv_len), (page_begin, q_begin, q_len, items of the request) and (the item's index among them,
+  // the request's span begin and end, 0); request -1 marks CUDA-graph padding.
   const int4* __restrict__ work_items;
   const int* __restrict__ req_qo_indptr; const int* __restrict__ req_work_indptr;  // the merge's
   out_t* __restrict__ out; i64 out_stride;
@@ -67,16 +68,19 @@ struct CtaCoords {
 // With cfg::STATIC_SHARE < 100 the span is the whole request's, whose tiles its items' CTAs share
 // (stream_shared_tiles); split is the item's index among them.
 struct WorkItem {
+  enum { RECORD_INT4S = 3 };  // span, geometry, the request's span (an enum: no storage in the cubin)
+  static_assert(FJ_ITEM_INTS == 4 * RECORD_INT4S, "ABI: a work-item record is not the three int4 WorkItem reads "
+                                                  "(flashjit.jit.abi.ITEM_INTS)");
   int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len, splits, split;
   bool direct;  // the request's only item: it writes the output, not a partial for the merge
   FJ_INLINE WorkItem(const Args& a, int w) {
-    const int4 span = __ldg(a.work_items + 3 * w), geometry = __ldg(a.work_items + 3 * w + 1);
+    const int4 span = __ldg(a.work_items + RECORD_INT4S * w), geometry = __ldg(a.work_items + RECORD_INT4S * w + 1);
     request = span.x; v_begin = span.y; v_end = span.z; kv_len = span.w;
     page_begin = geometry.x; q_begin = geometry.y; q_len = geometry.z; splits = geometry.w;
     direct = splits == 1;
     split = 0;
     if constexpr (cfg::STATIC_SHARE < 100) {
-      const int4 shared = __ldg(a.work_items + 3 * w + 2);
+      const int4 shared = __ldg(a.work_items + RECORD_INT4S * w + 2);
       split = shared.x; v_begin = shared.y; v_end = shared.z;
     }
     tile_begin = v_begin - v_begin % cfg::PAGE_SIZE;
@@ -113,7 +117,7 @@ FJ_INLINE void store_out4(out_t* out, i64 out_stride, float* lse, int num_qo_hea
 // The last CTA's merge is on the kernel's critical path (its group finishes last), so its reads come
 // MERGE_CHUNK partials at a time, LSEs and values together with no load behind another: one L2
 // round trip per chunk, the chunks combined by the online-softmax rule. (A pass for the maximum
-// LSE, then one whose value loads waited on each weight, made a round trip per partial.)
+// LSE, then one whose value loads wait on each weight, would cost a round trip per partial.)
 //
 // Not inlined: its code in the kernel body would cost registers in the main loop, where the
 // 16-bit head_dim 256 kernel has none to spare. It takes scalars, as a reference to the

@@ -4,6 +4,7 @@
 // Partials with zero weight (empty or fully masked splits) are skipped, never multiplied,
 // so an unwritten partial cannot leak NaN. Requests with one work item were written directly.
 // Expects cfg::HEAD_DIM, cfg::MAX_Q_LEN, cfg::MERGE_THREADS and out_t from the including template.
+// The host's copy of Args is flashjit.jit.abi.MergeArgs; the rendered source asserts their layouts match.
 
 namespace merge {
 using namespace fj;

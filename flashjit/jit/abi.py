@@ -1,0 +1,122 @@
+"""The one source of the Python<->CUDA ABI: the kernels' argument structs and the work-item record.
+
+The host fills DecodeArgs and MergeArgs and hands their addresses to cuLaunchKernel as the
+kernels' `decode::Args` and `merge::Args` parameters (templates/include/decode_common.cuh and
+merge.cuh); plan() writes ITEM_INTS int32 per work item, which decode::WorkItem reads. The CUDA
+side is written by hand, and these checks tie it to the definitions here:
+
+* render() pastes source_checks() into every kernel source: static_asserts of each struct's size
+  and of every field's offset, size and kind (pointer, integer, float), taken from ctypes, and of
+  each mask parameter's size and kind (flashjit.masks.params). A field reordered, retyped, added
+  or dropped on one side only fails the NVRTC compile with a message naming it.
+* The entry template defines FJ_ITEM_INTS as ITEM_INTS, and WorkItem asserts the width it reads.
+* host_library builds the C planner (decode/native/host_plan.c) with -DFJ_ITEM_INTS=ITEM_INTS;
+  the file refuses to build without it, or with a width other than the one it writes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from ..masks.params import MASK_PARAM_CTYPES
+
+# The int32 fields of one work-item record, in order: the item's span and its request's geometry
+# (request -1: CUDA-graph padding), then its index among the request's items and the request's span.
+WORK_ITEM_FIELDS = ("request", "v_begin", "v_end", "kv_len", "page_begin", "q_begin", "q_len", "splits",
+                    "split", "span_begin", "span_end", "unused")
+ITEM_INTS = len(WORK_ITEM_FIELDS)
+
+
+class DecodeArgs(ctypes.Structure):
+    """decode::Args, the decode kernel's first parameter."""
+
+    _c_name_ = "decode::Args"
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_stride", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("page_stride", ctypes.c_int64), ("slot_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
+        ("page_indices", ctypes.c_void_p),
+        ("work_items", ctypes.c_void_p),
+        ("req_qo_indptr", ctypes.c_void_p), ("req_work_indptr", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
+        ("merge_counters", ctypes.c_void_p), ("tile_counters", ctypes.c_void_p),
+        ("num_qo_heads", ctypes.c_int), ("sm_scale_log2", ctypes.c_float),
+        ("k_scale_ptr", ctypes.c_void_p), ("v_scale_ptr", ctypes.c_void_p),
+        ("k_scale_stride", ctypes.c_int), ("v_scale_stride", ctypes.c_int),
+        ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float),
+    ]
+
+
+class MergeArgs(ctypes.Structure):
+    """merge::Args, flashjit_merge's parameter."""
+
+    _c_name_ = "merge::Args"
+    _fields_ = [
+        ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
+        ("token_request", ctypes.c_void_p), ("req_qo_indptr", ctypes.c_void_p),
+        ("req_work_indptr", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int),
+    ]
+
+
+# What a ctypes field type is on the CUDA side: fj_abi::kind<T>::value of the C type.
+_KINDS = {ctypes.c_void_p: ("p", "pointer"), ctypes.c_int: ("i", "integer"), ctypes.c_int64: ("i", "integer"),
+          ctypes.c_float: ("f", "float")}
+
+# FJ_OFFSETOF(T, field): offsetof without <cstddef> (the prelude includes no headers); NVRTC
+# before 13.4 has no __builtin_offsetof but folds EDG's __INTADDR__ to a constant.
+# fj_abi::kind<T>::value: 'p' for a pointer (restrict-qualified or not), 'i' for int and long
+# long, 'f' for float, '?' for anything else. Enums, not variables: the checks leave nothing in
+# the cubin.
+_PREAMBLE = """\
+#if __has_builtin(__builtin_offsetof)
+#define FJ_OFFSETOF(T, field) __builtin_offsetof(T, field)
+#else
+#define FJ_OFFSETOF(T, field) __INTADDR__(&((T*)0)->field)
+#endif
+namespace fj_abi {
+template <class T> struct kind { enum { value = '?' }; };
+template <class T> struct kind<T*> { enum { value = 'p' }; };
+template <class T> struct kind<T* __restrict__> { enum { value = 'p' }; };
+template <> struct kind<int> { enum { value = 'i' }; };
+template <> struct kind<long long> { enum { value = 'i' }; };
+template <> struct kind<float> { enum { value = 'f' }; };
+}  // namespace fj_abi"""
+
+
+def _field_assert(c_struct: str, name: str, offset: int | None, ctype, origin: str) -> str:
+    letter, kind = _KINDS[ctype]
+    size = ctypes.sizeof(ctype)
+    member = f"{c_struct}::{name}"
+    conditions = ([f"FJ_OFFSETOF({c_struct}, {name}) == {offset}"] if offset is not None else []) + [
+        f"sizeof({member}) == {size}", f"fj_abi::kind<decltype({member})>::value == '{letter}'"]
+    where = f"offset {offset}, " if offset is not None else ""
+    return (f'static_assert({" && ".join(conditions)}, '
+            f'"ABI: {member} is not {origin} ({where}{size} bytes, {kind})");')
+
+
+def struct_asserts(struct: type[ctypes.Structure]) -> list[str]:
+    """static_asserts that the CUDA struct struct._c_name_ has struct's size and, field by field,
+    its offsets, sizes and kinds."""
+    c_struct, origin = struct._c_name_, f"flashjit.jit.abi.{struct.__name__}"
+    size = ctypes.sizeof(struct)
+    checks = [f'static_assert(sizeof({c_struct}) == {size}, "ABI: {c_struct} is not {size} bytes ({origin})");']
+    for name, ctype in struct._fields_:
+        checks.append(_field_assert(c_struct, name, getattr(struct, name).offset, ctype, f"{origin}.{name}"))
+    return checks
+
+
+def source_checks(mask_params, merge: bool) -> str:
+    """The ABI checks of one kernel source: decode::Args, merge::Args when the source has
+    flashjit_merge (merge), and the mask's runtime parameters (MaskParams fields, of the types of
+    the kernel parameters that fill them)."""
+    checks = ["// The host's argument layouts (flashjit.jit.abi), checked field by field.", _PREAMBLE,
+              *struct_asserts(DecodeArgs)]
+    if merge:
+        checks += struct_asserts(MergeArgs)
+    for p in mask_params:
+        checks.append(_field_assert("MaskParams", p.name, None, MASK_PARAM_CTYPES[p.kind],
+                                    f"flashjit.masks.params.PARAM_KINDS['{p.kind}']"))
+    return "\n".join(checks)
