@@ -28,13 +28,15 @@ from pathlib import Path
 
 import filelock
 
+from .abi import ITEM_INTS
 from .cache import KernelCache, atomic_file, lock_timeout
 
 log = logging.getLogger("flashjit")
 
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "decode" / "native"
 # No -ffast-math, and no fused multiply-adds: the helpers must round exactly as the Python references.
-CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
+# -DFJ_ITEM_INTS: the work-item record width of abi.py, which host_plan.c refuses to build without.
+CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math", f"-DFJ_ITEM_INTS={ITEM_INTS}")
 BUILD_TIMEOUT_S = 120
 FALLBACK = "flashjit uses its numpy version instead (the same results, slower: ~100 us per plan() for host_plan)"
 

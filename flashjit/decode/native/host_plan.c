@@ -13,8 +13,14 @@
 #include <math.h>
 #include <stdint.h>
 
-/* int32 per work-item record: decode_common.cuh's WorkItem, host_plan.py's ITEM_INTS. */
-#define ITEM_INTS 12
+/* int32 per work-item record: flashjit.jit.abi.ITEM_INTS, which the build passes as FJ_ITEM_INTS.
+ * fj_fill writes the 12 fields that decode_common.cuh's WorkItem reads. */
+#ifndef FJ_ITEM_INTS
+#error "build with -DFJ_ITEM_INTS=<flashjit.jit.abi.ITEM_INTS> (flashjit.jit.host_library does)"
+#elif FJ_ITEM_INTS != 12
+#error "fj_fill writes 12-int work-item records, not FJ_ITEM_INTS (flashjit.jit.abi.ITEM_INTS)"
+#endif
+#define ITEM_INTS FJ_ITEM_INTS
 
 typedef struct {
     /* inputs */

@@ -1,0 +1,125 @@
+"""The Python<->CUDA ABI (flashjit.jit.abi) is checked where it is compiled: a layout that differs
+between the host's ctypes definitions and the CUDA structs fails the NVRTC compile, naming the
+field, and the C planner does not build without the record width."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import flashjit
+from flashjit import CompileError, DecodeSpec
+from flashjit.decode import host_planner
+from flashjit.deploy.mask_check import host_replay
+from flashjit.jit import abi, host_library, kernel
+from flashjit.jit.compile import compile_source
+from flashjit.jit.render import render
+from flashjit.masks import params, registry
+
+# CUDA cores, so flashjit_merge is in the source, and a mask with int and pointer parameters.
+SPEC = DecodeSpec(64, mask="block_sparse", arch="sm_80")
+HOST_PLAN = Path(flashjit.__file__).resolve().parent / "decode" / "native" / "host_plan.c"
+
+
+def compile_log(tmp_path) -> str:
+    """NVRTC's log of compiling SPEC's source: '' when it compiles."""
+    try:
+        compile_source(render(SPEC), SPEC.arch, SPEC.name, failed_source_dir=tmp_path)
+    except CompileError as exc:
+        return exc.log
+    return ""
+
+
+def like(struct: type[ctypes.Structure], fields) -> type[ctypes.Structure]:
+    """A ctypes struct that claims to be struct's CUDA struct, with other fields."""
+    return type(struct.__name__, (ctypes.Structure,), {"_c_name_": struct._c_name_, "_fields_": fields})
+
+
+def swapped(fields, a: str, b: str) -> list:
+    names = [name for name, _ in fields]
+    fields = list(fields)
+    i, j = names.index(a), names.index(b)
+    fields[i], fields[j] = fields[j], fields[i]
+    return fields
+
+
+def test_every_field_of_the_argument_structs_is_checked_in_the_source():
+    source = render(SPEC)
+    for struct in (abi.DecodeArgs, abi.MergeArgs):
+        assert f"static_assert(sizeof({struct._c_name_}) == {ctypes.sizeof(struct)}," in source
+        for name, _ in struct._fields_:
+            offset = getattr(struct, name).offset
+            assert f"FJ_OFFSETOF({struct._c_name_}, {name}) == {offset} &&" in source
+    for p in registry.masks.get("block_sparse").params:
+        assert f"sizeof(MaskParams::{p.name}) == {ctypes.sizeof(params.MASK_PARAM_CTYPES[p.kind])}" in source
+    assert f"#define FJ_ITEM_INTS {abi.ITEM_INTS}" in source
+
+
+def test_a_fused_merge_source_checks_no_merge_args():
+    spec = DecodeSpec(128, group_size=4, arch="sm_90")  # tensor cores: the decode kernel merges
+    assert "merge::Args" not in render(spec) and "static_assert(sizeof(decode::Args)" in render(spec)
+
+
+def test_the_real_layouts_compile(tmp_path):
+    assert compile_log(tmp_path) == ""
+
+
+def test_two_swapped_fields_fail_the_compile(tmp_path, monkeypatch):
+    monkeypatch.setattr(abi, "DecodeArgs", like(abi.DecodeArgs, swapped(abi.DecodeArgs._fields_,
+                                                                         "num_qo_heads", "sm_scale_log2")))
+    log = compile_log(tmp_path)
+    assert "static assertion failed" in log
+    assert "ABI: decode::Args::num_qo_heads is not flashjit.jit.abi.DecodeArgs.num_qo_heads (offset 148" in log
+    assert "ABI: decode::Args::sm_scale_log2" in log
+
+
+def test_two_swapped_fields_of_one_type_fail_the_compile(tmp_path, monkeypatch):
+    monkeypatch.setattr(abi, "DecodeArgs", like(abi.DecodeArgs, swapped(abi.DecodeArgs._fields_, "k", "v")))
+    log = compile_log(tmp_path)
+    assert "ABI: decode::Args::k is not" in log and "ABI: decode::Args::v is not" in log
+
+
+def test_a_retyped_field_fails_the_compile(tmp_path, monkeypatch):
+    fields = [(name, ctypes.c_int if name == "k_scale" else ctype) for name, ctype in abi.DecodeArgs._fields_]
+    monkeypatch.setattr(abi, "DecodeArgs", like(abi.DecodeArgs, fields))
+    log = compile_log(tmp_path)
+    assert "ABI: decode::Args::k_scale is not flashjit.jit.abi.DecodeArgs.k_scale" in log and "integer)" in log
+
+
+def test_a_missing_merge_field_fails_the_compile(tmp_path, monkeypatch):
+    monkeypatch.setattr(abi, "MergeArgs", like(abi.MergeArgs, abi.MergeArgs._fields_[:-1]))
+    assert "ABI: merge::Args is not 72 bytes" in compile_log(tmp_path)
+
+
+def test_a_mask_parameter_of_another_size_fails_the_compile(tmp_path, monkeypatch):
+    monkeypatch.setitem(abi.MASK_PARAM_CTYPES, "int", ctypes.c_int64)
+    assert "ABI: MaskParams::block_size is not" in compile_log(tmp_path)
+
+
+def test_another_record_width_fails_the_compile(tmp_path, monkeypatch):
+    monkeypatch.setattr(abi, "ITEM_INTS", abi.ITEM_INTS + 4)
+    assert "ABI: a work-item record is not the three int4 WorkItem reads" in compile_log(tmp_path)
+
+
+def test_each_definition_has_one_source():
+    assert kernel.DecodeArgs is abi.DecodeArgs and kernel.MergeArgs is abi.MergeArgs
+    assert kernel.MASK_PARAM_CTYPES is params.MASK_PARAM_CTYPES is host_replay.MASK_PARAM_CTYPES
+    assert host_planner.ITEM_INTS == abi.ITEM_INTS == len(abi.WORK_ITEM_FIELDS)
+    assert registry.PARAM_CTYPES is params.PARAM_CTYPES
+    assert set(params.PARAM_CTYPES) == set(params.MASK_PARAM_CTYPES) == set(params.PARAM_KINDS)
+    assert f"-DFJ_ITEM_INTS={abi.ITEM_INTS}" in host_library.CFLAGS
+
+
+@pytest.mark.skipif(host_library.compiler() is None, reason="no C compiler on this machine")
+@pytest.mark.parametrize("define", [None, abi.ITEM_INTS + 4, abi.ITEM_INTS])
+def test_the_c_planner_builds_only_with_the_record_width(define):
+    flags = [] if define is None else [f"-DFJ_ITEM_INTS={define}"]
+    result = subprocess.run([*host_library.compiler(), "-std=c99", "-fsyntax-only", *flags, str(HOST_PLAN)],
+                            capture_output=True, text=True, timeout=60)
+    if define == abi.ITEM_INTS:
+        assert result.returncode == 0, result.stderr
+    else:
+        assert result.returncode != 0 and "FJ_ITEM_INTS" in result.stderr
