@@ -22,7 +22,7 @@ MAX_PAGE_SIZE = 256
 MAX_GROUP_SIZE = 64
 MAX_Q_LEN = 16
 TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
-TENSOR_CORE_MIN_ROWS = 2  # group x query tokens; measured on the H200, see docs/architecture.md
+TENSOR_CORE_MIN_ROWS = 2  # group x query tokens from which tensor cores win (docs/architecture.md)
 
 _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
