@@ -71,9 +71,12 @@ _KINDS = {ctypes.c_void_p: ("p", "pointer"), ctypes.c_int: ("i", "integer"), cty
 # long, 'f' for float, '?' for anything else. Enums, not variables: the checks leave nothing in
 # the cubin.
 _PREAMBLE = """\
+#ifdef __has_builtin
 #if __has_builtin(__builtin_offsetof)
 #define FJ_OFFSETOF(T, field) __builtin_offsetof(T, field)
-#else
+#endif
+#endif
+#ifndef FJ_OFFSETOF
 #define FJ_OFFSETOF(T, field) __INTADDR__(&((T*)0)->field)
 #endif
 namespace fj_abi {

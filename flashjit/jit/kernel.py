@@ -1,5 +1,9 @@
 """A compiled decode specialization: its cubin, lazy per-device loading, and a lean launcher.
 
+Three types, one step each: Kernel is one spec's cubin (what Engine.get_kernel returns, made by
+the engine from compile.py's CompiledKernel, NVRTC's cubin and log); LoadedKernel is its driver
+handles on one device; PreparedLaunch is one launch of such a handle, its arguments built once.
+
 Modules are loaded with CuPy on first use, on the tensor's device, and pinned for the process
 lifetime, so CUDA-graph replays never see an unloaded module. Launches go straight to the driver's
 cuLaunchKernel through ctypes with argument structs (abi.DecodeArgs, abi.MergeArgs) built once and
@@ -50,7 +54,7 @@ LAUNCH_ARG_TYPES = (ctypes.c_void_p,) + (ctypes.c_uint,) * 7 + (ctypes.c_void_p,
 def _launcher():
     """cuLaunchKernel without argtypes: PreparedLaunch passes ctypes objects of the parameters' own
     types (LAUNCH_ARG_TYPES), which ctypes hands over as they are, where argtypes would convert each
-    of the eleven on every call (2.1 -> 0.9 us per call)."""
+    of the eleven on every call (~1.2 us per call)."""
     global _cu_launch
     launch = driver()["cuLaunchKernel"]  # a function pointer of its own: no argtypes
     launch.restype = ctypes.c_int

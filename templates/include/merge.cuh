@@ -1,8 +1,9 @@
-// Merge of split-KV partial states: for each (query token, qo head) of a request that was cut
-// into several work items, combine the normalized fp32 partials by their base-2 LSEs:
+// Merge of split-KV partial states: for each (query token, qo head) of a request cut into
+// several work items, combine the normalized fp32 partials by their base-2 LSEs:
 //   M = max lse_i,  o = sum 2^(lse_i - M) o_i / sum 2^(lse_i - M),  lse = M + log2(sum).
 // Partials with zero weight (empty or fully masked splits) are skipped, never multiplied,
-// so an unwritten partial cannot leak NaN. Requests with one work item were written directly.
+// so an unwritten partial cannot leak NaN. A request of one work item has its output written by
+// the decode kernel and is skipped.
 // Expects cfg::HEAD_DIM, cfg::MAX_Q_LEN, cfg::MERGE_THREADS and out_t from the including template.
 // The host's copy of Args is flashjit.jit.abi.MergeArgs; the rendered source asserts their layouts match.
 
