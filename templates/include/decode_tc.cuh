@@ -71,9 +71,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
     row_pos[h] = item.kv_len - item.q_len + row_tok[h];
   }
 
-  // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)]. Here, unlike
-  // the fp8 kernel, Q needs no conversion, so its loads do not hold the first page lookup back; and
-  // loaded in stream_tiles' prepare() instead, head_dim 256 took 272.3 us against 265.4-266.6 (H200).
+  // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)]. Loaded first:
+  // unlike the fp8 kernel's, this Q needs no conversion, so it does not hold the first page lookup
+  // back, and loading it late (in stream_tiles' prepare()) costs head_dim 256 about 2%.
   u32 qa[KSTEPS][4];
 #pragma unroll
   for (int k = 0; k < KSTEPS; ++k) {

@@ -15,7 +15,7 @@
 //   decode_tc_common.cuh.
 //
 // fp8 bytes are read from shared memory with 16-byte loads (8 at head_dim 64), bank-conflict free
-// for the pitches of flashjit.tiling.tc_row_pitches, and converted to f16 in registers. The head
+// for the pitches of flashjit.jit.tiling.tc_row_pitches, and converted to f16 in registers. The head
 // dims run in permuted orders, in blocks of BLOCK dims (lane g = lane / 4, t = lane % 4):
 //   K: k-step ks of S^T takes, in lane t, the 4 consecutive bytes at k_byte(ks, t) of its key rows
 //      g and g + 8 (the A fragment's k-slots 2t, 2t + 1, 2t + 8, 2t + 9). Q is read in the same
