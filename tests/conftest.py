@@ -1,7 +1,7 @@
 """Shared fixtures of the CPU suite.
 
-NVRTC needs no GPU, so these tests compile real kernels; each compile costs ~0.4 s on a small CI
-machine, so one session-scoped engine (`warm`) compiles WARM_SPEC once and tests that only need
+NVRTC needs no GPU, so these tests compile real kernels; each compile costs ~0.4 s on two CPU
+cores, so one session-scoped engine (`warm`) compiles WARM_SPEC once and tests that only need
 a valid cache entry copy it instead of compiling again.
 """
 
@@ -22,7 +22,7 @@ from flashjit.jit.compile import CompiledKernel
 from flashjit.jit.kernel import Kernel
 from flashjit.masks.registry import masks
 
-# Every spec the suite builds names its arch: the CI machine has no GPU to infer it from.
+# Every spec the suite builds names its arch: without a GPU there is none to infer it from.
 WARM_SPEC = DecodeSpec(head_dim=64, dtype="bf16", mask="none", arch="sm_90")
 
 

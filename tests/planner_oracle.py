@@ -1,4 +1,4 @@
-"""plan()'s host path as it was before the host-cost work: the oracles its faster forms must match exactly."""
+"""plan()'s host path in its plainest numpy form: the oracles its faster forms must match exactly."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def reference_plan_work(span_begin, span_end, qo_indptr, *, ctas_per_item, max_c
 
 
 def reference_page_table(indptr, last_page_len, page_size):
-    """page_table as it was (the oracle of its faster form)."""
+    """page_table in its plain form (the oracle of its faster form)."""
     indptr_h = indptr_array("indptr", indptr)
     last = host_int_array("last_page_len", last_page_len, len(indptr_h) - 1)
     pages = np.diff(indptr_h)

@@ -2,8 +2,8 @@
 
 BatchDecode needs a GPU to construct, so `cpu_decoder` sets the attributes __init__ sets, with the
 CPU as its device (plan()'s copies are then plain copies) and a fake occupancy for the kernel
-(132 SMs x 2 CTAs, the H200's). NVRTC is faked: the kernels' code does not matter here. Expected
-values come from planner_oracle, plan()'s host path as it was before the host-cost work.
+(132 SMs x 2 CTAs, as on an H200). NVRTC is faked: the kernels' code does not matter here. Expected
+values come from planner_oracle, plan()'s host path in its plainest form.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def native_library():
 
 @pytest.fixture
 def planner(engine, fake_nvrtc, monkeypatch):
-    """An engine whose kernels 'load' instantly with the H200's occupancy."""
+    """An engine whose kernels 'load' instantly with an H200's occupancy."""
     monkeypatch.setattr(Kernel, "loaded", lambda self, device: LoadedKernel(None, DECODE_FN, MERGE_FN, CTAS_PER_SM,
                                                                             NUM_SMS))
     return engine
@@ -77,7 +77,7 @@ def tables(kv_lens, page_size, rng, spare_pages=3):
 
 def expected_work(indptr, last, page_size, q_lens, mask, params, num_qo_heads, num_kv_heads, head_dim,
                   chunk_tokens=None, max_items=None):
-    """The work plan of the old host path, and the kv_lens and indptr it packs beside it."""
+    """The work plan of the oracle host path, and the kv_lens and indptr it packs beside it."""
     indptr_h, kv_lens = reference_page_table(indptr, last, page_size)
     q_lens = np.asarray(q_lens, dtype=np.int64)
     spec = DecodeSpec(head_dim, mask=mask, page_size=page_size, group_size=num_qo_heads // num_kv_heads,
@@ -325,7 +325,7 @@ def test_unchecked_page_ids_are_not_read_back(planner):
 
 
 def test_negative_page_id_is_reported_before_later_argument_errors(planner):
-    """As when the range was read before anything else: the page-id error, the later one as its context."""
+    """As if the range were read before anything else: the page-id error, the later one as its context."""
     indptr, indices, last = tables([40, 90], 16, np.random.default_rng(1))
     with pytest.raises(ValueError, match="page ids >= 0") as info:
         cpu_decoder(planner).plan(indptr, indices - 100, last, 8, 2, 128, 16, mask_params={"window_left": 3})

@@ -1,7 +1,7 @@
-"""host_plan: the C planner gives exactly the numpy planner's tables, work and staging contents.
+"""host_planner: the C planner gives exactly the numpy planner's tables, work and staging contents.
 
-The numpy side (checks.page_table, checks.query_indptr, plan.plan_work) is the reference, itself
-held to the first session's host path by tests/test_plan.py and planner_oracle. Needs a C compiler
+The numpy side (validation.page_table, validation.query_indptr, split_plan.plan_work) is the
+reference, itself held to planner_oracle's plain forms by tests/test_plan.py. Needs a C compiler
 (as plan() does for its fast path); skipped without one.
 """
 

@@ -186,7 +186,7 @@ def test_plan_is_deterministic():
     assert a.chunk_tokens == b.chunk_tokens
 
 
-# ---- the faster planner against the oracle (today's planner as it was, in planner_oracle.py) ---------
+# ---- the faster planner against the oracle (the plain forms in planner_oracle.py) -------------------
 
 def random_spans(rng, batch):
     """Span lengths of the shapes serving sees: uniform, log-uniform, one long among short, some empty."""
@@ -227,7 +227,7 @@ def test_estimate_time_matches_the_reference():
 
 
 def test_the_benchmark_batch_plans_as_before():
-    """The 64 requests of `benchmarks/decode.py compile` (lengths 128 + 6i), on the H200's 132 SMs."""
+    """The 64 requests of `python -m benchmarks.decode compile` (lengths 128 + 6i), on an H200's 132 SMs."""
     lens = np.array([128 + 6 * i for i in range(64)])
     for ctas_per_item, max_ctas, granularity in ((8, 264, 64), (8, 132, 64), (16, 264, 16), (8, 264, 1)):
         for max_items in (None, 64, 65, 100, 1000):
@@ -257,7 +257,7 @@ def test_plan_work_matches_the_reference_on_random_batches():
         for field in PLAN_FIELDS:
             a, b = getattr(new, field), getattr(old, field)
             assert a.dtype == b.dtype == np.int32 and a.flags.c_contiguous and np.array_equal(a, b), field
-        counts = np.diff(old.req_work_indptr)  # needs_merge and max_splits as they were defined
+        counts = np.diff(old.req_work_indptr)  # needs_merge and max_splits by their definitions
         assert (new.num_work, new.num_tokens, new.needs_merge, new.max_splits) == \
                (old.num_work, old.num_tokens, bool(np.any(counts > 1)), int(counts.max(initial=0)))
 

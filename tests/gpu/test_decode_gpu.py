@@ -1,4 +1,4 @@
-"""flashjit decode kernels against the float32 torch reference on random paged batches (H200)."""
+"""flashjit decode kernels against the float32 torch reference on random paged batches."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""fp8 KV caches (e4m3, e5m2) against the float32 reference on the dequantized cache (H200).
+"""fp8 KV caches (e4m3, e5m2) against the float32 reference on the dequantized cache.
 
 Every mask, both kernels, split-KV, GQA and several query tokens, with the three forms of scale:
 a float, a one-element tensor and a per-KV-head tensor.

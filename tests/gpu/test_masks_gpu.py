@@ -1,4 +1,4 @@
-"""tree and sink_window kernels against the torch reference (H200), through check-mask's runner.
+"""tree and sink_window kernels against the torch reference, through check-mask's runner.
 
 Each batch runs under every split policy and with random and zero queries
 (flashjit.deploy.mask_check.check_batch); zero queries make the lse an exact count of visible keys.
