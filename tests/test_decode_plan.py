@@ -2,8 +2,8 @@
 
 BatchDecode needs a GPU to construct, so `cpu_decoder` sets the attributes __init__ sets, with the
 CPU as its device (plan()'s copies are then plain copies) and a fake occupancy for the kernel
-(132 SMs x 2 CTAs, as on an H200). NVRTC is faked: the kernels' code does not matter here. Expected
-values come from planner_oracle, plan()'s host path in its plainest form.
+(132 SMs x 2 CTAs, the H200's). NVRTC is faked: the kernels' code does not matter here. Expected
+values come from planner_oracle, plan()'s host path as it was before the host-cost work.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def native_library():
 
 @pytest.fixture
 def planner(engine, fake_nvrtc, monkeypatch):
-    """An engine whose kernels 'load' instantly with an H200's occupancy."""
+    """An engine whose kernels 'load' instantly with the H200's occupancy."""
     monkeypatch.setattr(Kernel, "loaded", lambda self, device: LoadedKernel(None, DECODE_FN, MERGE_FN, CTAS_PER_SM,
                                                                             NUM_SMS))
     return engine
