@@ -1,6 +1,6 @@
 # The two commands of the README: `make run` (the main job) and `make test` (the test suite).
-# Both build .venv once. torch==2.13.0 is installed first, pinned: on these machines pip takes that
-# CPU build from local disk, while an unpinned `torch` (as pulled in by our `torch>=2.4`
+# Both build .venv once. torch==2.13.0 is installed first, pinned: pip takes that
+# CPU build from a local wheel, while an unpinned `torch` (as pulled in by our `torch>=2.4`
 # dependency with no torch present) would download a multi-GB CUDA build.
 
 PYTHON ?= python3
