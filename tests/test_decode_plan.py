@@ -180,7 +180,7 @@ def test_plans_the_benchmark_batch(planner):
 
 
 def test_plans_a_separate_merge_launch_when_not_fused(planner, monkeypatch):
-    monkeypatch.setattr(tiling_module, "FUSED_MERGE", False)
+    monkeypatch.setattr(tiling_module, "TUNING", tiling_module.TUNING.replace(fused_merge=False))
     kv_lens = [128 + 6 * i for i in range(64)]
     indptr, indices, last = tables(kv_lens, 16, np.random.default_rng(0))
     decoder = cpu_decoder(planner)
@@ -515,7 +515,7 @@ def test_prepared_launch_is_kept_for_the_same_kernel_and_arguments(monkeypatch):
 
 
 def test_plans_keep_their_launches_and_mask_values_in_place(planner, monkeypatch):
-    monkeypatch.setattr(tiling_module, "FUSED_MERGE", False)  # the merge's launch is kept too
+    monkeypatch.setattr(tiling_module, "TUNING", tiling_module.TUNING.replace(fused_merge=False))  # the merge's launch is kept too
     rng = np.random.default_rng(12)
     decoder = cpu_decoder(planner)
     indptr, indices, last = tables([9000, 7000, 40, 8000], 16, rng)

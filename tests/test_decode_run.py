@@ -53,7 +53,7 @@ def planned(engine, kv_lens):
 
 @pytest.mark.parametrize("fused_merge", [True, False])
 def test_run_points_the_arguments_at_its_tensors(planner, launches, fast, fused_merge, monkeypatch):
-    monkeypatch.setattr(tiling, "FUSED_MERGE", fused_merge)
+    monkeypatch.setattr(tiling, "TUNING", tiling.TUNING.replace(fused_merge=fused_merge))
     decoder, q, k, v = planned(planner, [5000, 30, 700])  # split: the merge runs too (fused or launched)
     out, lse = torch.empty_like(q), torch.empty(3, HEADS)
     for _ in range(2):  # the second time every tensor is recognised

@@ -180,7 +180,7 @@ def test_row_pitches_bound_the_bank_conflicts_of_every_load(head_dim):
 
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_swizzled_rows_make_every_load_conflict_free(head_dim):
-    """Unpadded rows with their 16-byte chunks XORed by row % 8 (tiling.SWIZZLE_FP8): the loads of
+    """Unpadded rows with their 16-byte chunks XORed by row % 8 (TensorCoreRow.swizzle): the loads of
     `scores` and `accumulate` conflict-free, and the copies' 32-byte sectors whole (an XOR of the
     chunk index keeps chunks 2m and 2m + 1 in the same aligned 32 bytes)."""
     k_pitch, v_pitch = tc_row_pitches(head_dim, kv_bytes=1, swizzle=True)

@@ -1,17 +1,95 @@
-"""tiling: the 16-bit tensor-core rings' row layouts, checked on the CPU.
+"""tiling: the tuning table, the tiling it gives every spec, and the 16-bit tensor-core rings' row
+layouts, checked on the CPU.
 
-Two costs trade off (docs/performance.md, sixth and seventh sessions): a cp.async pair whose 32-byte
-sector lands across a 32-byte boundary of shared memory fetches the sector twice, and ldmatrix
-phases (8 rows x 16 bytes) that hit one bank twice take an extra wavefront.
+Two costs trade off in the row layouts: a cp.async pair whose 32-byte sector lands across a
+32-byte boundary of shared memory fetches the sector twice, and ldmatrix phases (8 rows x 16 bytes)
+that hit one bank twice take an extra wavefront.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import itertools
+
 import pytest
 
-from flashjit.jit import tiling
-from flashjit.jit.spec import DecodeSpec
-from flashjit.jit.tiling import decode_tiling
+from flashjit.jit.spec import HEAD_DIMS, TENSOR_CORE_HEAD_DIMS, DecodeSpec
+from flashjit.jit.tiling import TUNING, DecodeTiling, decode_tiling
+
+# Each family's tiling at group 16 (both kernels' row tiles), as a tuple of DecodeTiling's fields:
+# (tensor cores, K/V dtype, head_dim) -> tiling.
+PINNED = {
+    (False, "bf16",  64): (8, 8, 8, 8, 8, 2, 2, 32, 4, False, 0, 128, 128, 128, False, 16, True, False, 100, 1, 1, 1, 16, 8),
+    (False, "bf16",  96): (8, 12, 16, 8, 8, 1, 2, 16, 4, False, 0, 192, 192, 128, False, 16, True, False, 100, 1, 1, 1, 24, 5),
+    (False, "bf16", 128): (8, 16, 16, 8, 8, 1, 2, 16, 4, False, 0, 256, 256, 128, False, 16, True, False, 100, 1, 1, 1, 32, 4),
+    (False, "bf16", 256): (8, 32, 32, 8, 8, 1, 2, 8, 4, False, 0, 512, 512, 128, False, 16, True, False, 100, 1, 1, 1, 64, 2),
+    (False, "e4m3",  64): (8, 8, 8, 8, 8, 2, 2, 32, 4, False, 0, 64, 64, 128, False, 16, True, False, 100, 1, 1, 1, 16, 8),
+    (False, "e4m3",  96): (8, 12, 16, 8, 8, 1, 2, 16, 4, False, 0, 96, 96, 128, False, 16, True, False, 100, 1, 1, 1, 24, 5),
+    (False, "e4m3", 128): (8, 16, 16, 8, 8, 1, 2, 16, 4, False, 0, 128, 128, 128, False, 16, True, False, 100, 1, 1, 1, 32, 4),
+    (False, "e4m3", 256): (8, 32, 32, 8, 8, 1, 2, 8, 4, False, 0, 256, 256, 128, False, 16, True, False, 100, 1, 1, 1, 64, 2),
+    (True,  "bf16",  64): (8, 8, 128, 16, 1, 1, 1, 64, 4, True, 65648, 128, 128, 128, True, 128, True, True, 100, 1, 1, 8, 16, 8),
+    (True,  "bf16", 128): (8, 16, 128, 16, 1, 1, 1, 64, 2, True, 65648, 256, 256, 128, True, 128, True, True, 100, 1, 1, 8, 32, 4),
+    (True,  "bf16", 256): (8, 32, 128, 16, 1, 1, 1, 32, 3, True, 104560, 544, 544, 128, False, 128, True, True, 75, 1, 2, 8, 64, 2),
+    (True,  "e4m3",  64): (8, 8, 128, 8, 1, 1, 2, 64, 4, True, 36976, 64, 80, 128, False, 128, True, True, 100, 1, 1, 8, 16, 8),
+    (True,  "e4m3", 128): (8, 16, 128, 8, 1, 1, 2, 64, 2, True, 41072, 160, 160, 128, False, 128, True, True, 100, 1, 1, 8, 32, 4),
+    (True,  "e4m3", 256): (8, 32, 64, 8, 1, 1, 2, 32, 3, True, 49264, 256, 256, 128, True, 128, True, True, 100, 1, 1, 8, 64, 2),
+}
+# sha256 of repr((spec's grid key, tiling as a tuple)) over every_spec(), in order.
+PINNED_GRID_DIGEST = "d951ad2df71d6c5dac4364a1b73562a4e82ac752ef72017d89d0f90616a720a6"
+
+
+def every_spec():
+    """Each head_dim, K/V dtype, kernel family and 256 group x query-length shapes (rows 1 to 1024)."""
+    for head_dim, kv_dtype, group, q_len, tensor_cores in itertools.product(
+            HEAD_DIMS, ("bf16", "f16", "e4m3", "e5m2"), range(1, 65), (1, 2, 3, 16), (None, False, True)):
+        if not tensor_cores or head_dim in TENSOR_CORE_HEAD_DIMS:
+            yield DecodeSpec(head_dim=head_dim, dtype="f16", kv_dtype=kv_dtype, group_size=group, max_q_len=q_len,
+                             tensor_cores=tensor_cores, arch="sm_90")
+
+
+def test_the_table_gives_every_spec_its_pinned_tiling():
+    """The table's values, read by decode_tiling, make the same tiling for every spec as the constants
+    they were pinned from: field by field for each family, and by digest over the whole grid."""
+    for (tensor_cores, kv_dtype, head_dim), fields in PINNED.items():
+        spec = DecodeSpec(head_dim=head_dim, kv_dtype=kv_dtype, group_size=16, tensor_cores=tensor_cores, arch="sm_90")
+        assert decode_tiling(spec) == DecodeTiling(*fields), (tensor_cores, kv_dtype, head_dim)
+    digest = hashlib.sha256()
+    for spec in every_spec():
+        key = (spec.head_dim, spec.kv_dtype, spec.group_size, spec.max_q_len, spec.tensor_cores)
+        digest.update(repr((key, dataclasses.astuple(decode_tiling(spec)))).encode())
+    assert digest.hexdigest() == PINNED_GRID_DIGEST
+
+
+def test_the_table_has_one_row_per_tensor_core_kernel_and_is_frozen():
+    keys = [row.key for row in TUNING.tensor_cores]
+    assert sorted(keys) == sorted(itertools.product((False, True), TENSOR_CORE_HEAD_DIMS))
+    assert TUNING.row(True, 128).key == (True, 128)
+    with pytest.raises(KeyError, match="head_dim 96"):
+        TUNING.row(False, 96)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TUNING.fused_merge = False  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        TUNING.tensor_cores[0].stages = 3  # type: ignore[misc]
+    assert hash(TUNING) == hash(TUNING.replace())
+
+
+def test_a_passed_table_changes_the_tiling_and_leaves_the_default_alone():
+    """What a sweep does: the kernel of one row under other warps and stages, the grid order and the
+    prefetch hint changed, each from a table handed to decode_tiling."""
+    spec = DecodeSpec(head_dim=128, kv_dtype="e4m3", group_size=8, arch="sm_90")
+    table = TUNING.with_rows(fp8=True, head_dim=128, warps=2, stages=4, min_ctas=5).replace(
+        l2_prefetch=256, heads_first=False)
+    tuned, default = decode_tiling(spec, table), decode_tiling(spec)
+    assert (tuned.bdx, tuned.stages, tuned.min_ctas, tuned.tile_tokens) == (64, 4, 5, 32)
+    assert (tuned.l2_prefetch, tuned.heads_first) == (256, False)
+    assert default == decode_tiling(spec, TUNING)
+    assert (default.bdx, default.stages, default.l2_prefetch) == (128, 2, 128)
+    # only the named row changes
+    assert [row for row in table.tensor_cores if row.key != (True, 128)] == [
+        row for row in TUNING.tensor_cores if row.key != (True, 128)]
+    assert all(row.static_share == 50 for row in TUNING.with_rows(static_share=50).tensor_cores)
+    assert [row.stages for row in TUNING.with_rows(fp8=False, stages=5).tensor_cores] == [5, 5, 5, 4, 2, 3]
 
 
 def ldmatrix_extra_wavefronts(pitch: int, swizzle: bool, chunk: int) -> int:
@@ -34,20 +112,21 @@ def test_16bit_rows_keep_sectors_whole_and_ldmatrix_at_most_two_way(head_dim):
     extra = [ldmatrix_extra_wavefronts(t.k_pitch, t.swizzle, chunk) for chunk in range(head_dim * 2 // 16)]
     assert max(extra) <= (0 if t.swizzle else 1)
     # 16 bytes of padding would be conflict-free but split sectors: the trade the table makes
-    assert tiling.ROW_PAD_16BIT[head_dim] * 2 % 32 == 0 or t.swizzle
+    assert TUNING.row(False, head_dim).k_pad % 32 == 0 or t.swizzle
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "e4m3"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_tiles_are_shared_only_where_the_fused_merge_resets_the_claims(monkeypatch, kv_dtype, head_dim):
+def test_tiles_are_shared_only_where_the_fused_merge_resets_the_claims(kv_dtype, head_dim):
     """static_share comes from tiling's table for tensor-core kernels; the CUDA-core kernels, and any
     kernel without the fused merge (whose last CTA sets the claim counter back to 0), never share."""
-    table = tiling.STATIC_SHARE_FP8 if kv_dtype == "e4m3" else tiling.STATIC_SHARE
+    tuned = TUNING.row(kv_dtype == "e4m3", head_dim).static_share
 
-    def share(**kwargs):
-        return decode_tiling(DecodeSpec(head_dim=head_dim, kv_dtype=kv_dtype, arch="sm_90", **kwargs)).static_share
+    def share(tuning=None, **kwargs):
+        spec = DecodeSpec(head_dim=head_dim, kv_dtype=kv_dtype, arch="sm_90", **kwargs)
+        return decode_tiling(spec, tuning).static_share
 
-    assert share(group_size=4, tensor_cores=True) == table[head_dim]
+    assert share(group_size=4, tensor_cores=True) == tuned
     assert share(group_size=4, tensor_cores=False) == 100
-    monkeypatch.setattr(tiling, "FUSED_MERGE", False)
-    assert share(group_size=4, tensor_cores=True) == 100
+    unfused = TUNING.replace(fused_merge=False)
+    assert share(unfused, group_size=4, tensor_cores=True) == 100

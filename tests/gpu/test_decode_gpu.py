@@ -147,14 +147,13 @@ def assert_right_eager_and_replayed(decoder, run, out, ref, tolerance: float):
 @pytest.mark.parametrize("head_dim, q_len, mask", [(128, 1, "none"), (64, 3, "causal"), (256, 1, "sliding_window")])
 def test_shared_tiles_are_exact_and_leave_their_counters_at_zero(tmp_path, monkeypatch, kv_dtype, head_dim, q_len,
                                                                  mask):
-    """Split requests whose CTAs share their tiles (tiling.STATIC_SHARE, here on for every kernel):
+    """Split requests whose CTAs share their tiles (the tuning table's static_share, here 50 for every kernel):
     whatever tiles each CTA claims, the merged output matches the reference, on every launch, eager
     and replayed, as the last CTA of each group sets its claim counter back to 0."""
     from flashjit.jit import tiling
     from flashjit.decode.quantize import dequantize_kv, quantize_kv
 
-    monkeypatch.setattr(tiling, "STATIC_SHARE", dict.fromkeys(tiling.STATIC_SHARE, 50))
-    monkeypatch.setattr(tiling, "STATIC_SHARE_FP8", dict.fromkeys(tiling.STATIC_SHARE_FP8, 50))
+    monkeypatch.setattr(tiling, "TUNING", tiling.TUNING.with_rows(static_share=50))
     kv_lens = [9000, 1, 700, 0, 2500]
     batch = make_batch(kv_lens, num_qo_heads=4 * NUM_KV_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
                        page_size=16, q_lens=[min(q_len, n) for n in kv_lens], seed=12)
