@@ -1,18 +1,19 @@
-"""Time the tensor-core kernel under other tilings (GPU), to tune flashjit.jit.tiling: warp/stage
-counts, the L2 prefetch hint, the grid order and the fused merge, each varied alone from the current choice.
+"""Time the tensor-core kernel under other tilings (GPU), to tune flashjit.jit.tiling.
 
-    python benchmarks/tiling_sweep.py [REGEX]     # only the shapes whose name matches
-Each variant compiles into its own temporary cache (the tiling is rendered into the source).
+Warp/stage counts, the L2 prefetch hint, the grid order and the fused merge are each varied alone
+from the current choice.
+
+    python -m benchmarks.tiling_sweep [REGEX]     # only the shapes whose name matches
+
+Each variant is a tuning table (flashjit.jit.tiling.Tuning) handed to an engine that compiles its
+kernels from it (the tiling is rendered into the source) and caches none of them.
 """
 
-import os
+import argparse
 import re
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantize  # noqa: E402
+from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantize
 
 # (head_dim, fp8 cache) -> (warps, stages, min CTAs per SM) variants; the first is the current choice
 WARP_STAGES = {(128, False): [(4, 2, 1), (4, 3, 1), (4, 2, 3), (2, 4, 1)], (64, False): [(4, 4, 1), (4, 3, 1), (8, 2, 1)],
@@ -22,43 +23,64 @@ SHAPES = ["b1 L2048", "b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform
           "b16 L32768 sinks 4 + window 4096"]
 
 
-def set_tiling(tiling, head_dim, fp8, warps, stages, min_ctas, prefetch, heads_first, fused_merge):
-    warp_table = tiling.TC_WARPS_FP8 if fp8 else tiling.TC_WARPS
-    stage_table = tiling.TC_STAGES_FP8 if fp8 else tiling.TC_STAGES
-    warp_table[head_dim], stage_table[head_dim], tiling.TC_MIN_CTAS[head_dim] = warps, stages, min_ctas
-    tiling.L2_PREFETCH = tiling.L2_PREFETCH_FP8 = prefetch
-    tiling.HEADS_FIRST, tiling.FUSED_MERGE = heads_first, fused_merge
+def tuned_table(table, head_dim, fp8, warps, stages, min_ctas, prefetch, heads_first, fused_merge):
+    """table with one tensor-core row's warps, stages and CTAs per SM and the table-wide knobs changed."""
+    return table.with_rows(fp8=fp8, head_dim=head_dim, warps=warps, stages=stages, min_ctas=min_ctas).replace(
+        l2_prefetch=prefetch, heads_first=heads_first, fused_merge=fused_merge)
 
 
-def main():
+def tuned_engine(table, cache_dir):
+    """An Engine whose kernels take their tiling from table: compiled on first use, kept in memory only."""
+    import flashjit
+    from flashjit.jit.compile import compile_source
+    from flashjit.jit.kernel import Kernel
+    from flashjit.jit.render import render
+    from flashjit.jit.tiling import decode_tiling
+    from flashjit.masks.registry import masks
+
+    class TunedEngine(flashjit.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._tuned = {}
+
+        def get_kernel(self, spec):
+            if spec not in self._tuned:
+                tiling, mask = decode_tiling(spec, table), masks.get(spec.mask)
+                cubin = compile_source(render(spec, mask, tiling), spec.arch, spec.name).cubin
+                self._tuned[spec] = Kernel(spec, tiling, mask, cubin, f"{spec.name}+tuned")
+            return self._tuned[spec]
+
+    return TunedEngine(cache_dir=cache_dir)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("only", nargs="?", default="", metavar="REGEX", help="only the shapes whose name matches")
+    only = parser.parse_args(argv).only
+
     import torch
 
-    import flashjit
-    from flashjit.jit import tiling
+    from flashjit.jit.tiling import TUNING
 
     timer = Timer(torch, 15)
-    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    cache_dir = tempfile.mkdtemp()  # the host planner's library; the kernels stay in memory
     cases = [c for c in CASES if c.name in SHAPES and (c.head_dim, c.kv_dtype is not None) in WARP_STAGES
              and re.search(only, c.name)]
     for case in cases:
         batch = build_inputs(torch, case)
         fp8 = quantize(batch, case)
         warp_stages = WARP_STAGES[case.head_dim, fp8 is not None]
-        chosen = (*warp_stages[0], tiling.L2_PREFETCH_FP8 if fp8 else tiling.L2_PREFETCH, tiling.HEADS_FIRST,
-                  tiling.FUSED_MERGE)
+        chosen = (*warp_stages[0], TUNING.l2_prefetch, TUNING.heads_first, TUNING.fused_merge)
         variants = ([(*ws, *chosen[3:]) for ws in warp_stages]
                     + [(*chosen[:3], p, *chosen[4:]) for p in (0, 128, 256) if p != chosen[3]]
                     + [(*chosen[:4], not chosen[4], chosen[5]), (*chosen[:5], not chosen[5])])
-        prefetches, row = (tiling.L2_PREFETCH, tiling.L2_PREFETCH_FP8), []
+        row = []
         for warps, stages, min_ctas, prefetch, heads_first, fused_merge in variants:
-            set_tiling(tiling, case.head_dim, fp8 is not None, warps, stages, min_ctas, prefetch, heads_first,
-                       fused_merge)
-            engine = flashjit.Engine(cache_dir=tempfile.mkdtemp())
-            run, _, _ = flashjit_impl(torch, batch, case, engine, fp8)
+            table = tuned_table(TUNING, case.head_dim, fp8 is not None, warps, stages, min_ctas, prefetch, heads_first,
+                                fused_merge)
+            run, _, _ = flashjit_impl(torch, batch, case, tuned_engine(table, cache_dir), fp8)
             label = f"w{warps}s{stages}m{min_ctas}p{prefetch}{'h' if heads_first else ''}{'f' if fused_merge else ''}"
             row.append(f"{label} {timer.median_us(run):7.1f}")
-        set_tiling(tiling, case.head_dim, fp8 is not None, *chosen)
-        tiling.L2_PREFETCH, tiling.L2_PREFETCH_FP8 = prefetches
         print(f"{case.name:32s} " + "  ".join(row), flush=True)
         del batch, fp8
         torch.cuda.empty_cache()

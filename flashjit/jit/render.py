@@ -21,7 +21,7 @@ from ..errors import TemplateError
 from ..masks.registry import MaskDef, masks
 from . import abi
 from .spec import DecodeSpec
-from .tiling import decode_tiling
+from .tiling import DecodeTiling, decode_tiling
 
 ENTRY_TEMPLATE = "decode/paged.cu.j2"
 STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float8_e4m3fn": "e4m3_t", "float8_e5m2": "e5m2_t"}
@@ -91,10 +91,11 @@ def templates_digest(mask: MaskDef) -> str:
     return h.hexdigest()
 
 
-def render(spec: DecodeSpec, mask: MaskDef | None = None) -> str:
-    """The CUDA source of one specialization, with its ABI checks (abi.source_checks)."""
+def render(spec: DecodeSpec, mask: MaskDef | None = None, tiling: DecodeTiling | None = None) -> str:
+    """The CUDA source of one specialization, with its ABI checks (abi.source_checks), under
+    decode_tiling(spec) unless a tiling is given."""
     mask = mask or masks.get(spec.mask)
-    tiling = decode_tiling(spec)
+    tiling = tiling or decode_tiling(spec)
     context = dict(spec=spec, tiling=tiling, mask=mask, ctype=STORAGE_TYPES, version=__version__,
                    item_ints=abi.ITEM_INTS, abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge))
     try:
