@@ -1,6 +1,6 @@
 """When each CTA of one decode call starts, gets its first tile, finishes its tiles and exits (GPU).
 
-    python benchmarks/cta_timeline.py "b16 L8192 e4m3" ["b64 L8192 e4m3" ...] [--calls 3]
+    python -m benchmarks.cta_timeline "b16 L8192 e4m3" ["b64 L8192 e4m3" ...] [--calls 3]
 
 ncu reports a kernel's averages; this shows its shape in time: how long CTAs wait for their first
 tile (the prologue's chain of loads), how far apart they finish (the tail, where the memory system
@@ -14,13 +14,9 @@ and timing are those of benchmarks/decode.py. Percentiles are in µs from the fi
 """
 
 import argparse
-import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantize  # noqa: E402
+from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantize
 
 STAMPS = ("entry", "first tile", "tiles done", "exit")
 PERCENTILES = (0, 10, 50, 90, 100)

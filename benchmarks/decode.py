@@ -1,19 +1,18 @@
-"""flashjit decode benchmark: flashjit against torch SDPA (cuDNN) and FlashInfer on PERFORMANCE.md's shapes.
+"""flashjit decode benchmark: flashjit against torch SDPA (cuDNN) and FlashInfer on a fixed set of shapes (CASES).
 
-    python benchmarks/decode.py [--quick] [--json out.json]      # GPU: kernel times
-    python benchmarks/decode.py compile [--json out.json]        # compile, cache and host costs (CPU ok)
+    python -m benchmarks.decode [--quick] [--json out.json]      # GPU: kernel times
+    python -m benchmarks.decode compile [--json out.json]        # compile, cache and host costs (CPU ok)
 
 Method: random inputs, shuffled page tables, the L2 flushed before every timed call (--flush: "dirty"
-writes 256 MB, as PERFORMANCE.md's anchors were measured (their peer times reproduce), which leaves
-~60 MB of dirty lines the timed call then pays to write back; "clean" reads the 256 MB after writing
-them, so the call starts from a cold, clean L2, as a serving step does and as rotating inputs larger
-than the L2 would, though stricter: the page table and work list are cold too), CUDA events around
-the call alone, warm-up first, the median of --iters calls. Every implementation
-is checked against flashjit.decode.reference (float32) before it is timed; a wrong one is reported, not timed.
-Bandwidth counts the K/V bytes attended (a window counts only the window) plus q and out, and is
-compared with a device-to-device copy measured in the same run. Each row's "floor" is a streaming
-read of the same number of bytes under the same flush and timing (benchmarks/read_floor.py): no
-kernel reading those bytes can take less.
+writes 256 MB, which leaves ~60 MB of dirty lines the timed call then pays to write back; "clean"
+reads the 256 MB after writing them, so the call starts from a cold, clean L2, as a serving step
+does and as rotating inputs larger than the L2 would, though stricter: the page table and work list
+are cold too), CUDA events around the call alone, warm-up first, the median of --iters calls. Every
+implementation is checked against flashjit.decode.reference (float32) before it is timed; a wrong
+one is reported, not timed. Bandwidth counts the K/V bytes attended (a window counts only the
+window) plus q and out, and is compared with a device-to-device copy measured in the same run. Each
+row's "floor" is a streaming read of the same number of bytes under the same flush and timing
+(benchmarks/read_floor.py): no kernel reading those bytes can take less.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import re
 import statistics
 import subprocess
@@ -30,9 +28,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks.read_floor import ReadFloor  # noqa: E402
+from benchmarks.read_floor import ReadFloor
 
 HEADS_QO, HEADS_KV, PAGE = 32, 8, 16
 PEERS = ("sdpa-cudnn", "flashinfer", "flashinfer-tc")
@@ -127,7 +123,7 @@ def copy_ceiling_gbs(torch) -> float:
 # ---- implementations --------------------------------------------------------------------------
 
 def build_inputs(torch, case: Case, seed: int = 0):
-    from tests.gpu.batches import make_batch
+    from flashjit.deploy.random_batches import make_batch
 
     gen = torch.Generator().manual_seed(seed)
     if case.kv_len is None:
@@ -241,7 +237,7 @@ def bench_kernels(args) -> dict:
 
     import flashjit
     from flashjit.decode.reference import decode_reference
-    from tests.gpu.batches import rel_error
+    from flashjit.deploy.random_batches import rel_error
 
     engine = flashjit.Engine(cache_dir=args.cache_dir)
     timer = Timer(torch, args.iters, args.flush)
@@ -340,8 +336,8 @@ def bench_compile(args) -> dict:
         return statistics.median(colds)
 
     result["cold_compile_s"] = cold_compile_s(spec)
-    # The goal is per specialization: the other head_dims and the fp8 kernel differ in size (head_dim
-    # 256 unrolls twice the MMA steps of 128, at the register limit, where ptxas works longest).
+    # Compile time is per specialization: the other head_dims and the fp8 kernel differ in size
+    # (head_dim 256 unrolls twice the MMA steps of 128).
     others = [spec.replace(head_dim=64), spec.replace(head_dim=256), spec.replace(kv_dtype="float8_e4m3fn")]
     for other in others:
         result[f"cold_compile_s {other.name}"] = cold_compile_s(other)
@@ -372,13 +368,13 @@ def host_costs() -> dict:
     if not torch.cuda.is_available():
         return {}
     import flashjit
-    from tests.gpu.batches import make_batch
+    from flashjit.deploy.random_batches import make_batch
 
     engine = flashjit.Engine(cache_dir=tempfile.mkdtemp())
 
     def per_call_us(fn, n, rounds=9):
-        """The median over rounds of the mean host time of n calls: the host is shared, and a
-        round another process interrupts says nothing of the call."""
+        """The median over rounds of the mean host time of n calls: a round that another process
+        interrupts says nothing of the call."""
         fn()
         torch.cuda.synchronize()
         means = []
@@ -413,8 +409,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a subset of the shapes")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--flush", choices=["dirty", "clean"], default="dirty",
-                        help="L2 flush before each timed call: a 256 MB write (dirty, as PERFORMANCE.md's anchors "
-                             "were measured) or that write read back (clean: a cold L2 with nothing to write back)")
+                        help="L2 flush before each timed call: a 256 MB write (dirty: the timed call writes "
+                             "those lines back) or that write read back (clean: a cold L2 with nothing to write back)")
     parser.add_argument("--only", default="", help="rows whose name matches this regular expression")
     parser.add_argument("--cuda-cores", action="store_true", help="also time flashjit's CUDA-core kernel")
     parser.add_argument("--json", help="write the results here")

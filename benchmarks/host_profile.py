@@ -1,19 +1,18 @@
-"""Where the host time of plan() and run() goes (GPU machine): cProfile of many calls, top entries.
+"""Where the host time of plan() and run() goes (GPU): cProfile of many calls, top entries.
 
-    python benchmarks/host_profile.py
+    python -m benchmarks.host_profile
 """
 
+import argparse
 import cProfile
 import io
-import os
 import pstats
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
 
-def main():
     import torch
 
     import flashjit

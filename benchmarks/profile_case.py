@@ -1,19 +1,16 @@
 """Run one benchmark case's decode a few times, for a profiler to attach to (GPU).
 
     ncu --kernel-name regex:flashjit_decode --launch-skip 3 --launch-count 1 \\
-        python benchmarks/profile_case.py "b16 L8192 e4m3" [--peer flashinfer-tc]
+        python -m benchmarks.profile_case "b16 L8192 e4m3" [--peer flashinfer-tc]
 
 The inputs are those of benchmarks/decode.py (checked there against the reference).
 """
 
 import argparse
-import os
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks.decode import CASES, build_inputs, flashinfer_impls, flashjit_impl, quantize  # noqa: E402
+from benchmarks.decode import CASES, build_inputs, flashinfer_impls, flashjit_impl, quantize
 
 
 def main(argv=None):

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks.cta_timeline import balanced_finish, print_sm_speeds, sm_means  # noqa: E402
+from benchmarks.cta_timeline import balanced_finish, print_sm_speeds, sm_means
 
 
 def test_balanced_finish_spreads_equal_work_at_the_measured_rates():
