@@ -1,7 +1,7 @@
 """Shared fixtures of the CPU suite.
 
 NVRTC needs no GPU, so these tests compile real kernels; each compile costs ~0.4 s on two CPU
-cores, so one session-scoped engine (`warm`) compiles WARM_SPEC once and tests that only need
+cores, so one engine for the whole run (`warm`) compiles WARM_SPEC once and tests that only need
 a valid cache entry copy it instead of compiling again.
 """
 
@@ -50,7 +50,7 @@ class Warm:
 
 @pytest.fixture(scope="session")
 def warm(tmp_path_factory) -> Warm:
-    """An engine whose cache holds WARM_SPEC, compiled once for the whole session. Do not modify."""
+    """An engine whose cache holds WARM_SPEC, compiled once for the whole test run. Do not modify."""
     cache_dir = tmp_path_factory.mktemp("warm-cache")
     engine = Engine(cache_dir=cache_dir)
     kernel = engine.get_kernel(WARM_SPEC)

@@ -68,7 +68,7 @@ def test_sm80_cubin(warm):
 
 
 def test_sm90_cubin(warm):
-    # compiled once for the session by the `warm` fixture, through the same compile_source
+    # compiled once per test run by the `warm` fixture, through the same compile_source
     assert warm.spec.arch == "sm_90"
     assert cubin_sm(warm.kernel.cubin) == 90
     assert b"flashjit_decode" in warm.kernel.cubin
