@@ -39,10 +39,10 @@ from pathlib import Path
 
 import filelock
 
+from .. import env
 from ..errors import CacheError
 
 SCHEMA = 1
-DEFAULT_LOCK_TIMEOUT_S = 120.0
 LOCK_TIMEOUT_S: float | None = None  # a number overrides FLASHJIT_LOCK_TIMEOUT (tests); None reads it at lock time
 INCOMPLETE_GRACE_S = 3600.0  # prune removes entries that never got their meta.json after this long
 ENTRY_FILES = ("kernel.cubin", "source.cu", "meta.json")
@@ -53,28 +53,14 @@ log = logging.getLogger("flashjit")
 
 def lock_timeout() -> float:
     """Seconds to wait for another process's compile of the same key: read at every lock, not at import."""
-    if LOCK_TIMEOUT_S is not None:
-        return float(LOCK_TIMEOUT_S)
-    text = os.environ.get("FLASHJIT_LOCK_TIMEOUT", "").strip()
-    try:
-        value = float(text) if text else DEFAULT_LOCK_TIMEOUT_S
-        if value < 0:
-            raise ValueError(text)
-        return value
-    except ValueError:
-        if text not in _warned_timeouts:
-            _warned_timeouts.add(text)
-            log.warning("FLASHJIT_LOCK_TIMEOUT=%r is not a number of seconds; using %.0f", text, DEFAULT_LOCK_TIMEOUT_S)
-        return DEFAULT_LOCK_TIMEOUT_S
-
-
-_warned_timeouts: set[str] = set()
+    return float(LOCK_TIMEOUT_S) if LOCK_TIMEOUT_S is not None else env.lock_timeout()
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("FLASHJIT_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
+    """FLASHJIT_CACHE_DIR, else the user cache folder (~/.cache/flashjit on Linux)."""
+    folder = env.cache_dir()
+    if folder is not None:
+        return folder
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("flashjit", appauthor=False))

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from .. import env
 from .._version import __version__
 from .cache import KernelCache, cache_key, portable_key
 from .compile import compile_options, compile_source, compiler_fingerprint, nvrtc_version
@@ -34,10 +35,6 @@ class PrewarmResult:
     spec: DecodeSpec
     source: str      # "memory", "disk" or "compiled"
     seconds: float
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _capturing() -> bool:
@@ -60,7 +57,7 @@ class Engine:
         self.cache = KernelCache(cache_dir)
         for folder in template_dirs:
             masks.add_template_dir(folder)
-        self.allow_compile = (not _env_flag("FLASHJIT_NO_COMPILE")) if allow_compile is None else allow_compile
+        self.allow_compile = (not env.no_compile()) if allow_compile is None else allow_compile
         self._kernels: dict[DecodeSpec, Kernel] = {}
         self._mask_generation = masks.generation  # the registrations _kernels was made under
         self._sources: dict[DecodeSpec, str] = {}

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import filelock
 
+from .. import env
 from .abi import ITEM_INTS
 from .cache import KernelCache, atomic_file, lock_timeout
 
@@ -48,7 +49,7 @@ def compiler() -> list[str] | None:
     """The C compiler command to build with ($CC, e.g. "ccache gcc -m64"; else cc), its program
     resolved on PATH, or None when there is none."""
     try:
-        command = shlex.split(os.environ.get("CC", "").strip() or "cc")
+        command = shlex.split(env.cc() or "cc")
     except ValueError:  # unbalanced quotes: not a command
         return None
     program = shutil.which(command[0]) if command else None
@@ -74,12 +75,12 @@ def load(name: str, cache: KernelCache | None = None) -> ctypes.CDLL | None:
 
 
 def _build_and_load(name: str, cache: KernelCache | None) -> ctypes.CDLL | None:
-    if os.environ.get("FLASHJIT_HOST_NATIVE", "").strip().lower() in ("0", "false", "no", "off"):
+    if not env.host_native():
         return None
     cc = compiler()
     if cc is None:
         log.warning("no C compiler (CC=%r; set CC, or install cc) to build flashjit's host helper %s: %s",
-                    os.environ.get("CC", ""), name, FALLBACK)
+                    env.cc(), name, FALLBACK)
         return None
     source_path = SOURCE_DIR / f"{name}.c"
     target = _library_folder(cache) / f"{name}-{library_key(source_path.read_bytes(), cc)}.so"

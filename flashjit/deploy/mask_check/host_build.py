@@ -15,10 +15,12 @@ import shutil
 import subprocess
 import tempfile
 
+from ... import env
+
 
 def host_compiler() -> str | None:
     """$CXX, else c++ on PATH; None when there is none."""
-    return shutil.which(os.environ.get("CXX") or "c++")
+    return shutil.which(env.cxx() or "c++")
 
 
 _host_dir: str | None = None
