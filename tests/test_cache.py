@@ -16,7 +16,8 @@ import pytest
 from flashjit import DecodeSpec, Engine, __version__
 from flashjit.jit import cache as cache_module
 from flashjit import env as env_module
-from flashjit.jit.cache import SCHEMA, KernelCache, cache_key, default_cache_dir
+from flashjit.jit.cache import SCHEMA, KernelCache, default_cache_dir
+from flashjit.jit.keys import cache_key
 from flashjit.jit.compile import compile_options, nvrtc_version
 from flashjit.masks.registry import register_mask
 from flashjit.jit.render import render

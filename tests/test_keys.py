@@ -7,8 +7,8 @@ import platform
 
 import flashjit.jit.engine as engine_module
 from flashjit import DecodeSpec
-from flashjit.jit import host_library
-from flashjit.jit.cache import cache_key, portable_key
+from flashjit.jit import host_library, keys
+from flashjit.jit.keys import cache_key, portable_key
 from flashjit.masks.registry import masks
 
 SOURCE = 'extern "C" __global__ void k() {}'
@@ -42,3 +42,22 @@ def test_host_library_key_is_pinned(monkeypatch):
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     assert host_library.library_key(b"int a;", ["/usr/bin/gcc", "-m64"]) == "155e40931c9badbba94583e09c33e41e"
+
+
+def test_keys_module_computes_the_same_keys(monkeypatch):
+    """keys.index_key and keys.library_key are what the engine and host_library hash."""
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    spec = DecodeSpec(64, mask="sliding_window", arch="sm_90")
+    assert keys.index_key(spec, masks.get("sliding_window"), "d" * 64, "0.1.0", OPTIONS,
+                          "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86") == \
+        "55bdc6bd67fd2b28619b919f84fd54b85f580eea437fd7b61a5e49c16ed6c0b1"
+    assert keys.library_key(b"int a;", ["/usr/bin/gcc", "-m64"], CFLAGS) == \
+        "155e40931c9badbba94583e09c33e41e"
+
+
+def test_the_docstring_lists_every_key():
+    functions = [name for name in vars(keys) if name.endswith("_key") and callable(getattr(keys, name))]
+    assert sorted(functions) == ["cache_key", "index_key", "library_key", "portable_key"]
+    for name in functions:
+        assert f"\n{name}(" in keys.__doc__, name

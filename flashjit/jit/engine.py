@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
 import os
 import shlex
@@ -18,9 +17,10 @@ from pathlib import Path
 
 from .. import env
 from .._version import __version__
-from .cache import KernelCache, cache_key, portable_key
+from .cache import KernelCache
 from .compile import compile_options, compile_source, compiler_fingerprint, nvrtc_version
 from ..errors import KernelNotPrewarmed, SpecError
+from .keys import cache_key, index_key, portable_key
 from .kernel import Kernel
 from ..masks.registry import masks
 from .render import render, templates_digest
@@ -192,14 +192,9 @@ class Engine:
 
 
 def _spec_key(spec: DecodeSpec, mask) -> str:
-    """Index key: what determines the entry key, hashed without rendering or loading NVRTC.
-
-    The rendered source is stood in for by the spec, the mask and every template's contents; the
-    NVRTC version by compiler_fingerprint() (installed CuPy/NVRTC versions), so an upgrade misses.
-    """
-    text = repr((spec, mask.name, mask.template, mask.params, templates_digest(mask), __version__,
-                 compile_options(spec.arch), compiler_fingerprint()))
-    return hashlib.sha256(text.encode()).hexdigest()
+    """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC."""
+    return index_key(spec, mask, templates_digest(mask), __version__, compile_options(spec.arch),
+                     compiler_fingerprint())
 
 
 def _registered_in_python(spec: DecodeSpec) -> str:

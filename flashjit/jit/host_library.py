@@ -15,10 +15,8 @@ results; one warning says why.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
 import shlex
 import shutil
 import subprocess
@@ -29,6 +27,7 @@ from pathlib import Path
 import filelock
 
 from .. import env
+from . import keys
 from .abi import ITEM_INTS
 from .cache import KernelCache, atomic_file, lock_timeout
 
@@ -57,11 +56,8 @@ def compiler() -> list[str] | None:
 
 
 def library_key(source: bytes, cc: list[str]) -> str:
-    """What the library is built from: the source, the flags, the compiler command (its program by
-    name) and the platform."""
-    h = hashlib.sha256(source)
-    h.update(repr((CFLAGS, os.path.basename(cc[0]), cc[1:], platform.system(), platform.machine())).encode())
-    return h.hexdigest()[:32]
+    """keys.library_key of a helper built with cc and CFLAGS."""
+    return keys.library_key(source, cc, CFLAGS)
 
 
 def load(name: str, cache: KernelCache | None = None) -> ctypes.CDLL | None:
