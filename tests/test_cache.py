@@ -15,7 +15,9 @@ import pytest
 
 from flashjit import DecodeSpec, Engine, __version__
 from flashjit.jit import cache as cache_module
-from flashjit.jit.cache import SCHEMA, KernelCache, cache_key, default_cache_dir
+from flashjit import env as env_module
+from flashjit.jit.cache import SCHEMA, KernelCache, default_cache_dir
+from flashjit.jit.keys import cache_key
 from flashjit.jit.compile import compile_options, nvrtc_version
 from flashjit.masks.registry import register_mask
 from flashjit.jit.render import render
@@ -350,7 +352,7 @@ def test_lock_timeout_is_read_at_lock_time(monkeypatch, caplog, env, expected):
         monkeypatch.delenv("FLASHJIT_LOCK_TIMEOUT", raising=False)
     else:
         monkeypatch.setenv("FLASHJIT_LOCK_TIMEOUT", env)
-    monkeypatch.setattr(cache_module, "_warned_timeouts", set())
+    monkeypatch.setattr(env_module, "_warned", set())
     assert cache_module.lock_timeout() == expected and cache_module.lock_timeout() == expected
     assert len(warnings_of(caplog)) == (env in ("soon", "-1"))  # once per bad value
     monkeypatch.setattr(cache_module, "LOCK_TIMEOUT_S", 0.5)  # the module setting wins (tests)

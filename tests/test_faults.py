@@ -24,7 +24,8 @@ import pytest
 import flashjit.jit.engine as engine_module
 from flashjit import DecodeSpec, Engine
 from flashjit.jit import cache as cache_module
-from flashjit.jit.cache import KernelCache, cache_key
+from flashjit.jit.cache import KernelCache
+from flashjit.jit.keys import cache_key
 from flashjit.jit.compile import CompiledKernel, compile_options, nvrtc_version
 from flashjit.jit.render import render
 from flashjit import __version__

@@ -1,17 +1,18 @@
 """On-disk kernel cache: content-addressed cubins that any host with the same NVRTC can reuse.
 
-Key invariants (see cache_key):
-  * the key is SHA-256 over the schema number, the flashjit version, the NVRTC version, the arch,
-    the compile options and the rendered source (which inlines every template and header);
-  * no absolute paths, mtimes or host names go in, so a cache built on one host serves another.
+Entries are named by the keys of keys.py: SHA-256 over what the cubin is built from (the
+rendered source, arch, options, NVRTC and flashjit versions), with no absolute paths, mtimes or
+host names, so a cache built on one host serves another.
 
 Layout under the root:  v{SCHEMA}/entries/<key>/{kernel.cubin, source.cu, meta.json}
                         v{SCHEMA}/index/<spec key>         (spec + template contents -> entry key)
                         v{SCHEMA}/portable/<portable key>  (source without the NVRTC version -> entry key)
-                        v{SCHEMA}/locks/<key>.lock        (outside the entries)
+                        v{SCHEMA}/locks/<key>.lock         (outside the entries)
+                        v{SCHEMA}/host/<name>-<key>.so     (C host helpers: host_library.py)
 The index lets a fresh process find a kernel without rendering it or loading NVRTC (~100 ms);
-its key hashes the spec, every template file's contents and the flashjit version, so editing a
-template or upgrading flashjit misses it and falls back to the full key.
+its key (keys.index_key) hashes the spec, every template file's contents, the flashjit version
+and the installed compiler's, so editing a template or upgrading misses it and falls back to the
+full key.
 meta.json is written last and holds the cubin's SHA-256: an entry without it, or whose cubin does
 not match it, is a miss and is rebuilt. Every file is written to a temp file, fsynced and
 os.replace()d. Locks only stop two processes compiling the same key; correctness never depends on
@@ -39,10 +40,10 @@ from pathlib import Path
 
 import filelock
 
+from .. import env
 from ..errors import CacheError
 
 SCHEMA = 1
-DEFAULT_LOCK_TIMEOUT_S = 120.0
 LOCK_TIMEOUT_S: float | None = None  # a number overrides FLASHJIT_LOCK_TIMEOUT (tests); None reads it at lock time
 INCOMPLETE_GRACE_S = 3600.0  # prune removes entries that never got their meta.json after this long
 ENTRY_FILES = ("kernel.cubin", "source.cu", "meta.json")
@@ -53,47 +54,17 @@ log = logging.getLogger("flashjit")
 
 def lock_timeout() -> float:
     """Seconds to wait for another process's compile of the same key: read at every lock, not at import."""
-    if LOCK_TIMEOUT_S is not None:
-        return float(LOCK_TIMEOUT_S)
-    text = os.environ.get("FLASHJIT_LOCK_TIMEOUT", "").strip()
-    try:
-        value = float(text) if text else DEFAULT_LOCK_TIMEOUT_S
-        if value < 0:
-            raise ValueError(text)
-        return value
-    except ValueError:
-        if text not in _warned_timeouts:
-            _warned_timeouts.add(text)
-            log.warning("FLASHJIT_LOCK_TIMEOUT=%r is not a number of seconds; using %.0f", text, DEFAULT_LOCK_TIMEOUT_S)
-        return DEFAULT_LOCK_TIMEOUT_S
-
-
-_warned_timeouts: set[str] = set()
+    return float(LOCK_TIMEOUT_S) if LOCK_TIMEOUT_S is not None else env.lock_timeout()
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("FLASHJIT_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
+    """FLASHJIT_CACHE_DIR, else the user cache folder (~/.cache/flashjit on Linux)."""
+    folder = env.cache_dir()
+    if folder is not None:
+        return folder
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("flashjit", appauthor=False))
-
-
-def portable_key(source: str, arch: str, options, flashjit_version: str) -> str:
-    """What the cubin is built from, without the compiler: equal for entries that differ only in
-    the NVRTC that built them (each a valid cubin for the arch)."""
-    h = hashlib.sha256()
-    for part in (f"schema={SCHEMA}", f"flashjit={flashjit_version}", f"arch={arch}", "options=" + " ".join(options)):
-        h.update(part.encode() + b"\0")
-    h.update(source.encode())
-    return h.hexdigest()
-
-
-def cache_key(source: str, arch: str, options, nvrtc_version, flashjit_version: str) -> str:
-    h = hashlib.sha256(portable_key(source, arch, options, flashjit_version).encode())
-    h.update(f"\0nvrtc={tuple(nvrtc_version)}".encode())
-    return h.hexdigest()
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import env
 from ..errors import CompileError
 
 BASE_OPTIONS = ("--std=c++17", "--use_fast_math")
@@ -55,7 +56,7 @@ def compiler_fingerprint() -> str:
     found.pop("", None)
     parts = [f"{name}={found[name]}" for name in COMPILER_DISTRIBUTIONS if name in found]
     if not any(name in found for name in NVRTC_DISTRIBUTIONS):
-        toolkit = [os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", ""), "/usr/local/cuda"]
+        toolkit = [*env.cuda_toolkit(), "/usr/local/cuda"]
         parts.append("toolkit=" + ",".join(os.path.realpath(p) if p else "" for p in toolkit))
     return ";".join(parts)
 

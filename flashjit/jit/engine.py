@@ -1,14 +1,15 @@
 """Engine: the one place that composes spec -> render -> compile -> cache -> Kernel.
 
-get_kernel looks in memory, then on disk, then renders and compiles (under a per-key file lock so
-concurrent processes compile once). Every compile logs one INFO line on the 'flashjit' logger.
+get_kernel looks in memory, then in the cache index (no render, no NVRTC), then renders the source
+and obtains its cubin through the artifact lifecycle (artifact.obtain: disk, else compile under a
+per-key file lock so concurrent processes compile once). Every compile logs one INFO line on the
+'flashjit' logger.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
 import os
 import shlex
@@ -16,10 +17,13 @@ import threading
 import time
 from pathlib import Path
 
+from .. import env
 from .._version import __version__
-from .cache import KernelCache, cache_key, portable_key
-from .compile import compile_options, compile_source, compiler_fingerprint, nvrtc_version
+from .artifact import obtain
+from .cache import KernelCache
+from .compile import CompiledKernel, compile_options, compile_source, compiler_fingerprint, nvrtc_version
 from ..errors import KernelNotPrewarmed, SpecError
+from .keys import cache_key, index_key, portable_key
 from .kernel import Kernel
 from ..masks.registry import masks
 from .render import render, templates_digest
@@ -34,10 +38,6 @@ class PrewarmResult:
     spec: DecodeSpec
     source: str      # "memory", "disk" or "compiled"
     seconds: float
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _capturing() -> bool:
@@ -60,10 +60,9 @@ class Engine:
         self.cache = KernelCache(cache_dir)
         for folder in template_dirs:
             masks.add_template_dir(folder)
-        self.allow_compile = (not _env_flag("FLASHJIT_NO_COMPILE")) if allow_compile is None else allow_compile
+        self.allow_compile = (not env.no_compile()) if allow_compile is None else allow_compile
         self._kernels: dict[DecodeSpec, Kernel] = {}
         self._mask_generation = masks.generation  # the registrations _kernels was made under
-        self._sources: dict[DecodeSpec, str] = {}
         self._key_locks: dict[DecodeSpec, threading.Lock] = {}
         self._lock = threading.Lock()
 
@@ -102,29 +101,18 @@ class Engine:
             mask = masks.get(spec.mask)
             spec_key = _spec_key(spec, mask)
             key, hit = self._indexed(spec, spec_key)
-            origin = "disk"
-            if hit is None:
-                source = render(spec, mask)
-                key = cache_key(source, spec.arch, compile_options(spec.arch), nvrtc_version(), __version__)
-                hit = self.cache.load(key)
-                if hit is None and not self.allow_compile:
-                    # Strict serving: a cubin of the same source built by another NVRTC (a bundle
-                    # from a build box with another CUDA) is as valid for this arch.
-                    found = self.cache.load_portable(portable_key(source, spec.arch, compile_options(spec.arch), __version__))
-                    if found is not None:  # not indexed: a host that may compile rebuilds it natively
-                        kernel = Kernel(spec, decode_tiling(spec), mask, found[1], found[0])
-                        self._kernels[spec] = kernel
-                        return kernel, "disk"
-                if hit is None:
-                    with self.cache.compile_lock(key):
-                        hit = self.cache.load(key)  # another process may have compiled it meanwhile
-                        if hit is None:
-                            hit = (self._compile(spec, source, key), None)
-                            origin = "compiled"
-                self.cache.store_index(spec_key, key)
-            if origin == "disk":
+            if hit is not None:
+                cubin, origin = hit[0], "disk"
                 self.cache.touch(key)  # last use, for `flashjit cache prune`; memory hits never get here
-            kernel = Kernel(spec, decode_tiling(spec), mask, hit[0], key)
+            else:
+                wanted = _Cubin(self.cache, self.allow_compile, spec, render(spec, mask))
+                (key, cubin), built = obtain(wanted)
+                origin = "compiled" if built else "disk"
+                if key == wanted.key:  # another NVRTC's cubin is served but not indexed: a compiling host rebuilds it
+                    self.cache.store_index(spec_key, key)
+                    if not built:
+                        self.cache.touch(key)
+            kernel = Kernel(spec, decode_tiling(spec), mask, cubin, key)
             self._kernels[spec] = kernel
             return kernel, origin
 
@@ -147,32 +135,10 @@ class Engine:
         spec_key = _spec_key(spec, mask)
         key, hit = self._indexed(spec, spec_key)
         if hit is None:
-            key = cache_key(render(spec, mask), spec.arch, compile_options(spec.arch), nvrtc_version(), __version__)
+            key = _entry_key(spec, render(spec, mask))
             if self.cache.load(key) is None:
                 return None
         return spec_key, key
-
-    def _compile(self, spec: DecodeSpec, source: str, key: str) -> bytes:
-        if not self.allow_compile:
-            raise KernelNotPrewarmed(
-                f"{spec.name} is not in the kernel cache at {self.cache.root} and compiling is disabled "
-                f"(FLASHJIT_NO_COMPILE or allow_compile=False); build it with: {prewarm_command(spec, self.cache.root)}"
-                + _registered_in_python(spec))
-        if _capturing():
-            raise KernelNotPrewarmed(
-                f"{spec.name} would be compiled during CUDA-graph capture; prewarm first "
-                f"(engine.get_kernel(spec) before capture, or: {prewarm_command(spec, self.cache.root)})")
-        log.info("compiling %s for %s (cache miss)", spec.name, spec.arch)
-        start = time.perf_counter()
-        compiled = compile_source(source, spec.arch, spec.name, failed_source_dir=self.cache.base / "failed")
-        seconds = time.perf_counter() - start
-        self.cache.store(key, compiled.cubin, source, {
-            "spec": spec.to_dict(), "name": spec.name, "arch": spec.arch, "nvrtc": list(nvrtc_version()),
-            "flashjit": __version__, "options": list(compile_options(spec.arch)), "compile_seconds": round(seconds, 4),
-            "created": time.time(), "nvrtc_log": compiled.log,
-            "portable_key": portable_key(source, spec.arch, compile_options(spec.arch), __version__),
-        })
-        return compiled.cubin
 
     def prewarm(self, specs, jobs: int | None = None, on_done=None) -> list[PrewarmResult]:
         """Compile (or load from disk) every spec in parallel; NVRTC releases the GIL.
@@ -195,14 +161,79 @@ class Engine:
 
 
 def _spec_key(spec: DecodeSpec, mask) -> str:
-    """Index key: what determines the entry key, hashed without rendering or loading NVRTC.
+    """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC."""
+    return index_key(spec, mask, templates_digest(mask), __version__, compile_options(spec.arch),
+                     compiler_fingerprint())
 
-    The rendered source is stood in for by the spec, the mask and every template's contents; the
-    NVRTC version by compiler_fingerprint() (installed CuPy/NVRTC versions), so an upgrade misses.
+
+def _entry_key(spec: DecodeSpec, source: str) -> str:
+    """Entry key (keys.cache_key) of a rendered source, for this process's NVRTC."""
+    return cache_key(source, spec.arch, compile_options(spec.arch), nvrtc_version(), __version__)
+
+
+@dataclasses.dataclass
+class _Cubin:
+    """The cubin of one rendered source as an artifact (see artifact.py); loads give (entry key, cubin).
+
+    With compiling disallowed, a load also takes a cubin of the same source built by another NVRTC
+    (a bundle from a build box with another CUDA): it is as valid for the arch, and its entry key
+    is that entry's own.
     """
-    text = repr((spec, mask.name, mask.template, mask.params, templates_digest(mask), __version__,
-                 compile_options(spec.arch), compiler_fingerprint()))
-    return hashlib.sha256(text.encode()).hexdigest()
+
+    cache: KernelCache
+    allow_compile: bool
+    spec: DecodeSpec
+    source: str
+    key: str = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.key = _entry_key(self.spec, self.source)
+
+    def _portable_key(self) -> str:
+        return portable_key(self.source, self.spec.arch, compile_options(self.spec.arch), __version__)
+
+    def load(self) -> tuple[str, bytes] | None:
+        hit = self.cache.load(self.key)
+        if hit is not None:
+            return self.key, hit[0]
+        if not self.allow_compile:
+            found = self.cache.load_portable(self._portable_key())
+            if found is not None:
+                return found[0], found[1]
+        return None
+
+    def lock(self):
+        return self.cache.compile_lock(self.key)
+
+    def build(self) -> tuple[CompiledKernel, float]:
+        """(NVRTC's output, seconds it took). Raises KernelNotPrewarmed where compiling is not
+        allowed (strict mode, CUDA-graph capture) and CompileError when NVRTC rejects the source."""
+        spec = self.spec
+        if not self.allow_compile:
+            raise KernelNotPrewarmed(
+                f"{spec.name} is not in the kernel cache at {self.cache.root} and compiling is disabled "
+                f"(FLASHJIT_NO_COMPILE or allow_compile=False); build it with: {prewarm_command(spec, self.cache.root)}"
+                + _registered_in_python(spec))
+        if _capturing():
+            raise KernelNotPrewarmed(
+                f"{spec.name} would be compiled during CUDA-graph capture; prewarm first "
+                f"(engine.get_kernel(spec) before capture, or: {prewarm_command(spec, self.cache.root)})")
+        log.info("compiling %s for %s (cache miss)", spec.name, spec.arch)
+        start = time.perf_counter()
+        compiled = compile_source(self.source, spec.arch, spec.name, failed_source_dir=self.cache.base / "failed")
+        return compiled, time.perf_counter() - start
+
+    def store(self, built: tuple[CompiledKernel, float]):
+        """Write the entry; a cache that cannot take it warns once and the kernel lives in memory."""
+        (compiled, seconds), spec = built, self.spec
+        self.cache.store(self.key, compiled.cubin, self.source, {
+            "spec": spec.to_dict(), "name": spec.name, "arch": spec.arch, "nvrtc": list(nvrtc_version()),
+            "flashjit": __version__, "options": list(compile_options(spec.arch)), "compile_seconds": round(seconds, 4),
+            "created": time.time(), "nvrtc_log": compiled.log, "portable_key": self._portable_key(),
+        })
+
+    def load_built(self, built: tuple[CompiledKernel, float]) -> tuple[str, bytes]:
+        return self.key, built[0].cubin
 
 
 def _registered_in_python(spec: DecodeSpec) -> str:

@@ -22,6 +22,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
+from .. import env
 from ..errors import SpecError
 from .params import PARAM_CTYPES
 
@@ -93,7 +94,7 @@ class MaskRegistry:
     def __init__(self):
         self._masks: dict[str, MaskDef] = {}
         self._lock = threading.Lock()
-        self._scanned_env: str | None = None
+        self._scanned_env: list[Path] | None = None
         self._plugins_loaded = self._plugins_loading = False
         self._plugin_lock = threading.RLock()  # re-entrant: a plugin may look masks up while loading
         self.plugin_errors: dict[str, str] = {}  # entry-point name -> why it did not load
@@ -132,11 +133,11 @@ class MaskRegistry:
         return found
 
     def _scan_env(self):
-        value = os.environ.get("FLASHJIT_TEMPLATE_PATH", "")
-        if value == self._scanned_env:
+        folders = env.template_path()
+        if folders == self._scanned_env:
             return
-        self._scanned_env = value
-        for folder in filter(None, value.split(os.pathsep)):
+        self._scanned_env = folders
+        for folder in folders:
             self.add_template_dir(folder)
 
     def load_plugins(self) -> None:

@@ -1,7 +1,8 @@
 """The host replay's shared library: C++ source built with the host compiler, once per process.
 
-Libraries go to a private temp folder that is removed at exit, named by the source's hash. The
-source defines fj_walk (host_replay.HOST_WALK), the one function the replay calls.
+Built through the artifact lifecycle (jit/artifact.py) by host_library.SharedLibrary, into a
+private temp folder that is removed at exit, named by the source's hash. The source defines
+fj_walk (host_replay.HOST_WALK), the one function the replay calls.
 """
 
 from __future__ import annotations
@@ -10,15 +11,18 @@ import atexit
 import ctypes
 import functools
 import hashlib
-import os
 import shutil
-import subprocess
 import tempfile
+from pathlib import Path
+
+from ... import env
+from ...jit.artifact import obtain
+from ...jit.host_library import BuildError, SharedLibrary
 
 
 def host_compiler() -> str | None:
     """$CXX, else c++ on PATH; None when there is none."""
-    return shutil.which(os.environ.get("CXX") or "c++")
+    return shutil.which(env.cxx() or "c++")
 
 
 _host_dir: str | None = None
@@ -34,14 +38,14 @@ def build_host_library(source: str):
     if _host_dir is None:
         _host_dir = tempfile.mkdtemp(prefix="flashjit-host-mask-")
         atexit.register(shutil.rmtree, _host_dir, True)
-    stem = os.path.join(_host_dir, hashlib.sha256(source.encode()).hexdigest()[:16])
-    with open(stem + ".cpp", "w") as f:
-        f.write(source)
-    proc = subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", stem + ".cpp", "-o", stem + ".so"],
-                          capture_output=True, text=True, timeout=120)
-    if proc.returncode != 0:
-        first = next((line for line in proc.stderr.splitlines() if "error" in line), proc.stderr.strip()[:200])
+    stem = Path(_host_dir) / hashlib.sha256(source.encode()).hexdigest()[:16]
+    stem.with_suffix(".cpp").write_text(source)
+    library = SharedLibrary([compiler, "-std=c++17", "-O1", "-shared", "-fPIC"], stem.with_suffix(".cpp"),
+                            stem.with_suffix(".so"))
+    try:
+        lib = obtain(library)[0]
+    except BuildError as exc:
+        first = next((line for line in exc.stderr.splitlines() if "error" in line), exc.stderr.strip()[:200])
         return None, f"the mask's hooks do not compile for the host ({first.strip()})"
-    lib = ctypes.CDLL(stem + ".so")
     lib.fj_walk.restype = ctypes.c_int
     return lib, None

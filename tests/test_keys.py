@@ -1,0 +1,63 @@
+"""Cache keys are part of the public cache format: these values must never change for the same
+ingredients, or every existing cache (and every shipped bundle) misses."""
+
+from __future__ import annotations
+
+import platform
+
+import flashjit.jit.engine as engine_module
+from flashjit import DecodeSpec
+from flashjit.jit import host_library, keys
+from flashjit.jit.keys import cache_key, portable_key
+from flashjit.masks.registry import masks
+
+SOURCE = 'extern "C" __global__ void k() {}'
+OPTIONS = ("-arch=sm_90", "--std=c++17", "--use_fast_math")
+# Fixed flags: host_library.CFLAGS may change (that rebuilds the local libraries, by design); the
+# hashing of a given set of flags may not.
+CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
+
+
+def test_entry_key_is_pinned():
+    assert cache_key(SOURCE, "sm_90", OPTIONS, (12, 9), "0.1.0") == \
+        "6ed69d0243d3ff4a53998582f3845febf16fb5291b5d0742f7474ef801abbdc0"
+
+
+def test_portable_key_is_pinned():
+    assert portable_key(SOURCE, "sm_90", OPTIONS, "0.1.0") == \
+        "be985ce6866ea54524b49e34312c601c6b3adf2a94465501ad99ed552d8d2f2c"
+
+
+def test_index_key_is_pinned(monkeypatch):
+    monkeypatch.setattr(engine_module, "templates_digest", lambda mask: "d" * 64)
+    monkeypatch.setattr(engine_module, "compiler_fingerprint", lambda: "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86")
+    monkeypatch.setattr(engine_module, "__version__", "0.1.0")
+    spec = DecodeSpec(64, mask="sliding_window", arch="sm_90")
+    assert engine_module._spec_key(spec, masks.get("sliding_window")) == \
+        "55bdc6bd67fd2b28619b919f84fd54b85f580eea437fd7b61a5e49c16ed6c0b1"
+
+
+def test_host_library_key_is_pinned(monkeypatch):
+    monkeypatch.setattr(host_library, "CFLAGS", CFLAGS)
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert host_library.library_key(b"int a;", ["/usr/bin/gcc", "-m64"]) == "155e40931c9badbba94583e09c33e41e"
+
+
+def test_keys_module_computes_the_same_keys(monkeypatch):
+    """keys.index_key and keys.library_key are what the engine and host_library hash."""
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    spec = DecodeSpec(64, mask="sliding_window", arch="sm_90")
+    assert keys.index_key(spec, masks.get("sliding_window"), "d" * 64, "0.1.0", OPTIONS,
+                          "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86") == \
+        "55bdc6bd67fd2b28619b919f84fd54b85f580eea437fd7b61a5e49c16ed6c0b1"
+    assert keys.library_key(b"int a;", ["/usr/bin/gcc", "-m64"], CFLAGS) == \
+        "155e40931c9badbba94583e09c33e41e"
+
+
+def test_the_docstring_lists_every_key():
+    functions = [name for name in vars(keys) if name.endswith("_key") and callable(getattr(keys, name))]
+    assert sorted(functions) == ["cache_key", "index_key", "library_key", "portable_key"]
+    for name in functions:
+        assert f"\n{name}(" in keys.__doc__, name
