@@ -101,7 +101,7 @@ def test_layout(warm):
 
 # ---- store and load -----------------------------------------------------------------------------
 
-def stored(cache_dir, key="k" * 64, cubin=b"\x7fELF fake cubin bytes", source="// source\n"):
+def stored(cache_dir, key="e" * 64, cubin=b"\x7fELF fake cubin bytes", source="// source\n"):
     cache = KernelCache(cache_dir)
     assert cache.store(key, cubin, source, {"name": "fake", "arch": "sm_90"})
     return cache, key
@@ -186,10 +186,10 @@ def test_engine_rebuilds_damaged_entry(warm, cache_dir, compile_log, corrupt):
 @pytest.mark.parametrize("content", ["", "abc", "z" * 65, "\x00" * 10])
 def test_bad_index_file_is_a_miss(cache_dir, content):
     cache = KernelCache(cache_dir)
-    cache.store_index("s" * 64, "k" * 64)
-    assert cache.lookup_index("s" * 64) == "k" * 64
-    (cache.base / "index" / ("s" * 64)).write_text(content)
-    assert cache.lookup_index("s" * 64) is None
+    cache.store_index("5" * 64, "e" * 64)
+    assert cache.lookup_index("5" * 64) == "e" * 64
+    (cache.base / "index" / ("5" * 64)).write_text(content)
+    assert cache.lookup_index("5" * 64) is None
     assert cache.lookup_index("missing") is None
 
 
@@ -214,8 +214,8 @@ def test_unusable_cache_dir_degrades_to_memory_with_one_warning(tmp_path, caplog
     assert engine.get_kernel(spec) is kernel
     assert engine.cache.store("a" * 64, b"cubin", "src", {}) is False
     assert engine.cache.load(kernel.key) is None
-    engine.cache.store_index("s" * 64, kernel.key)
-    assert engine.cache.lookup_index("s" * 64) is None
+    engine.cache.store_index("5" * 64, kernel.key)
+    assert engine.cache.lookup_index("5" * 64) is None
     with engine.cache.compile_lock(kernel.key):
         pass
     assert len(compile_log()) == 1

@@ -4,7 +4,10 @@ missed gracefully (None, one warning) without a compiler or when switched off.""
 from __future__ import annotations
 
 import logging
+import os
 import stat
+import time
+from pathlib import Path
 
 import pytest
 
@@ -94,3 +97,38 @@ def test_a_cache_it_cannot_write_builds_in_a_private_folder(tmp_path):
     cache.writable = False  # as a read-only or unusable root leaves it
     assert host_library.load("host_plan", cache) is not None
     assert not (cache.base / "host").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+
+
+def test_a_hung_compiler_is_killed_with_its_children_at_the_build_timeout(tmp_path, monkeypatch, caplog):
+    """A compiler that never finishes (and leaves children behind) holds the build for
+    BUILD_TIMEOUT_S at most: then it and everything it started are killed and numpy is used."""
+    caplog.set_level(logging.WARNING, logger="flashjit")
+    pid_file = tmp_path / "child.pid"
+    hung = tmp_path / "hung-cc"
+    hung.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pid_file}\nwait\n")
+    hung.chmod(hung.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(hung))
+    monkeypatch.setattr(host_library, "BUILD_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    try:
+        assert host_library.load("host_plan", KernelCache(tmp_path / "cache")) is None
+        elapsed = time.monotonic() - start
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "the compiler's child outlived the build timeout"
+    finally:
+        if pid_file.exists() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), 9)
+    assert elapsed < 5.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "timed out" in warnings[0] and "numpy" in warnings[0], warnings

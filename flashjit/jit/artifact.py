@@ -5,15 +5,17 @@
 The key (see keys.py) names the artifact before anything is built. An Artifact supplies the
 steps and obtain() runs them in that order. The steps, and what each may raise:
 
-  load()            The stored artifact, or None for a miss: absent, partial, damaged or failing
-                    verification. Never raises for anything a killed writer or a bad disk leaves
-                    behind; such a copy is a miss and is built again.
+  load()            The stored artifact, or None for a miss: absent, partial, damaged, failing
+                    verification or failing the cache's trust rule (cache.py). Never raises for
+                    anything a killed writer, a bad disk or another user leaves behind; such a
+                    copy is a miss and is built again, and never loaded.
   lock()            A context manager held across the second load, the build and the store, so
                     that concurrent processes build a key once. It only saves work: correctness
-                    rests on the atomic store, and the lock must not fail. KernelCache.compile_lock
-                    waits FLASHJIT_LOCK_TIMEOUT for a hung holder, then lets the caller build anyway
-                    (a duplicate build is harmless, a hang is not); without a writable cache it
-                    holds nothing.
+                    rests on the atomic store. KernelCache.compile_lock waits FLASHJIT_LOCK_TIMEOUT
+                    for a hung holder, then lets the caller build anyway (a duplicate build is
+                    harmless, a hang is not); without a writable cache it holds nothing. A caller
+                    with a fallback may wait less and take LockBusy instead (host libraries, which
+                    fall back to numpy); one that cannot build at all (strict mode) takes no lock.
   build()           Makes the artifact. Raises what makes that impossible (CompileError,
                     KernelNotPrewarmed, OSError, the builder's RuntimeError); obtain() lets it
                     through with the lock released and nothing stored.

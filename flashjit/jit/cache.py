@@ -22,6 +22,25 @@ Last use: the engine bumps an entry folder's mtime when it loads the entry from 
 call; memory hits never touch the disk), so `prune` evicts least recently used entries first.
 Other v{N} folders under the root hold entries of other schema versions; this version never reads
 them, `usage` reports them and `prune(old_versions=True)` removes the older ones.
+
+Trust model. The cache holds code that flashjit runs: cubins on the GPU and host helper libraries
+(dlopen()ed into the process). Whoever can write the cache folder can run code as every user of
+it, so only the user who runs flashjit, and root, may write it. The SHA-256 in meta.json detects
+damage, not forgery: anyone able to write a cubin can write a matching meta.json. So before any
+file is read, loaded or executed, trusted_files.py checks it: a regular file reached without
+following a link below the root (a FIFO or device is never opened), within a size cap
+(MAX_BYTES), owned by this user or root and writable by no one else; the root and every folder on
+the way likewise (a sticky folder, as /tmp, is accepted: others may add names but not touch
+ours). A file that fails is a miss with a warning naming it and why: a cubin is rebuilt (strict
+mode raises KernelNotPrewarmed with the reason), a host library is rebuilt or left for numpy; it
+is never loaded. A root that fails is not used at all (memory only, one warning). Keys that come
+from outside (a bundle's meta.json, index names) are checked against KEY_PATTERN before they name
+a file; meta.json fields of the wrong type are damage. A file this user cannot read is reported
+(warning, and the strict-mode error), not taken for a plain miss. Files are written 0644 and
+folders 0755 (under the umask), so a cache written by root at image build time serves a non-root
+server. A cache volume shared by several users therefore needs one writer: fill it as one user
+(or root, at image build time) and mount it read-only, or read-only to everyone else; a folder
+writable by a group is refused, whatever the group.
 """
 
 from __future__ import annotations
@@ -31,24 +50,25 @@ import hashlib
 import json
 import logging
 import os
-import re
-import shutil
-import tempfile
 import threading
-import time
 from pathlib import Path
 
 import filelock
 
 from .. import env
 from ..errors import CacheError
+from . import trusted_files
+from .cache_format import ENTRY_FILES, KEY_PATTERN, MAX_BYTES, SCHEMA, is_key, meta_problem, require_key
+from .cache_upkeep import CacheUpkeep
+from .trusted_files import Refused, atomic_file
 
-SCHEMA = 1
+__all__ = ["ENTRY_FILES", "KEY_PATTERN", "MAX_BYTES", "SCHEMA", "KernelCache", "LockBusy",
+           "atomic_file", "default_cache_dir", "is_key", "lock_timeout"]
+
 LOCK_TIMEOUT_S: float | None = None  # a number overrides FLASHJIT_LOCK_TIMEOUT (tests); None reads it at lock time
-INCOMPLETE_GRACE_S = 3600.0  # prune removes entries that never got their meta.json after this long
-ENTRY_FILES = ("kernel.cubin", "source.cu", "meta.json")
-KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
-_VERSION_FOLDER = re.compile(r"v(\d+)")
+UNREADABLE_HINT = "make the cache readable for this user (chmod -R a+rX {root}) or run as the user who wrote it"
+UNTRUSTED_HINT = ("only files that this user or root wrote, in folders that no one else can write, are used "
+                  "(see the trust model in docs/deployment.md)")
 log = logging.getLogger("flashjit")
 
 
@@ -67,33 +87,21 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("flashjit", appauthor=False))
 
 
-@contextlib.contextmanager
-def atomic_file(path: Path):
-    """A binary file object whose contents appear at `path` whole or not at all:
-    written to a temp file beside it, fsynced, then os.replace()d; removed on any error."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _atomic_write(path: Path, data: bytes):
     with atomic_file(path) as f:
         f.write(data)
 
 
-class KernelCache:
+class LockBusy(RuntimeError):
+    """Another process holds a compile lock longer than the caller chose to wait."""
+
+
+class KernelCache(CacheUpkeep):
     """Disk cache of compiled kernels; falls back to memory only when the root is unusable.
 
     A read-only root (a container image, a read-only mount) still serves the entries it holds and
-    warns once, at the first kernel it cannot save.
+    warns once, at the first kernel it cannot save. A root that fails the trust rule (see the
+    module doc) is not read at all.
     """
 
     def __init__(self, root=None):
@@ -102,26 +110,42 @@ class KernelCache:
         self._warned = False
         self._warn_lock = threading.Lock()
         self._read_only: str | None = None  # why a readable cache cannot be written (warned at the first write)
+        self._unusable: str | None = None  # why nothing is read from this root (warned once)
+        self._refusals: dict[str, str] = {}  # entry or portable key -> why its files were not used
+        self._reported: set = set()  # refused paths (and "unreadable") already warned about
         self.writable = self._prepare()
 
     def _prepare(self) -> bool:
+        self._read_only = self._unusable = None
         try:
             if self.root.exists() and not self.root.is_dir():
                 raise CacheError(f"{self.root} exists and is not a folder")
             for sub in ("entries", "locks", "index"):
-                (self.base / sub).mkdir(parents=True, exist_ok=True)
+                trusted_files.make_folders(self.root, (f"v{SCHEMA}", sub))
             probe = self.base / "entries" / f".probe-{os.getpid()}-{threading.get_ident()}"
             probe.write_bytes(b"")
             probe.unlink()
             return True
+        except Refused as exc:
+            self._unusable = f"the kernel cache at {self.root} is not trusted: {exc}"
+            self._degrade(f"{self._unusable}; {UNTRUSTED_HINT}")
         except (OSError, CacheError) as exc:
-            if isinstance(exc, OSError) and os.access(self.base / "entries", os.R_OK | os.X_OK):
+            try:
+                readable = isinstance(exc, OSError) and trusted_files.check_folders(self.root, (f"v{SCHEMA}", "entries"))
+            except Refused as refused:
+                self._unusable = f"the kernel cache at {self.root} is not trusted: {refused}"
+                self._degrade(f"{self._unusable}; {UNTRUSTED_HINT}")
+                return False
+            except OSError:
+                readable = False
+            if readable and os.access(self.base / "entries", os.R_OK | os.X_OK):
                 # A read-only cache (a container image, a read-only mount) still serves what it holds;
                 # warn only if a kernel it lacks has to be kept in memory.
                 self._read_only = f"kernel cache at {self.root} is read-only ({exc}): kernels in it are served"
             else:
+                self._unusable = f"the kernel cache at {self.root} is not usable ({exc})"
                 self._degrade(f"kernel cache at {self.root} is not usable ({exc})")
-            return False
+        return False
 
     def _degrade(self, why: str):
         with self._warn_lock:
@@ -138,89 +162,171 @@ class KernelCache:
     def entry_dir(self, key: str) -> Path:
         return self.base / "entries" / key
 
-    def load(self, key: str) -> tuple[bytes, dict] | None:
-        """The cubin and metadata of a verified entry, or None (missing, partial or corrupt)."""
-        folder = self.entry_dir(key)
-        try:
-            meta = json.loads((folder / "meta.json").read_text())
-            cubin = (folder / "kernel.cubin").read_bytes()
-        except (OSError, ValueError):
+    # ---- reading: every file through trusted_files, every failure a miss -----------------------
+
+    def _read(self, parts: tuple, limit: int, subject: str) -> bytes | None:
+        """The bytes of base/parts..., or None: missing, refused or unreadable (the last two are
+        reported, and remembered under `subject` for why_refused)."""
+        if self._unusable:
             return None
-        if not isinstance(meta, dict) or meta.get("key") != key or meta.get("cubin_sha256") != hashlib.sha256(cubin).hexdigest():
-            log.warning("kernel cache entry %s is corrupt; rebuilding it", folder)
+        try:
+            return trusted_files.read_file(self.root, (f"v{SCHEMA}", *parts), limit)
+        except Refused as exc:
+            self._refuse(subject, f"{exc}; {UNTRUSTED_HINT}", exc.path)
+        except PermissionError as exc:
+            path = self.base.joinpath(*parts)
+            self._refuse(subject, f"cannot read {path} ({exc.strerror}): {UNREADABLE_HINT.format(root=self.root)}",
+                         "unreadable")
+        except OSError:  # missing (a miss), or a failing disk: also a miss
+            pass
+        return None
+
+    def _refuse(self, subject: str, why: str, report_as):
+        self._refusals[subject] = why
+        with self._warn_lock:
+            if report_as in self._reported:
+                return
+            self._reported.add(report_as)
+        log.warning("kernel cache file not used: %s", why)
+
+    def why_refused(self, *subjects: str) -> str | None:
+        """Why the files of the first of these entry (or portable) keys that has a reason were not
+        used, or why the whole cache is not; None when nothing was refused."""
+        return next((self._refusals[s] for s in subjects if s in self._refusals), None) or self._unusable
+
+    def _read_key(self, parts: tuple, limit: int, subject: str) -> str | None:
+        data = self._read(parts, limit, subject)
+        try:
+            key = data.decode("ascii").strip() if data is not None else None
+        except UnicodeDecodeError:
+            return None
+        return key if is_key(key) else None
+
+    def load(self, key: str) -> tuple[bytes, dict] | None:
+        """The cubin and metadata of a verified entry, or None (missing, partial, corrupt or refused)."""
+        if not is_key(key):
+            return None
+        raw = self._read(("entries", key, "meta.json"), MAX_BYTES["meta.json"], key)
+        cubin = self._read(("entries", key, "kernel.cubin"), MAX_BYTES["kernel.cubin"], key) if raw else None
+        if cubin is None:
+            return None
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
+            problem = f"meta.json does not decode ({type(exc).__name__})"
+        else:
+            problem = meta_problem(meta)
+        if problem is None and (meta["key"] != key or meta["schema"] != SCHEMA
+                                or meta["cubin_sha256"] != hashlib.sha256(cubin).hexdigest()
+                                or meta.get("cubin_bytes", len(cubin)) != len(cubin)):
+            problem = "meta.json does not match the entry or its cubin"
+        if problem is not None:
+            self._refusals[key] = f"the entry {self.entry_dir(key)} is damaged ({problem})"
+            log.warning("kernel cache entry %s is corrupt (%s); it is a miss", self.entry_dir(key), problem)
             return None
         return cubin, meta
 
-    def store(self, key: str, cubin: bytes, source: str, meta: dict) -> bool:
-        """Write an entry (cubin and source first, metadata last). False if it could not be written."""
-        if not self.writable:
-            return self._not_writable()
-        folder = self.entry_dir(key)
-        meta = dict(meta, key=key, schema=SCHEMA, cubin_sha256=hashlib.sha256(cubin).hexdigest(), cubin_bytes=len(cubin))
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            _atomic_write(folder / "kernel.cubin", cubin)
-            _atomic_write(folder / "source.cu", source.encode())
-            _atomic_write(folder / "meta.json", json.dumps(meta, indent=1, sort_keys=True).encode())
-            if meta.get("portable_key"):
-                (self.base / "portable").mkdir(exist_ok=True)
-                _atomic_write(self.base / "portable" / meta["portable_key"], key.encode())
-            return True
-        except OSError as exc:
-            self._degrade(f"could not write kernel cache entry {folder} ({exc})")
-            return False
-
     def load_portable(self, portable: str) -> tuple[str, bytes, dict] | None:
         """(key, cubin, meta) of a verified entry built from the same source by any NVRTC, or None."""
-        try:
-            key = (self.base / "portable" / portable).read_text().strip()
-        except OSError:
+        if not is_key(portable):
             return None
-        hit = self.load(key) if len(key) == 64 else None
+        key = self._read_key(("portable", portable), MAX_BYTES["portable"], portable)
+        hit = self.load(key) if key else None
         if hit is None or hit[1].get("portable_key") != portable:
+            if key in self._refusals:
+                self._refusals.setdefault(portable, self._refusals[key])
             return None
         return (key,) + hit
 
     def lookup_index(self, spec_key: str) -> str | None:
-        try:
-            key = (self.base / "index" / spec_key).read_text().strip()
-        except OSError:
-            return None
-        return key if len(key) == 64 else None
+        return self._read_key(("index", spec_key), MAX_BYTES["index"], spec_key) if is_key(spec_key) else None
 
     def touch(self, key: str):
         """Record a use of an entry (its folder's mtime), for least-recently-used pruning. Never fails."""
         with contextlib.suppress(OSError):
-            os.utime(self.entry_dir(key))
+            os.utime(self.entry_dir(key), follow_symlinks=False)
+
+    # ---- writing: keys checked before they name a file, folders checked before they are used ---
+
+    def _folder_for_writing(self, *parts: str) -> Path:
+        """base/parts..., made where missing and checked; an entry folder that fails the check is
+        moved away and made anew (its parent passed, so only this user or root put it there)."""
+        try:
+            return trusted_files.make_folders(self.root, (f"v{SCHEMA}", *parts))
+        except Refused:
+            if parts[0] != "entries" or len(parts) != 2:
+                raise
+            self._remove_entry(parts[1])
+            return trusted_files.make_folders(self.root, (f"v{SCHEMA}", *parts))
+
+    def store(self, key: str, cubin: bytes, source: str, meta: dict) -> bool:
+        """Write an entry (cubin and source first, metadata last). False if it could not be written.
+
+        Raises CacheError, writing nothing, when the key or meta's portable_key is not a key, a
+        meta field has the wrong type, or a file would exceed its MAX_BYTES cap.
+        """
+        require_key("entry key", key)
+        if meta.get("portable_key") is not None:
+            require_key("portable_key", meta["portable_key"])
+        meta = dict(meta, key=key, schema=SCHEMA, cubin_sha256=hashlib.sha256(cubin).hexdigest(), cubin_bytes=len(cubin))
+        text, problem = json.dumps(meta, indent=1, sort_keys=True).encode(), meta_problem(meta)
+        if problem:
+            raise CacheError(f"cannot store entry {key}: {problem}; nothing was written")
+        for name, data in (("kernel.cubin", cubin), ("source.cu", source), ("meta.json", text)):
+            if len(data) > MAX_BYTES[name]:
+                raise CacheError(f"cannot store entry {key}: its {name} ({len(data)} bytes) is larger than the "
+                                 f"cache reads ({MAX_BYTES[name]}); nothing was written")
+        if not self.writable:
+            return self._not_writable()
+        folder = self.entry_dir(key)
+        try:
+            folder = self._folder_for_writing("entries", key)
+            _atomic_write(folder / "kernel.cubin", cubin)
+            _atomic_write(folder / "source.cu", source.encode())
+            _atomic_write(folder / "meta.json", text)
+            if meta.get("portable_key"):
+                _atomic_write(self._folder_for_writing("portable") / meta["portable_key"], key.encode())
+            return True
+        except (OSError, Refused) as exc:
+            self._degrade(f"could not write kernel cache entry {folder} ({exc})")
+            return False
 
     def store_index(self, spec_key: str, key: str):
-        """Remember spec key -> entry key. Only a shortcut: a read-only cache silently goes without."""
+        """Remember spec key -> entry key. Only a shortcut: a read-only cache silently goes without.
+        Raises CacheError when either is not a key."""
+        require_key("index key", spec_key)
+        require_key("entry key", key)
         if self.writable:
             try:
-                _atomic_write(self.base / "index" / spec_key, key.encode())
-            except OSError as exc:
+                _atomic_write(self._folder_for_writing("index") / spec_key, key.encode())
+            except (OSError, Refused) as exc:
                 self._degrade(f"could not write kernel cache index ({exc})")
 
     @contextlib.contextmanager
-    def compile_lock(self, key: str):
+    def compile_lock(self, key: str, give_up_after: float | None = None):
         """Held while compiling one key, so concurrent processes compile it once.
 
         A lock held longer than FLASHJIT_LOCK_TIMEOUT (a hung process) is waited out, then the
-        caller compiles anyway: a duplicate compile is harmless, a hang is not.
+        caller compiles anyway: a duplicate compile is harmless, a hang is not. With give_up_after,
+        a lock still held after that many seconds (or the timeout, if shorter) raises LockBusy: for
+        callers that have something else to fall back on.
         """
         if not self.writable:
             yield
             return
-        timeout = lock_timeout()
+        timeout = lock_timeout() if give_up_after is None else min(give_up_after, lock_timeout())
         lock = filelock.FileLock(str(self.base / "locks" / f"{key}.lock"), timeout=timeout)
         try:
+            trusted_files.check_folders(self.root, (f"v{SCHEMA}", "locks"))
             lock.acquire()
         except filelock.Timeout:
+            if give_up_after is not None:
+                raise LockBusy(f"{lock.lock_file} is held by another process for over {timeout:g} s") from None
             log.warning("kernel cache lock %s held for over %g s (FLASHJIT_LOCK_TIMEOUT); compiling without it",
                         lock.lock_file, timeout)
             yield
             return
-        except OSError as exc:
+        except (OSError, Refused) as exc:
             self._degrade(f"could not lock {lock.lock_file} ({exc})")
             yield
             return
@@ -250,151 +356,3 @@ class KernelCache:
                     if key:
                         found[path.name] = key
         return found
-
-    def usage(self) -> dict:
-        """What is on disk: sizes, verified and incomplete entries, per-arch counts, other schema versions."""
-        entries = self.entries()
-        verified = {e["key"] for e in entries}
-        by_arch: dict[str, dict] = {}
-        for e in entries:
-            slot = by_arch.setdefault(e.get("arch", "?"), {"entries": 0, "bytes": 0})
-            slot["entries"] += 1
-            slot["bytes"] += _tree_bytes(Path(e["path"]))
-        folders = [p for p in (self.base / "entries").iterdir() if p.is_dir()] if (self.base / "entries").is_dir() else []
-        index = self.index()
-        versions = []
-        if self.root.is_dir():
-            for path in sorted(self.root.iterdir()):
-                match = _VERSION_FOLDER.fullmatch(path.name)
-                if match and path.is_dir() and int(match.group(1)) != SCHEMA:
-                    version = int(match.group(1))
-                    versions.append({"version": version, "path": str(path), "bytes": _tree_bytes(path),
-                                     "entries": _count_dirs(path / "entries"),
-                                     "state": "older" if version < SCHEMA else "newer (kept)"})
-        return {
-            "root": str(self.root), "schema": SCHEMA, "writable": self.writable,
-            "bytes": _tree_bytes(self.base), "entries": len(entries),
-            "entry_bytes": sum(slot["bytes"] for slot in by_arch.values()),
-            "incomplete": sum(p.name not in verified and not p.name.startswith(".") for p in folders),
-            "index_files": len(index), "index_stale": sum(key not in verified for key in index.values()),
-            "by_arch": dict(sorted(by_arch.items())),
-            "other_versions": versions, "total_bytes": _tree_bytes(self.root),
-        }
-
-    def prune(self, max_bytes: int | None = None, old_versions: bool = False, dry_run: bool = False) -> dict:
-        """Free space: least recently used entries first until entries fit in max_bytes; with
-        old_versions, the v{N} folders of older schemas. Entries left incomplete by a killed writer
-        (no valid meta.json for INCOMPLETE_GRACE_S) always go, and so do index files naming removed
-        entries. Safe while other processes use the cache: an entry is renamed away before it is
-        deleted, so readers see it whole or not at all (and a miss only means a recompile).
-        """
-        report = {"removed": [], "incomplete": 0, "freed_bytes": 0, "index_removed": 0, "versions_removed": [],
-                  "kept": 0, "kept_bytes": 0, "dry_run": dry_run}
-        folder = self.base / "entries"
-        candidates = []  # (last use, key, bytes, meta or None)
-        if folder.is_dir():
-            now = time.time()
-            for path in folder.iterdir():
-                if not path.is_dir() or path.name.startswith("."):
-                    continue
-                with contextlib.suppress(OSError):
-                    loaded = self.load(path.name)
-                    used, size = path.stat().st_mtime, _tree_bytes(path)
-                    if loaded is None:
-                        if now - used > INCOMPLETE_GRACE_S:
-                            report["incomplete"] += 1
-                            report["freed_bytes"] += size
-                            if not dry_run:
-                                self._remove_entry(path.name)
-                        continue
-                    candidates.append((used, path.name, size, loaded[1]))
-                    freed = _remove_stale_temp_files(path, now, dry_run)
-                    if freed and not dry_run:
-                        os.utime(path, (used, used))  # an unlink bumps the folder's mtime: keep its last use
-                    report["freed_bytes"] += freed
-            report["freed_bytes"] += _remove_stale_temp_files(self.base / "index", now, dry_run)
-        candidates.sort()
-        total = sum(c[2] for c in candidates)
-        removed = set()
-        for used, key, size, meta in candidates:
-            if max_bytes is None or total <= max_bytes:
-                report["kept"] += 1
-                report["kept_bytes"] += size
-                continue
-            total -= size
-            removed.add(key)
-            report["removed"].append({"key": key, "name": meta.get("name", "?"), "arch": meta.get("arch", "?"),
-                                      "bytes": size, "last_used": used})
-            report["freed_bytes"] += size
-            if not dry_run:
-                self._remove_entry(key)
-        for spec_key, key in self.index().items():
-            if key in removed or not self.entry_dir(key).is_dir():
-                report["index_removed"] += 1
-                if not dry_run:
-                    with contextlib.suppress(OSError):
-                        (self.base / "index" / spec_key).unlink()
-        if old_versions:
-            for version in self.usage()["other_versions"]:
-                if version["version"] < SCHEMA:
-                    report["versions_removed"].append(version)
-                    report["freed_bytes"] += version["bytes"]
-                    if not dry_run:
-                        _remove_tree(Path(version["path"]))
-        return report
-
-    def _remove_entry(self, key: str):
-        folder = self.entry_dir(key)
-        trash = folder.with_name(f".trash-{key}-{os.getpid()}-{threading.get_ident()}")
-        try:
-            os.replace(folder, trash)
-        except OSError:
-            return
-        shutil.rmtree(trash, ignore_errors=True)
-
-    def clear(self) -> int:
-        """Remove every entry and lock; returns the number of entries removed."""
-        count = len(list((self.base / "entries").glob("*"))) if (self.base / "entries").is_dir() else 0
-        if self.base.exists():
-            shutil.rmtree(self.base)
-        self.writable = self._prepare()
-        return count
-
-
-def _tree_bytes(path: Path) -> int:
-    """Bytes of every file under path (0 if it is gone): what `du` would count, roughly."""
-    total = 0
-    for folder, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(folder, name)).st_size
-    return total
-
-
-def _remove_stale_temp_files(folder: Path, now: float, dry_run: bool) -> int:
-    """Temp files of writers killed mid-write (_atomic_write's '.NAME.*.tmp'); returns bytes freed."""
-    freed = 0
-    for path in folder.glob(".*.tmp"):
-        with contextlib.suppress(OSError):
-            stat = path.stat()
-            if now - stat.st_mtime > INCOMPLETE_GRACE_S:
-                if not dry_run:
-                    path.unlink()
-                freed += stat.st_size
-    return freed
-
-
-def _count_dirs(path: Path) -> int:
-    try:
-        return sum(1 for p in path.iterdir() if p.is_dir())
-    except OSError:
-        return 0
-
-
-def _remove_tree(path: Path):
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}")
-    try:
-        os.replace(path, trash)
-    except OSError:
-        trash = path
-    shutil.rmtree(trash, ignore_errors=True)

@@ -210,10 +210,11 @@ class _Cubin:
         allowed (strict mode, CUDA-graph capture) and CompileError when NVRTC rejects the source."""
         spec = self.spec
         if not self.allow_compile:
+            refused = self.cache.why_refused(self.key, self._portable_key())
             raise KernelNotPrewarmed(
                 f"{spec.name} is not in the kernel cache at {self.cache.root} and compiling is disabled "
                 f"(FLASHJIT_NO_COMPILE or allow_compile=False); build it with: {prewarm_command(spec, self.cache.root)}"
-                + _registered_in_python(spec))
+                + _registered_in_python(spec) + (f" (its cache files were not used: {refused})" if refused else ""))
         if _capturing():
             raise KernelNotPrewarmed(
                 f"{spec.name} would be compiled during CUDA-graph capture; prewarm first "

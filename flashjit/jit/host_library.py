@@ -5,12 +5,21 @@ Each library goes through the artifact lifecycle (artifact.py), as cubins do: lo
 `<cache>/v1/host/<name>-<key>.so`, else build it under the cache's file lock (two processes build
 it once) and store it with an atomic replace, so a killed build leaves no half-written library;
 then load it. The key (keys.library_key) hashes the source, the build command and the platform, so
-an edited source or another machine type builds anew. A read-only or unusable cache folder builds
-into a private temp folder instead.
+an edited source or another machine type builds anew. A read-only cache still serves a library it
+holds; a cache that cannot take one builds it into a private temp folder instead.
+
+A library is machine code run in this process, so it is loaded only after the cache's trust rule
+(trusted_files.py) passed: a regular file, not a link, owned by this user or root, writable by no
+one else, in folders likewise. One that fails is built again (or, where it cannot be replaced,
+built privately); it is never loaded.
+
+A hung compiler is bounded twice: the build is killed, with every process it started, after
+BUILD_TIMEOUT_S; and other processes wait at most HOST_LOCK_WAIT_S for the build lock, then use
+the numpy planner rather than wait for, or start, a build of their own.
 
 Each helper has a pure-Python reference that flashjit uses when the helper cannot be had: no C
-compiler (`$CC`, else `cc`), a failed build, or FLASHJIT_HOST_NATIVE=0. That costs speed, never
-results; one warning says why.
+compiler (`$CC`, else `cc`), a failed or timed-out build, a build lock held too long, or
+FLASHJIT_HOST_NATIVE=0. That costs speed, never results; one warning says why.
 """
 
 from __future__ import annotations
@@ -22,16 +31,17 @@ import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
 from pathlib import Path
 
 from .. import env
-from . import keys
+from . import keys, trusted_files
 from .abi import ITEM_INTS
 from .artifact import obtain
-from .cache import KernelCache, atomic_file
+from .cache import SCHEMA, KernelCache, LockBusy, atomic_file
 
 log = logging.getLogger("flashjit")
 
@@ -40,7 +50,9 @@ SOURCE_DIR = Path(__file__).resolve().parent.parent / "decode" / "native"
 # -DFJ_ITEM_INTS: the work-item record width of abi.py, which host_plan.c refuses to build without.
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math", f"-DFJ_ITEM_INTS={ITEM_INTS}")
 LIBS = ("-lm",)
-BUILD_TIMEOUT_S = 120
+BUILD_TIMEOUT_S = 60.0  # a build of one helper takes about a second; a compiler past this is hung
+HOST_LOCK_WAIT_S = 5.0  # how long another process's build is waited for before using numpy instead
+MAX_LIBRARY_BYTES = 64 << 20
 FALLBACK = "flashjit uses its numpy version instead (the same results, slower: ~100 us per plan() for host_plan)"
 
 _loaded: dict[tuple, ctypes.CDLL | None] = {}  # (name, cache folder) -> the outcome of the first load
@@ -76,7 +88,8 @@ class SharedLibrary:
     """A shared library built from one source file into `path`, as an artifact (see artifact.py).
 
     command: the compiler and its flags; `-o OUT SOURCE` and libs follow it. cache: whose file
-    lock guards the build (None: a private folder, where no other process builds).
+    lock guards the build and whose root the trust check starts from (None: a private folder,
+    where no other process builds, checked from `path`'s folder).
     """
 
     command: list[str]
@@ -84,21 +97,37 @@ class SharedLibrary:
     path: Path
     cache: KernelCache | None = None
     libs: tuple[str, ...] = ()
-    _warned_damaged: bool = dataclasses.field(default=False, init=False, repr=False)
+    _warned: set = dataclasses.field(default_factory=set, init=False, repr=False)
+
+    def _trusted_path(self) -> Path:
+        """path, once it passed the trust rule; raises Refused, PermissionError or FileNotFoundError."""
+        root = self.cache.root if self.cache is not None else self.path.parent
+        return trusted_files.check_file(root, self.path.relative_to(root).parts, MAX_LIBRARY_BYTES)
+
+    def _warn_once(self, what: str, *args):
+        if what not in self._warned:
+            self._warned.add(what)
+            log.warning(what, *args)
 
     def load(self) -> ctypes.CDLL | None:
-        if not self.path.is_file():
+        try:
+            path = self._trusted_path()
+        except FileNotFoundError:
+            return None
+        except (trusted_files.Refused, OSError) as exc:  # planted, or unreadable: never loaded
+            self._warn_once("flashjit host helper %s is not loaded (%s); building it anew", self.path, exc)
             return None
         try:
-            return ctypes.CDLL(str(self.path))
+            return ctypes.CDLL(str(path))
         except OSError as exc:  # a truncated file, a foreign writer: a miss, built again
-            if not self._warned_damaged:
-                self._warned_damaged = True
-                log.warning("flashjit host helper %s does not load (%s); rebuilding it", self.path, exc)
+            self._warn_once("flashjit host helper %s does not load (%s); rebuilding it", self.path, exc)
             return None
 
     def lock(self):
-        return self.cache.compile_lock(self.path.stem) if self.cache is not None else contextlib.nullcontext()
+        """The cache's build lock, waited for HOST_LOCK_WAIT_S at most (then LockBusy)."""
+        if self.cache is None:
+            return contextlib.nullcontext()
+        return self.cache.compile_lock(self.path.stem, give_up_after=HOST_LOCK_WAIT_S)
 
     def build(self) -> bytes:
         """The library's bytes. Raises BuildError, subprocess.TimeoutExpired or OSError."""
@@ -109,7 +138,7 @@ class SharedLibrary:
             f.write(built)
 
     def load_built(self, built: bytes) -> ctypes.CDLL:
-        return ctypes.CDLL(str(self.path))
+        return ctypes.CDLL(str(self._trusted_path()))
 
 
 def load(name: str, cache: KernelCache | None = None) -> ctypes.CDLL | None:
@@ -131,36 +160,51 @@ def _build_and_load(name: str, cache: KernelCache | None) -> ctypes.CDLL | None:
                     env.cc(), name, FALLBACK)
         return None
     source = SOURCE_DIR / f"{name}.c"
-    folder, lock_cache = _library_folder(cache)
-    library = SharedLibrary([*cc, *CFLAGS], source, folder / f"{name}-{library_key(source.read_bytes(), cc)}.so",
-                            lock_cache, LIBS)
+    file_name = f"{name}-{library_key(source.read_bytes(), cc)}.so"
     try:
-        return obtain(library)[0]
+        if cache is not None and not cache.writable:  # a read-only cache still serves what it holds
+            held = SharedLibrary([*cc, *CFLAGS], source, cache.base / "host" / file_name, cache, LIBS).load()
+            if held is not None:
+                return held
+        folder, lock_cache = _library_folder(cache)
+        return obtain(SharedLibrary([*cc, *CFLAGS], source, folder / file_name, lock_cache, LIBS))[0]
+    except LockBusy as exc:
+        log.warning("flashjit's host helper %s is being built by another process (%s): %s", name, exc, FALLBACK)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("could not build or load flashjit's host helper %s (%s): %s", name, exc, FALLBACK)
-        return None
+    return None
 
 
 def _library_folder(cache: KernelCache | None) -> tuple[Path, KernelCache | None]:
-    """(where to keep the library, the cache whose lock guards it): the cache's host folder, else
-    a private temp folder (no lock needed)."""
+    """(where to keep the library, the cache whose lock guards it): the cache's host folder, made
+    and checked by the trust rule, else a private temp folder (no lock needed)."""
     if cache is not None and cache.writable:
-        folder = cache.base / "host"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder = trusted_files.make_folders(cache.root, (f"v{SCHEMA}", "host"))
             if os.access(folder, os.W_OK):
                 return folder, cache
-        except OSError:
-            pass
+        except (OSError, trusted_files.Refused) as exc:
+            log.warning("flashjit's host helper folder in %s is not used (%s); building into a private folder",
+                        cache.root, exc)
     return Path(tempfile.mkdtemp(prefix="flashjit-host-")), None
 
 
 def _build(command: list[str], source: Path, name: str, libs=()) -> bytes:
-    """Compile source into a shared library in a scratch folder; its bytes."""
+    """Compile source into a shared library in a scratch folder; its bytes. The compiler runs in a
+    session of its own, so at BUILD_TIMEOUT_S it is killed together with everything it started."""
     with tempfile.TemporaryDirectory(prefix="flashjit-build-") as scratch:
         built = Path(scratch) / name
-        result = subprocess.run([*command, "-o", str(built), str(source), *libs], capture_output=True,
-                                text=True, timeout=BUILD_TIMEOUT_S)
-        if result.returncode != 0:
-            raise BuildError(command, result.returncode, result.stderr)
+        argv = [*command, "-o", str(built), str(source), *libs]
+        with subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as process:
+            try:
+                _, stderr = process.communicate(timeout=BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(OSError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the session
+                    process.communicate(timeout=5)
+                raise subprocess.TimeoutExpired(argv, BUILD_TIMEOUT_S) from None
+        if process.returncode != 0:
+            raise BuildError(command, process.returncode, stderr)
         return built.read_bytes()
