@@ -22,7 +22,7 @@ import time
 import pytest
 
 import flashjit.jit.engine as engine_module
-from flashjit import DecodeSpec, Engine
+from flashjit import DecodeSpec, Engine, KernelNotPrewarmed
 from flashjit.jit import cache as cache_module
 from flashjit.jit.cache import KernelCache
 from flashjit.jit.keys import cache_key
@@ -283,6 +283,25 @@ def test_lock_held_by_a_hung_process(warm, cache_dir, monkeypatch, caplog, serve
     assert kernel.cubin == warm.kernel.cubin and compiled == [warm.spec.name]
     assert any("held for over 1 s" in w for w in warnings_of(caplog))
     assert KernelCache(cache_dir).load(key)[0] == warm.kernel.cubin
+
+
+def test_strict_mode_does_not_wait_for_a_lock_it_cannot_use(warm, cache_dir, monkeypatch):
+    """Strict mode cannot compile, so a peer holding the kernel's lock (hung, stopped) is not
+    waited for: the miss is an error at once."""
+    monkeypatch.setattr(cache_module, "LOCK_TIMEOUT_S", 30.0)
+    ready = FORK.Event()
+    child = FORK.Process(target=_hold_lock, args=(str(cache_dir), key_of(warm.spec), ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(30)
+        start = time.monotonic()
+        with pytest.raises(KernelNotPrewarmed):
+            Engine(cache_dir=cache_dir, allow_compile=False).get_kernel(warm.spec)
+        waited = time.monotonic() - start
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+    assert waited < 5.0
 
 
 def test_read_only_cache_serves_what_it_holds_and_warns_once(warm, cache_dir, monkeypatch, caplog, fake_nvrtc):

@@ -9,6 +9,7 @@ per-key file lock so concurrent processes compile once). Every compile logs one 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -203,7 +204,9 @@ class _Cubin:
         return None
 
     def lock(self):
-        return self.cache.compile_lock(self.key)
+        """The cache's compile lock; none in strict mode, which cannot compile and so has nothing
+        to wait for (a peer that holds the lock, hung or stopped, does not delay the error)."""
+        return self.cache.compile_lock(self.key) if self.allow_compile else contextlib.nullcontext()
 
     def build(self) -> tuple[CompiledKernel, float]:
         """(NVRTC's output, seconds it took). Raises KernelNotPrewarmed where compiling is not
