@@ -370,3 +370,52 @@ def test_a_permission_error_is_reported_not_a_silent_miss(warm, cache_dir, monke
     assert "Permission denied" in str(info.value) and "chmod" in str(info.value)
     warnings = warnings_of(caplog)
     assert any(str(entry / "kernel.cubin") in w and "chmod" in w for w in warnings), warnings
+
+
+# ---- the cache root ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_root_others_can_write_is_not_used_with_one_warning(warm, tmp_path, caplog, fake_nvrtc, mode):
+    root = tmp_path / "shared"
+    warm.copy_entry_to(root)
+    root.chmod(mode)
+    engine = Engine(cache_dir=root, allow_compile=False)
+    assert engine.cache.writable is False and engine.cache.entries() == [] and engine.cache.index() == {}
+    with pytest.raises(KernelNotPrewarmed, match="not trusted.*writable by group or others"):
+        engine.get_kernel(warm.spec)
+    warnings = warnings_of(caplog)
+    assert len(warnings) == 1 and str(root) in warnings[0] and f"chmod -R go-w {root}" in warnings[0], warnings
+    with pytest.raises(CacheError, match="nothing was pruned"):
+        engine.cache.prune(max_bytes=0)
+    assert Engine(cache_dir=root).get_kernel(warm.spec).cubin == fake_cubin(render(warm.spec), warm.spec.arch)
+    root.chmod(0o755)  # as the warning says: then it serves again
+    assert Engine(cache_dir=root, allow_compile=False).get_kernel(warm.spec).cubin == warm.kernel.cubin
+
+
+def test_a_sticky_root_is_used(warm, tmp_path, caplog):
+    """As /tmp: others may add names to a sticky folder but not replace ours."""
+    root = tmp_path / "sticky"
+    warm.copy_entry_to(root)
+    root.chmod(0o1777)
+    assert Engine(cache_dir=root, allow_compile=False).get_kernel(warm.spec).cubin == warm.kernel.cubin
+    assert warnings_of(caplog) == []
+
+
+@as_root
+def test_a_root_owned_by_another_user_is_not_used(warm, tmp_path, caplog):
+    root = tmp_path / "theirs"
+    warm.copy_entry_to(root)
+    os.chown(root, NOBODY, NOBODY)
+    with pytest.raises(KernelNotPrewarmed, match="owned by uid 65534"):
+        Engine(cache_dir=root, allow_compile=False).get_kernel(warm.spec)
+
+
+def test_entry_files_are_read_under_the_trust_rule(warm, cache_dir):
+    """What an export copies: every file of a verified entry, and nothing through a link."""
+    entry = warm.copy_entry_to(cache_dir)
+    cache = KernelCache(cache_dir)
+    files = cache.entry_files(warm.kernel.key)
+    assert files == {name: (entry / name).read_bytes() for name in ("kernel.cubin", "source.cu", "meta.json")}
+    (entry / "source.cu").unlink()
+    (entry / "source.cu").symlink_to("/dev/zero")
+    assert cache.entry_files(warm.kernel.key) is None and cache.entry_files("../x") is None

@@ -68,7 +68,8 @@ __all__ = ["ENTRY_FILES", "KEY_PATTERN", "MAX_BYTES", "SCHEMA", "KernelCache", "
 LOCK_TIMEOUT_S: float | None = None  # a number overrides FLASHJIT_LOCK_TIMEOUT (tests); None reads it at lock time
 UNREADABLE_HINT = "make the cache readable for this user (chmod -R a+rX {root}) or run as the user who wrote it"
 UNTRUSTED_HINT = ("only files that this user or root wrote, in folders that no one else can write, are used "
-                  "(see the trust model in docs/deployment.md)")
+                  "(the trust model in docs/deployment.md); for a cache of your own, `chmod -R go-w {root}` "
+                  "fixes its modes")
 log = logging.getLogger("flashjit")
 
 
@@ -118,34 +119,37 @@ class KernelCache(CacheUpkeep):
     def _prepare(self) -> bool:
         self._read_only = self._unusable = None
         try:
-            if self.root.exists() and not self.root.is_dir():
-                raise CacheError(f"{self.root} exists and is not a folder")
-            for sub in ("entries", "locks", "index"):
-                trusted_files.make_folders(self.root, (f"v{SCHEMA}", sub))
-            probe = self.base / "entries" / f".probe-{os.getpid()}-{threading.get_ident()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-            return True
+            try:
+                if self.root.exists() and not self.root.is_dir():
+                    raise CacheError(f"{self.root} exists and is not a folder")
+                for sub in ("entries", "locks", "index"):
+                    trusted_files.make_folders(self.root, (f"v{SCHEMA}", sub))
+                probe = self.base / "entries" / f".probe-{os.getpid()}-{threading.get_ident()}"
+                probe.write_bytes(b"")
+                probe.unlink()
+                return True
+            except OSError as exc:
+                if self._readable():
+                    # A read-only cache (a container image, a read-only mount) still serves what it
+                    # holds; warn only if a kernel it lacks has to be kept in memory.
+                    self._read_only = f"kernel cache at {self.root} is read-only ({exc}): kernels in it are served"
+                    return False
+                raise
         except Refused as exc:
             self._unusable = f"the kernel cache at {self.root} is not trusted: {exc}"
-            self._degrade(f"{self._unusable}; {UNTRUSTED_HINT}")
+            self._degrade(f"{self._unusable}; {UNTRUSTED_HINT.format(root=self.root)}")
         except (OSError, CacheError) as exc:
-            try:
-                readable = isinstance(exc, OSError) and trusted_files.check_folders(self.root, (f"v{SCHEMA}", "entries"))
-            except Refused as refused:
-                self._unusable = f"the kernel cache at {self.root} is not trusted: {refused}"
-                self._degrade(f"{self._unusable}; {UNTRUSTED_HINT}")
-                return False
-            except OSError:
-                readable = False
-            if readable and os.access(self.base / "entries", os.R_OK | os.X_OK):
-                # A read-only cache (a container image, a read-only mount) still serves what it holds;
-                # warn only if a kernel it lacks has to be kept in memory.
-                self._read_only = f"kernel cache at {self.root} is read-only ({exc}): kernels in it are served"
-            else:
-                self._unusable = f"the kernel cache at {self.root} is not usable ({exc})"
-                self._degrade(f"kernel cache at {self.root} is not usable ({exc})")
+            self._unusable = f"the kernel cache at {self.root} is not usable ({exc})"
+            self._degrade(f"kernel cache at {self.root} is not usable ({exc})")
         return False
+
+    def _readable(self) -> bool:
+        """Whether the entries folder can be read; raises Refused if it fails the trust rule."""
+        try:
+            trusted_files.check_folders(self.root, (f"v{SCHEMA}", "entries"))
+        except OSError:
+            return False
+        return os.access(self.base / "entries", os.R_OK | os.X_OK)
 
     def _degrade(self, why: str):
         with self._warn_lock:
@@ -172,7 +176,7 @@ class KernelCache(CacheUpkeep):
         try:
             return trusted_files.read_file(self.root, (f"v{SCHEMA}", *parts), limit)
         except Refused as exc:
-            self._refuse(subject, f"{exc}; {UNTRUSTED_HINT}", exc.path)
+            self._refuse(subject, f"{exc}; {UNTRUSTED_HINT.format(root=self.root)}", exc.path)
         except PermissionError as exc:
             path = self.base.joinpath(*parts)
             self._refuse(subject, f"cannot read {path} ({exc.strerror}): {UNREADABLE_HINT.format(root=self.root)}",
@@ -206,10 +210,24 @@ class KernelCache(CacheUpkeep):
         """The cubin and metadata of a verified entry, or None (missing, partial, corrupt or refused)."""
         if not is_key(key):
             return None
+        self._refusals.pop(key, None)  # a reason is kept for the latest load only
         raw = self._read(("entries", key, "meta.json"), MAX_BYTES["meta.json"], key)
         cubin = self._read(("entries", key, "kernel.cubin"), MAX_BYTES["kernel.cubin"], key) if raw else None
-        if cubin is None:
+        meta = self._verified_meta(key, raw, cubin) if cubin is not None else None
+        return (cubin, meta) if meta is not None else None
+
+    def entry_files(self, key: str) -> dict[str, bytes] | None:
+        """Every file of a verified entry (ENTRY_FILES -> bytes), each read under the trust rule,
+        or None: what an export copies, so that no link or FIFO in the cache reaches a bundle."""
+        if not is_key(key):
             return None
+        files = {name: self._read(("entries", key, name), MAX_BYTES[name], key) for name in ENTRY_FILES}
+        if None in files.values() or self._verified_meta(key, files["meta.json"], files["kernel.cubin"]) is None:
+            return None
+        return files
+
+    def _verified_meta(self, key: str, raw: bytes, cubin: bytes) -> dict | None:
+        """meta.json decoded, if it describes this entry and this cubin; else None, with a warning."""
         try:
             meta = json.loads(raw.decode("utf-8"))
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError too
@@ -220,16 +238,17 @@ class KernelCache(CacheUpkeep):
                                 or meta["cubin_sha256"] != hashlib.sha256(cubin).hexdigest()
                                 or meta.get("cubin_bytes", len(cubin)) != len(cubin)):
             problem = "meta.json does not match the entry or its cubin"
-        if problem is not None:
-            self._refusals[key] = f"the entry {self.entry_dir(key)} is damaged ({problem})"
-            log.warning("kernel cache entry %s is corrupt (%s); it is a miss", self.entry_dir(key), problem)
-            return None
-        return cubin, meta
+        if problem is None:
+            return meta
+        self._refusals[key] = f"the entry {self.entry_dir(key)} is damaged ({problem})"
+        log.warning("kernel cache entry %s is corrupt (%s); it is a miss", self.entry_dir(key), problem)
+        return None
 
     def load_portable(self, portable: str) -> tuple[str, bytes, dict] | None:
         """(key, cubin, meta) of a verified entry built from the same source by any NVRTC, or None."""
         if not is_key(portable):
             return None
+        self._refusals.pop(portable, None)
         key = self._read_key(("portable", portable), MAX_BYTES["portable"], portable)
         hit = self.load(key) if key else None
         if hit is None or hit[1].get("portable_key") != portable:

@@ -1,8 +1,8 @@
 """What a kernel cache holds on disk, and freeing it: usage, prune, clear (KernelCache's upkeep).
 
-A mixin of KernelCache (cache.py): it uses the cache's root, base, writable, entries(), index(),
-load(), entry_dir() and _prepare(), and reads nothing itself but folder listings and sizes, so the
-trust rule of cache.py applies to every entry it reports or keeps.
+A mixin of KernelCache (cache.py): it uses the cache's root, base, writable, _unusable, entries(),
+index(), load(), entry_dir() and _prepare(), and reads nothing itself but folder listings and
+sizes, so the trust rule of cache.py applies to every entry it reports or keeps.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..errors import CacheError
 from .cache_format import SCHEMA
 
 INCOMPLETE_GRACE_S = 3600.0  # prune removes entries that never got their meta.json after this long
@@ -58,7 +59,11 @@ class CacheUpkeep:
         (no valid meta.json for INCOMPLETE_GRACE_S) always go, and so do index files naming removed
         entries. Safe while other processes use the cache: an entry is renamed away before it is
         deleted, so readers see it whole or not at all (and a miss only means a recompile).
+        Raises CacheError for a cache that is not read at all (not trusted): every entry of it
+        would look incomplete.
         """
+        if self._unusable and (self.base / "entries").is_dir():
+            raise CacheError(f"{self._unusable}; nothing was pruned")
         report = {"removed": [], "incomplete": 0, "freed_bytes": 0, "index_removed": 0, "versions_removed": [],
                   "kept": 0, "kept_bytes": 0, "dry_run": dry_run}
         folder = self.base / "entries"
