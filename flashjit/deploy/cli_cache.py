@@ -72,21 +72,36 @@ def cmd_cache_export(args) -> int:
     report = export_bundle(args.out, args.cache_dir, specs=specs, archs=archs, prewarm_hint=shlex.join(hint))
     rows = [(e.get("name", "?"), e.get("arch", "?"), format_size(int(e.get("cubin_bytes", 0)))) for e in report.entries]
     print(table(rows, ("spec", "arch", "cubin")))
+    for key, why in report.skipped:
+        print(f"flashjit: skipped entry {key[:16]}: {why}", file=sys.stderr)
     print(f"exported {len(report.entries)} entries and {report.index_files} index files to {report.path} "
           f"({format_size(report.bytes)})")
+    if report.skipped:
+        error(f"skipped {len(report.skipped)} entries of the cache that do not verify (listed above): the bundle "
+              "lacks them; prewarm their specs again to rebuild them")
+        return 1
     return 0
 
 
 def cmd_cache_import(args) -> int:
-    from .bundle import import_bundle
+    from .bundle import Limits, import_bundle
 
-    report = import_bundle(args.bundle, args.cache_dir)
+    limits = Limits(members=args.max_members if args.max_members is not None else Limits.members,
+                    total_bytes=parse_size(args.max_size) if args.max_size is not None else Limits.total_bytes)
+    report = import_bundle(args.bundle, args.cache_dir, replace=args.replace, limits=limits)
     for key, why in report.rejected:
         print(f"flashjit: rejected entry {key[:16]}: {why}", file=sys.stderr)
+    if report.index_skipped:
+        print(f"flashjit: skipped {report.index_skipped} index files naming entries neither imported nor "
+              "in the cache", file=sys.stderr)
+    if report.index_kept:
+        print(f"flashjit: kept {report.index_kept} local index file{'s' if report.index_kept > 1 else ''} naming "
+              "other verified kernels than the bundle's, which are imported but not served for those specs; "
+              "--replace takes the bundle's", file=sys.stderr)
     print(f"imported {len(report.imported)} entries ({len(report.present)} already present, "
           f"{len(report.rejected)} rejected) and {report.index_files} index files from {report.path} "
           f"into {report.cache_dir}")
-    return 1 if report.rejected else 0
+    return 1 if report.rejected or report.index_kept else 0
 
 
 def cmd_cache_info(args) -> int:
