@@ -7,6 +7,7 @@ import re
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from .cli_kernels import hf_specs, named_specs
 from .cli_output import UsageError, error, format_size, table
@@ -34,9 +35,22 @@ def cmd_clear(args) -> int:
     from ..jit.cache import KernelCache
 
     cache = KernelCache(args.cache_dir)
-    count = cache.clear()
+    if not cache.writable:
+        error(f"{not_writable(cache)}: nothing was removed")
+        return 1
+    try:
+        count = cache.clear()
+    except OSError as exc:
+        left = len(cache.entries())
+        error(f"could not clear the kernel cache at {cache.root} ({exc}); {left} entries remain")
+        return 1
     print(f"removed {count} entries from {cache.root}")
     return 0
+
+
+def not_writable(cache) -> str:
+    """Why a command that removes files did nothing."""
+    return f"the kernel cache at {cache.root} is read-only for this user (or not usable)"
 
 
 # ---- cache export / import / info / prune -----------------------------------------------------
@@ -134,6 +148,9 @@ def cmd_cache_prune(args) -> int:
         return 2
     max_bytes = parse_size(args.max_size) if args.max_size is not None else None
     cache = KernelCache(args.cache_dir)
+    if not cache.writable and not args.dry_run:
+        error(f"{not_writable(cache)}: nothing was removed (--dry-run shows what prune would remove)")
+        return 1
     report = cache.prune(max_bytes=max_bytes, old_versions=args.old_versions, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for e in report["removed"]:
@@ -145,5 +162,15 @@ def cmd_cache_prune(args) -> int:
           f"{report['index_removed']} index files and {len(report['versions_removed'])} old versions: "
           f"{format_size(report['freed_bytes'])} freed; kept {report['kept']} entries "
           f"({format_size(report['kept_bytes'])}) in {cache.root}")
+    if args.old_versions:
+        for v in cache.usage()["other_versions"]:
+            if v["state"] != "older":
+                print(f"kept v{v['version']} at {v['path']}: {v['state'].removesuffix(' (kept)')}")
+    left = [e["name"] for e in report["removed"] if cache.entry_dir(e["key"]).exists()]
+    left += [v["path"] for v in report["versions_removed"] if Path(v["path"]).exists()]
+    if left and not args.dry_run:
+        error(f"could not remove {len(left)} of them ({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}): "
+              "check the permissions in the cache dir")
+        return 1
     return 0
 
