@@ -54,7 +54,7 @@ def fake_entry(key: str, cubin: bytes, **meta) -> dict[str, bytes]:
             f"{folder}/meta.json": json.dumps(dict(fields, **meta)).encode()}
 
 
-# ---- finding 1: a value inside a member is never a path -----------------------------------------
+# ---- a value inside a member is never a path --------------------------------------------------
 
 @pytest.mark.parametrize("target", ["absolute", "dot-dot", "index file", "too long"])
 def test_portable_key_that_is_a_path_refuses_the_bundle(built, good_files, tmp_path, target):
@@ -90,7 +90,7 @@ def test_keys_that_are_not_the_hash_of_the_source_are_rejected(built, good_files
     assert not (KernelCache(tmp_path / "cache").base / "portable" / ("b" * 64)).exists()
 
 
-# ---- finding 2: caps on members, member sizes and total bytes, while streaming -------------------
+# ---- caps on members, member sizes and total bytes, while streaming ---------------------------
 
 def test_default_limits_are_sane():
     limits = Limits()
@@ -136,7 +136,7 @@ def test_member_count_is_capped_while_streaming(good_files, tmp_path, monkeypatc
 
 
 def test_total_bytes_are_capped_before_anything_is_written(tmp_path):
-    """The finding's bomb, scaled: zero 'cubins' with matching checksums, tiny once compressed."""
+    """Zero 'cubins' with matching checksums: megabytes on disk from a bundle of kilobytes."""
     cubin = b"\x7fELF" + bytes(3 << 20)
     files = {HEADER: json.dumps({"format": 1, "schema": SCHEMA}).encode()}
     for key in ("1" * 64, "2" * 64, "3" * 64):
@@ -194,7 +194,7 @@ def test_import_that_cannot_fit_writes_nothing(good_files, tmp_path, monkeypatch
     assert_nothing_written(tmp_path, cache_dir)
 
 
-# ---- finding 3: a bundle's index never replaces a verified local kernel unless asked ------------
+# ---- a bundle's index never replaces a verified local kernel unless asked ---------------------
 
 @pytest.fixture
 def hijack(built, tmp_path):
@@ -242,7 +242,7 @@ def test_cli_reports_kept_index_files_and_replace(hijack):
     assert Engine(cache_dir=local, allow_compile=False).get_kernel(spec).key == other_key
 
 
-# ---- finding 4: metadata of the wrong shape refuses the whole bundle, naming member and field ---
+# ---- metadata of the wrong shape refuses the whole bundle, naming member and field ------------
 
 ODD_META = {
     "a list": lambda meta: [meta],
@@ -279,7 +279,7 @@ def test_odd_metadata_refuses_the_bundle_and_writes_nothing(built, good_files, t
     assert code == 1 and meta_member in err
 
 
-# ---- finding 5: a folder, a FIFO or an unwritable place is an error, not a traceback ----------
+# ---- a folder, a FIFO or an unwritable place is an error, not a traceback ---------------------
 
 def test_import_of_a_folder(tmp_path):
     code, _, err = run("cache", "import", tmp_path, "--cache-dir", tmp_path / "cache")
