@@ -140,7 +140,8 @@ def assert_right_eager_and_replayed(decoder, run, out, ref, tolerance: float):
         launch()
         torch.cuda.synchronize()
         assert rel_error(out, ref) <= tolerance, decoder.spec.name
-        assert not decoder._buffers.merge_counters.any() and not decoder._buffers.tile_counters.any()
+        buffers = decoder.current_plan.buffers
+        assert not buffers.merge_counters.any() and not buffers.tile_counters.any()
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
