@@ -103,19 +103,17 @@ class BatchDecode:
         self._host_planner = host_planner
         self._lse_dtype = torch.float32
         self._plan: Plan | None = None  # the current plan; each successful plan() replaces it whole
-        # Memos, each named for what it saves:
-        # plan()'s scalars and their types -> {kernel query tokens: Setup}: validation, spec and kernel
-        # lookups and the load, once per configuration (a serving loop plans the same one every step).
+        # Memos, each named for what it saves, and why it pays:
+        # (scalars, their types) -> {kernel query tokens: Setup}: a serving loop plans one configuration a step.
         self._setup_for_scalars: dict = {}
-        # id(tensor) -> (weakref, data_ptr, dtype, shape, strides) of the cache tensors validated
-        # against the current plan: layers alternate caches, each checked once.
+        # id(tensor) -> (weakref, data_ptr, dtype, shape, strides): each layer's cache is validated once a plan.
         self._validated_caches: dict = {}
-        # The cache the arguments point at (run_checks.NO_CACHE: none): the same cache as the previous
-        # run() costs an identity, a pointer and a shape test per tensor.
+        # The cache the arguments point at (NO_CACHE: none): a layer passes the same cache every step.
         self._cache_pointed_at = NO_CACHE
-        # scale_key()s of the k_scale and v_scale the arguments hold (None: none set yet), and the
-        # (decode args, fp8 cache, KV heads) they were checked against: unchanged scales skip the checks.
-        self._scales_pointed_at = self._scales_checked_for = None
+        # scale_key()s of the scales the arguments hold (None: none yet): the scales rarely change between calls.
+        self._scales_pointed_at = None
+        # (decode args, fp8 cache, KV heads) those scales were checked for: a plan changing none keeps them.
+        self._scales_checked_for = None
 
     # ---- plan -------------------------------------------------------------------------------
 
