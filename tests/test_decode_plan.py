@@ -346,6 +346,32 @@ def test_a_rejected_plan_leaves_the_previous_one_in_place(planner):
     assert torch.equal(plan.buffers.device_buffer, device) and plan.max_page == int(indices.max())
 
 
+def test_a_plan_is_replaced_whole_and_never_changes(planner):
+    """Each successful plan() makes a new Plan; a refused one keeps the current Plan object."""
+    rng = np.random.default_rng(16)
+    decoder = cpu_decoder(planner)
+    assert decoder.current_plan is None and decoder.work is None
+    indptr, indices, last = tables([300, 20], 16, rng)
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16)
+    first = decoder.current_plan
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        decoder.plan(indptr, indices, last, 8, 2, 128, 16, chunk_tokens=0)
+    assert decoder.current_plan is first
+    with pytest.raises(AttributeError):
+        first.max_page = 0
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16)
+    assert decoder.current_plan is not first and decoder.current_plan.setup is first.setup  # the setup memo
+    assert (decoder.spec, decoder.batch_size, decoder.num_tokens) == (first.spec, 2, 2)
+
+
+def test_a_cpu_device_needs_an_injected_arch(planner):
+    """On the CPU (tests only) the arch cannot be asked of the device: without one it is refused."""
+    with pytest.raises(ValueError, match=r"^device: expected a CUDA device, got cpu$"):
+        BatchDecode(planner, CPU)
+    with pytest.raises(AttributeError, match="no plan yet"):
+        cpu_decoder(planner).spec
+
+
 def test_no_pages_means_no_largest_page(planner):
     decoder = cpu_decoder(planner)
     decoder.plan(torch.tensor([0, 0, 0]), torch.zeros(0, dtype=torch.int32), torch.tensor([0, 0]), 8, 2, 128, 16)
