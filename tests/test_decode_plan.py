@@ -22,11 +22,11 @@ import torch
 
 from flashjit import DecodeSpec
 from flashjit.jit import host_library
-from flashjit.decode.batch_decode import BatchDecode
-from flashjit.decode.buffers import Capacity, PageIdRange, PlanBuffers
-from flashjit.decode.plan_setup import LOG2E
+from flashjit.serving.batch_decode import BatchDecode
+from flashjit.serving.buffers import Capacity, PageIdRange, PlanBuffers
+from flashjit.serving.plan_setup import LOG2E
 from flashjit.jit.cache import KernelCache
-from flashjit.decode.host_planner import HostPlanner, item_records
+from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.jit.kernel import LoadedKernel
 from flashjit.masks.registry import masks, register_mask
 from flashjit.jit import tiling as tiling_module

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flashjit.jit import host_library
-from flashjit.decode.buffers import Capacity, PlanBuffers
-from flashjit.decode.host_planner import HostPlanner, NativeTables, NumpyTables
-from flashjit.decode.split_plan import WorkPlan
+from flashjit.serving.buffers import Capacity, PlanBuffers
+from flashjit.serving.host_planner import HostPlanner, NativeTables, NumpyTables
+from flashjit.serving.split_plan import WorkPlan
 
 CPU = torch.device("cpu")
 

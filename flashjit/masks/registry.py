@@ -71,7 +71,7 @@ class MaskDef:
     kv_span: (kv_lens, q_lens, params) -> (begin, end) numpy arrays of the positions worth reading
         per request; the planner cuts only that span into chunks. None means [0, kv_len).
     reference: (q_pos, kv_pos, request, params) -> bool tensor, the torch predicate used by
-        flashjit.decode.reference and the tests; q_pos is the request's [q_len, 1] column of query
+        flashjit.serving.reference and the tests; q_pos is the request's [q_len, 1] column of query
         positions (kv_len - q_len + i), kv_pos the [1, kv_len] row of keys. None means every key
         below kv_len is visible.
     sample_params: (rng, kv_lens, q_lens, page_size, device) -> mask_params for a random batch

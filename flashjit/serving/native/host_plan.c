@@ -1,7 +1,7 @@
 /* plan()'s host work in C: the page table's checks and lengths, the split-KV chunk search and the
  * work list, written straight into the pinned staging buffer plan() copies to the GPU.
  *
- * The numpy versions (flashjit/validation.py page_table and query_indptr, flashjit/decode/split_plan.py
+ * The numpy versions (flashjit/validation.py page_table and query_indptr, flashjit/serving/split_plan.py
  * choose_chunk and plan_work) are the reference: this file computes the same values in the same
  * order, with the costs in doubles so that every comparison of the chunk search comes out the same
  * (tests/test_host_plan.py compares the two on random batches). Whole numbers stay below 2^53, so
