@@ -8,7 +8,7 @@ writes 256 MB, which leaves ~60 MB of dirty lines the timed call then pays to wr
 reads the 256 MB after writing them, so the call starts from a cold, clean L2, as a serving step
 does and as rotating inputs larger than the L2 would, though stricter: the page table and work list
 are cold too), CUDA events around the call alone, warm-up first, the median of --iters calls. Every
-implementation is checked against flashjit.decode.reference (float32) before it is timed; a wrong
+implementation is checked against flashjit.serving.reference (float32) before it is timed; a wrong
 one is reported, not timed. Bandwidth counts the K/V bytes attended (a window counts only the
 window) plus q and out, and is compared with a device-to-device copy measured in the same run. Each
 row's "floor" is a streaming read of the same number of bytes under the same flush and timing
@@ -153,7 +153,7 @@ class Fp8Cache:
 
 
 def quantize(batch, case) -> Fp8Cache | None:
-    from flashjit.decode.quantize import dequantize_kv, quantize_kv
+    from flashjit.serving.quantize import dequantize_kv, quantize_kv
 
     if case.kv_dtype is None:
         return None
@@ -178,7 +178,7 @@ def flashjit_impl(torch, batch, case, engine, fp8: Fp8Cache | None, tensor_cores
 
 def sdpa_impl(torch, batch, case):
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from flashjit.decode.reference import gather_request_kv
+    from flashjit.serving.reference import gather_request_kv
 
     lengths = batch.kv_lens
     if len(set(lengths)) != 1 or case.kv_dtype:
@@ -236,7 +236,7 @@ def bench_kernels(args) -> dict:
     import torch
 
     import flashjit
-    from flashjit.decode.reference import decode_reference
+    from flashjit.serving.reference import decode_reference
     from flashjit.deploy.random_batches import rel_error
 
     engine = flashjit.Engine(cache_dir=args.cache_dir)

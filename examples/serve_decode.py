@@ -9,7 +9,7 @@ What a serving engine does each step, in miniature:
     the last one is full), plans once (BatchDecode.plan), and runs every layer (BatchDecode.run);
   * the whole step (projections, the K/V append, attention, MLP) is captured in one CUDA graph and
     replayed after each new plan.
-Each step is checked against the same model run eagerly with flashjit.decode.reference.decode_reference
+Each step is checked against the same model run eagerly with flashjit.serving.reference.decode_reference
 on a copy of the cache. Needs a CUDA GPU.
 """
 
@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import flashjit  # noqa: E402
-from flashjit.decode.reference import decode_reference  # noqa: E402
+from flashjit.serving.reference import decode_reference  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 HIDDEN = HEADS * HEAD_DIM

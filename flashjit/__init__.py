@@ -2,9 +2,9 @@
 
 from ._version import __version__
 
-from .decode.batch_decode import BatchDecode, decode, default_engine
+from .serving.batch_decode import BatchDecode, decode, default_engine
 from .jit.engine import Engine, PrewarmResult
-from .decode.quantize import dequantize_kv, quantize_kv
+from .serving.quantize import dequantize_kv, quantize_kv
 from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError
 from .masks.registry import register_mask
 from .masks.sink_window import sink_window_params

@@ -12,7 +12,7 @@ import pytest
 
 import flashjit
 from flashjit import CompileError, DecodeSpec
-from flashjit.decode import host_planner
+from flashjit.serving import host_planner
 from flashjit.deploy.mask_check import host_replay
 from flashjit.jit import abi, host_library, kernel
 from flashjit.jit.compile import compile_source
@@ -21,7 +21,7 @@ from flashjit.masks import params, registry
 
 # CUDA cores, so flashjit_merge is in the source, and a mask with int and pointer parameters.
 SPEC = DecodeSpec(64, mask="block_sparse", arch="sm_80")
-HOST_PLAN = Path(flashjit.__file__).resolve().parent / "decode" / "native" / "host_plan.c"
+HOST_PLAN = Path(flashjit.__file__).resolve().parent / "serving" / "native" / "host_plan.c"
 
 
 def compile_log(tmp_path) -> str:

@@ -1,9 +1,10 @@
 """BatchDecode.plan() end to end on the CPU: the work list, the staging copy, the launch arguments, the errors.
 
-BatchDecode needs a GPU to construct, so `cpu_decoder` sets the attributes __init__ sets, with the
-CPU as its device (plan()'s copies are then plain copies) and a fake occupancy for the kernel
-(132 SMs x 2 CTAs, the H200's). NVRTC is faked: the kernels' code does not matter here. Expected
-values come from planner_oracle, plan()'s host path as it was before the host-cost work.
+`cpu_decoder` builds a BatchDecode on the CPU device (plan()'s copies are then plain copies) with
+the collaborators a GPU would provide injected: the arch, and a kernel loader that reports a fixed
+occupancy (132 SMs x 2 CTAs, an H200's) instead of loading anything. NVRTC is faked: the kernels'
+code does not matter here. Expected values come from planner_oracle, a plain reference of plan()'s
+host path.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import torch
 
 from flashjit import DecodeSpec
 from flashjit.jit import host_library
-from flashjit.decode.batch_decode import _NO_CACHE, LOG2E, BatchDecode, _Capacity, _PageIdRange, _PlanBuffers
+from flashjit.serving.batch_decode import BatchDecode
+from flashjit.serving.buffers import Capacity, PageIdRange, PlanBuffers
+from flashjit.serving.plan_setup import LOG2E
 from flashjit.jit.cache import KernelCache
-from flashjit.decode.host_planner import HostPlanner, item_records
-from flashjit.jit.kernel import Kernel, LoadedKernel
+from flashjit.serving.host_planner import HostPlanner, item_records
+from flashjit.jit.kernel import LoadedKernel
 from flashjit.masks.registry import masks, register_mask
 from flashjit.jit import tiling as tiling_module
 from flashjit.jit.tiling import decode_tiling
@@ -34,22 +37,15 @@ NUM_SMS, CTAS_PER_SM, DECODE_FN, MERGE_FN = 132, 2, 0xD0, 0xE0
 CPU = torch.device("cpu")
 
 
-def cpu_decoder(engine, *, use_cuda_graph=False, max_batch_size=None, max_num_pages=None, max_tokens=None,
-                max_q_len=None):
-    decoder = BatchDecode.__new__(BatchDecode)
-    decoder.engine, decoder.device, decoder._arch = engine, CPU, "sm_90"
-    decoder.use_cuda_graph = use_cuda_graph
-    decoder._max_batch_size, decoder._max_tokens = max_batch_size, max_tokens
-    decoder._graph_indices = torch.zeros(max_num_pages, dtype=torch.int32) if use_cuda_graph else None
-    decoder._buffers, decoder._page_range, decoder._lse_dtype = None, _PageIdRange(CPU), torch.float32
-    decoder._host_planner, decoder._tables = HostPlanner(native_library()), None
-    decoder._kv_checked, decoder._planned = {}, False
-    decoder._last_cache = _NO_CACHE
-    decoder._scales_key = decoder._scale_rules = None
-    decoder._decode_launch = decoder._merge_prepared = decoder._merge_launch = None
-    decoder._setups, decoder._setup, decoder._args_for = {}, None, None
-    decoder._graph_q_len = max_q_len
-    return decoder
+def fake_loaded(kernel, device_index) -> LoadedKernel:
+    """A kernel 'loaded' instantly, with the occupancy of NUM_SMS x CTAS_PER_SM."""
+    return LoadedKernel(None, DECODE_FN, MERGE_FN, CTAS_PER_SM, NUM_SMS)
+
+
+def cpu_decoder(engine, **options) -> BatchDecode:
+    """A BatchDecode on the CPU; options are BatchDecode's (use_cuda_graph, max_batch_size, ...)."""
+    return BatchDecode(engine, CPU, arch="sm_90", load_kernel=fake_loaded, host_planner=HostPlanner(native_library()),
+                       **options)
 
 
 @functools.cache
@@ -59,10 +55,8 @@ def native_library():
 
 
 @pytest.fixture
-def planner(engine, fake_nvrtc, monkeypatch):
-    """An engine whose kernels 'load' instantly with the H200's occupancy."""
-    monkeypatch.setattr(Kernel, "loaded", lambda self, device: LoadedKernel(None, DECODE_FN, MERGE_FN, CTAS_PER_SM,
-                                                                            NUM_SMS))
+def planner(engine, fake_nvrtc):
+    """An engine whose kernels compile instantly (cpu_decoder 'loads' them)."""
     return engine
 
 
@@ -101,7 +95,8 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     for field in WORK_FIELDS:
         assert np.array_equal(getattr(decoder.work, field), getattr(work, field)), field
     assert decoder.work.chunk_tokens == work.chunk_tokens
-    buffers = decoder._buffers
+    plan = decoder.current_plan
+    buffers = plan.buffers
     device, off = buffers.device_buffer.numpy(), buffers.offsets
     assert device[off["num_tokens"]] == work.num_tokens
     r, w = work.work_request, work.num_work
@@ -118,12 +113,12 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     for name, values in packed.items():
         assert np.array_equal(device[off[name]:off[name] + len(values)], values), name
 
-    a, m, p = decoder._decode_args, decoder._merge_args, buffers.pointers
+    a, m, p = plan.decode_args, plan.merge_args, buffers.pointers
     for name in ("work_items", "req_qo_indptr", "req_work_indptr"):
         assert getattr(a, name) == p[name], name
     assert (m.token_request, m.req_qo_indptr, m.req_work_indptr, m.num_tokens) == (
         p["token_request"], p["req_qo_indptr"], p["req_work_indptr"], p["num_tokens"])
-    assert a.page_indices == (decoder._graph_indices if decoder.use_cuda_graph else indices).data_ptr()
+    assert a.page_indices == (plan.page_ids if decoder.use_cuda_graph else indices).data_ptr()
     assert (a.tmp_o, a.tmp_lse) == (m.tmp_o, m.tmp_lse) == (buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr())
     assert a.merge_counters == buffers.merge_counters.data_ptr() and a.tile_counters == buffers.tile_counters.data_ptr()
     groups = buffers.capacity.batch * num_kv_heads * tiling.row_tiles  # (request, KV head, row tile)
@@ -133,7 +128,7 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     assert a.sm_scale_log2 == ctypes.c_float(sm_scale_log2).value
     graph = decoder.use_cuda_graph
     cap = buffers.capacity
-    decode, merge = decoder._decode_launch, decoder._merge_launch
+    decode, merge = plan.decode_launch, plan.merge_launch
     assert decode.grid == tiling.grid(cap.work if graph else work.num_work, num_kv_heads)
     assert decode.function == DECODE_FN and decode.block == tiling.block and decode.smem == tiling.smem_bytes
     if tiling.fused_merge:
@@ -142,7 +137,7 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
         assert merge.function == MERGE_FN and merge.grid == (cap.tokens if graph else work.num_tokens, num_qo_heads, 1)
     else:
         assert merge is None
-    assert decoder._max_page == (int(indices[: int(indptr_h[-1])].max()) if indptr_h[-1] else -1)
+    assert plan.max_page == (int(indices[: int(indptr_h[-1])].max()) if indptr_h[-1] else -1)
 
 
 MASK_CASES = [("none", {}), ("causal", {}), ("sliding_window", {"window_left": 300})]
@@ -185,7 +180,7 @@ def test_plans_a_separate_merge_launch_when_not_fused(planner, monkeypatch):
     indptr, indices, last = tables(kv_lens, 16, np.random.default_rng(0))
     decoder = cpu_decoder(planner)
     decoder.plan(indptr, indices, last, 32, 8, 128, 16)
-    assert not decoder.kernel.tiling.fused_merge and decoder._merge_launch is not None
+    assert not decoder.kernel.tiling.fused_merge and decoder.current_plan.merge_launch is not None
     assert_planned(decoder, *expected_work(indptr, last, 16, [1] * 64, "none", {}, 32, 8, 128), indices, 32, 8,
                    LOG2E / math.sqrt(128))
 
@@ -208,12 +203,13 @@ def test_cuda_graph_mode_plans_within_the_first_capacity(planner):
     for kv_lens in ([100, 3000, 17], [5000, 1, 40, 900, 0, 20000, 16, 33], [1]):
         indptr, indices, last = tables(kv_lens, 16, rng)
         decoder.plan(indptr, indices, last, 32, 8, 128, 16, mask="sliding_window", window_left=700)
-        cap = decoder._buffers.capacity
+        cap = decoder.current_plan.capacity
         expected = expected_work(indptr, last, 16, [1] * len(kv_lens), "sliding_window", {"window_left": 700}, 32, 8,
                                  128, max_items=cap.work)
         assert_planned(decoder, *expected, indices, 32, 8, LOG2E / math.sqrt(128))
-        assert torch.equal(decoder._graph_indices[: len(indices)], indices)
-    assert cap == decoder._buffers.capacity and cap.batch == 8
+        page_ids = decoder.current_plan.page_ids  # the fixed buffer of max_num_pages ids
+        assert page_ids.numel() == 4000 and torch.equal(page_ids[: len(indices)], indices)
+    assert cap == decoder.current_plan.capacity and cap.batch == 8
     indptr, indices, last = tables([10], 16, rng)
     with pytest.raises(ValueError, match="the first plan's kernel"):
         decoder.plan(indptr, indices, last, 32, 8, 64, 16, mask="sliding_window", window_left=700)
@@ -276,13 +272,13 @@ def test_mask_tensors_given_anew_each_plan_are_pointed_at(planner):
         params = {"block_size": 16, "block_indptr": torch.tensor([0, 2, 3], dtype=torch.int32),
                   "block_indices": torch.tensor([0, 5, 1], dtype=torch.int32)}
         decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask="block_sparse", mask_params=params)
-        pointers = [ctypes.cast(decoder._decode_launch.params[i], ctypes.POINTER(ctypes.c_void_p))[0]
+        pointers = [ctypes.cast(decoder.current_plan.decode_launch.params[i], ctypes.POINTER(ctypes.c_void_p))[0]
                     for i in (2, 3)]  # after the Args struct and block_size
         assert pointers == [params["block_indptr"].data_ptr(), params["block_indices"].data_ptr()]
 
 
 class _Copies:
-    """A _StreamCopies stand-in that records its waits."""
+    """A StreamCopies stand-in that records its waits."""
 
     def __init__(self, marked_stream):
         self.marked_stream, self.waits = marked_stream, 0
@@ -296,7 +292,7 @@ class _Copies:
 
 @pytest.mark.parametrize("synced_stream, waits", [(None, 1), (7, 0), (8, 1)])
 def test_the_staging_buffer_waits_unless_a_later_copy_on_its_stream_was_waited_for(synced_stream, waits):
-    buffers = _PlanBuffers(_Capacity(2, 2, 4), 8, 128, 4, CPU)
+    buffers = PlanBuffers(Capacity(2, 2, 4), 8, 128, 4, CPU)
     buffers.copies = _Copies(marked_stream=7)
     written = []
     buffers.write(type("Tables", (), {"write": lambda self, *args: written.append(args)})(), synced_stream)
@@ -315,11 +311,12 @@ def test_unchecked_page_ids_are_not_read_back(planner):
     """check_page_ids=False: no copy of the ids to the host (nothing to wait for), so a bad id goes
     unnoticed and run() cannot hold the cache's page count against the ids."""
     indptr, indices, last = tables([40, 90], 16, np.random.default_rng(1))
-    decoder = cpu_decoder(planner)
+    reader = PageIdRange(CPU)
+    decoder = cpu_decoder(planner, page_id_range=reader)
     decoder.plan(indptr, indices, last, 8, 2, 128, 16)
-    assert decoder._max_page == int(indices.max()) and decoder._page_range.pending == len(indices)
+    assert decoder.current_plan.max_page == int(indices.max()) and reader.pending == len(indices)
     decoder.plan(indptr, indices - 100, last, 8, 2, 128, 16, check_page_ids=False)
-    assert decoder._max_page == -1 and decoder._page_range.pending == 0
+    assert decoder.current_plan.max_page == -1 and reader.pending == 0
     with pytest.raises(ValueError, match=r"^check_page_ids: expected True or False, got 0$"):
         decoder.plan(indptr, indices, last, 8, 2, 128, 16, check_page_ids=0)
 
@@ -339,28 +336,56 @@ def test_a_rejected_plan_leaves_the_previous_one_in_place(planner):
     decoder = cpu_decoder(planner)
     indptr, indices, last = tables([5000, 30, 700], 16, rng)
     decoder.plan(indptr, indices, last, 32, 8, 128, 16)
-    work, args = decoder.work, bytes(decoder._decode_args)
-    device = decoder._buffers.device_buffer.clone()
+    work, args = decoder.work, bytes(decoder.current_plan.decode_args)
+    device = decoder.current_plan.buffers.device_buffer.clone()
     other = tables([9000, 9000], 16, rng)
     with pytest.raises(ValueError, match="page ids >= 0"):
         decoder.plan(other[0], other[1] - 50, other[2], 32, 8, 128, 16)
-    assert decoder.work is work and bytes(decoder._decode_args) == args
-    assert torch.equal(decoder._buffers.device_buffer, device) and decoder._max_page == int(indices.max())
+    plan = decoder.current_plan
+    assert decoder.work is work and bytes(plan.decode_args) == args
+    assert torch.equal(plan.buffers.device_buffer, device) and plan.max_page == int(indices.max())
+
+
+def test_a_plan_is_replaced_whole_and_never_changes(planner):
+    """Each successful plan() makes a new Plan; a refused one keeps the current Plan object."""
+    rng = np.random.default_rng(16)
+    decoder = cpu_decoder(planner)
+    assert decoder.current_plan is None and decoder.work is None
+    indptr, indices, last = tables([300, 20], 16, rng)
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16)
+    first = decoder.current_plan
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        decoder.plan(indptr, indices, last, 8, 2, 128, 16, chunk_tokens=0)
+    assert decoder.current_plan is first
+    with pytest.raises(AttributeError):
+        first.max_page = 0
+    decoder.plan(indptr, indices, last, 8, 2, 128, 16)
+    assert decoder.current_plan is not first and decoder.current_plan.setup is first.setup  # the setup memo
+    assert (decoder.spec, decoder.batch_size, decoder.num_tokens) == (first.spec, 2, 2)
+
+
+def test_a_cpu_device_needs_an_injected_arch(planner):
+    """On the CPU (tests only) the arch cannot be asked of the device: without one it is refused."""
+    with pytest.raises(ValueError, match=r"^device: expected a CUDA device, got cpu$"):
+        BatchDecode(planner, CPU)
+    with pytest.raises(AttributeError, match="no plan yet"):
+        cpu_decoder(planner).spec
 
 
 def test_no_pages_means_no_largest_page(planner):
     decoder = cpu_decoder(planner)
     decoder.plan(torch.tensor([0, 0, 0]), torch.zeros(0, dtype=torch.int32), torch.tensor([0, 0]), 8, 2, 128, 16)
-    assert decoder._max_page == -1 and decoder.work.num_work == 2
+    assert decoder.current_plan.max_page == -1 and decoder.work.num_work == 2
 
 
 def test_many_page_ids_are_reduced_before_the_copy(planner, monkeypatch):
-    monkeypatch.setattr(_PageIdRange, "COPY_LIMIT", 16)
+    monkeypatch.setattr(PageIdRange, "COPY_LIMIT", 16)
     rng = np.random.default_rng(4)
     indptr, indices, last = tables([300, 200], 8, rng)  # 38 + 25 page ids
-    decoder = cpu_decoder(planner)
+    reader = PageIdRange(CPU)
+    decoder = cpu_decoder(planner, page_id_range=reader)
     decoder.plan(indptr, indices, last, 8, 2, 128, 8)
-    assert decoder._max_page == int(indices.max()) and decoder._page_range.host.numel() == 16
+    assert decoder.current_plan.max_page == int(indices.max()) and reader.host.numel() == 16
     bad = indices.clone()
     bad[20] = -7
     with pytest.raises(ValueError, match=r"got -7$"):
@@ -388,8 +413,8 @@ def test_late_errors_leave_the_previous_plan_in_place(planner, late_error):
     params = {"block_size": 16, "block_indptr": torch.tensor([0, 1, 2], dtype=torch.int32),
               "block_indices": torch.tensor([0, 0], dtype=torch.int32)}
     decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask=mask, mask_params=params)
-    work, args = decoder.work, bytes(decoder._decode_args)
-    device = decoder._buffers.device_buffer.clone()
+    work, args = decoder.work, bytes(decoder.current_plan.decode_args)
+    device = decoder.current_plan.buffers.device_buffer.clone()
     if graph:
         big = tables([400, 400], 16, rng)  # 50 page ids > max_num_pages
         with pytest.raises(ValueError, match=r"^indices: expected at most max_num_pages=40 page ids, got 50$"):
@@ -399,13 +424,13 @@ def test_late_errors_leave_the_previous_plan_in_place(planner, late_error):
         bad = dict(params, block_indices=params["block_indices"].long())
         with pytest.raises(ValueError, match=r"^mask param block_indices: expected dtype torch.int32"):
             decoder.plan(*other, 8, 2, 128, 16, mask=mask, mask_params=bad)
-    assert decoder.work is work and bytes(decoder._decode_args) == args
-    assert torch.equal(decoder._buffers.device_buffer, device)
+    assert decoder.work is work and bytes(decoder.current_plan.decode_args) == args
+    assert torch.equal(decoder.current_plan.buffers.device_buffer, device)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 def test_page_id_range_reads_only_the_used_prefix(native):
-    reader = _PageIdRange(CPU)
+    reader = PageIdRange(CPU)
     planner = HostPlanner(native_library() if native else None)
     ids = torch.tensor([4, 9, 2, -1, 50], dtype=torch.int32)
     reader.start(ids, 3)
@@ -421,13 +446,11 @@ def test_page_id_range_reads_only_the_used_prefix(native):
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
 def test_plan_buffers_pack_every_field_at_its_offset(native):
-    from flashjit.decode.batch_decode import _Capacity
-
     if native and native_library() is None:
         pytest.skip("no C compiler: plan() uses the numpy planner here")
 
-    buffers = _PlanBuffers(_Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, merge_groups=8,
-                           device=CPU)
+    buffers = PlanBuffers(Capacity(batch=4, tokens=6, work=9), partial_rows=10, head_dim=64, merge_groups=8,
+                          device=CPU)
     offsets = list(buffers.offsets.values())
     assert offsets == [0, 108, 109, 114, 119]  # fields in FIELDS order, each at its capacity (12 ints per item)
     assert buffers.device_buffer.numel() == 119 + 6 and buffers.tmp_o.numel() == 640 and buffers.tmp_lse.numel() == 10
@@ -455,8 +478,8 @@ def test_plan_buffers_pack_every_field_at_its_offset(native):
         0, 0, 1, 2, 2, 0]                # token_request
     base = buffers.device_buffer.data_ptr()
     assert buffers.pointers == {name: base + 4 * off for name, off in buffers.offsets.items()}
-    assert buffers.fits(_Capacity(4, 6, 9), 640, 8) and not buffers.fits(_Capacity(5, 6, 9), 640, 8)
-    assert not buffers.fits(_Capacity(4, 6, 9), 640, 9)  # more merge counters (KV heads x row tiles) than it has
+    assert buffers.fits(Capacity(4, 6, 9), 640, 8) and not buffers.fits(Capacity(5, 6, 9), 640, 8)
+    assert not buffers.fits(Capacity(4, 6, 9), 640, 9)  # more merge counters (KV heads x row tiles) than it has
     assert buffers.merge_counters.tolist() == [0] * 8
 
 
@@ -520,10 +543,12 @@ def test_plans_keep_their_launches_and_mask_values_in_place(planner, monkeypatch
     decoder = cpu_decoder(planner)
     indptr, indices, last = tables([9000, 7000, 40, 8000], 16, rng)
     decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask="sliding_window", window_left=4000)
-    decode, merge, params = decoder._decode_launch, decoder._merge_launch, decoder._decode_launch.params
+    first = decoder.current_plan
+    decode, merge, params = first.decode_launch, first.merge_launch, first.decode_launch.params
     indptr, indices, last = tables([300, 5000, 40], 16, rng)  # within the first plan's buffers
     decoder.plan(indptr, indices, last, 8, 2, 128, 16, mask="sliding_window", window_left=2000)
-    assert decoder._decode_launch is decode and decoder._merge_prepared is merge and decode.params is params
+    plan = decoder.current_plan
+    assert plan.decode_launch is decode and plan.merge_prepared is merge and decode.params is params
     assert ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int))[0] == 2000  # window_left, written in place
     assert decode.grid == decoder.kernel.tiling.grid(decoder.work.num_work, 2) and merge.grid[0] == decoder.num_tokens
 
@@ -539,7 +564,7 @@ def test_cuda_graph_plans_vary_query_tokens_up_to_max_q_len(planner):
         specs.append(decoder.spec)
         assert decoder.num_tokens == 3 * q_len
     assert specs[0] == specs[1] == specs[2] and specs[0].max_q_len == 4
-    assert decoder._buffers.capacity.tokens == 16  # max_batch_size x max_q_len
+    assert decoder.current_plan.capacity.tokens == 16  # max_batch_size x max_q_len
     with pytest.raises(ValueError, match=r"at most max_q_len=4 query tokens per request .*got 5$"):
         decoder.plan(indptr, indices, last, 8, 2, 128, 16, q_len=5)
     assert decoder.spec == specs[0] and decoder.num_tokens == 6  # the q_len=2 plan is still in place

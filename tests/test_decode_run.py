@@ -1,6 +1,6 @@
 """BatchDecode.run() on the CPU: the arguments it writes, the launches, and the checks of its tensors.
 
-The decoder is test_decode_plan's CPU stand-in, the launches are recorded instead of made. run()
+The decoder is test_decode_plan's CPU decoder, the launches are recorded instead of made. run()
 recognises the common valid q/out/lse in a few attribute reads and sends anything else through
 the full checks; `fast` runs each case both ways (a CPU tensor's get_device() is -1, the CPU
 device's index None, so the quick path is taken only when get_device() is patched to match).
@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.decode import batch_decode
 from flashjit.jit import kernel, tiling
 from test_decode_plan import cpu_decoder, planner, tables  # noqa: F401  (planner: a fixture)
 
@@ -37,12 +36,16 @@ def launches(monkeypatch):
         return 0
 
     monkeypatch.setattr(kernel, "_cu_launch", record)
-    monkeypatch.setattr(batch_decode, "_current_stream", lambda index: 0x77)
     return calls
 
 
+def run_decoder(engine):
+    """cpu_decoder, launching on the stream 0x77."""
+    return cpu_decoder(engine, current_stream=lambda index: 0x77)
+
+
 def planned(engine, kv_lens):
-    decoder = cpu_decoder(engine)
+    decoder = run_decoder(engine)
     indptr, indices, last = tables(kv_lens, PAGE, np.random.default_rng(0))
     decoder.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE)
     pages = int(indices.max()) + 1
@@ -58,14 +61,14 @@ def test_run_points_the_arguments_at_its_tensors(planner, launches, fast, fused_
     out, lse = torch.empty_like(q), torch.empty(3, HEADS)
     for _ in range(2):  # the second time every tensor is recognised
         assert decoder.run(q, (k, v), out=out, lse=lse, return_lse=True) == (out, lse)
-        a, m = decoder._decode_args, decoder._merge_args
+        a, m = decoder.current_plan.decode_args, decoder.current_plan.merge_args
         assert (a.q, a.q_stride, a.out, a.out_stride, a.lse) == (q.data_ptr(), HEADS * DIM, out.data_ptr(),
                                                                  HEADS * DIM, lse.data_ptr())
         assert (a.k, a.v) == (k.data_ptr(), v.data_ptr())
         assert (a.page_stride, a.slot_stride, a.head_stride) == (PAGE * KV_HEADS * DIM, KV_HEADS * DIM, DIM)
         if not fused_merge:
             assert (m.out, m.out_stride, m.lse) == (a.out, a.out_stride, a.lse)
-    decode, merge = decoder._decode_launch, decoder._merge_launch
+    decode, merge = decoder.current_plan.decode_launch, decoder.current_plan.merge_launch
     if fused_merge:
         assert merge is None and launches == [(decode.function, decode.grid, 0x77)] * 2
     else:
@@ -76,10 +79,10 @@ def test_run_allocates_out_and_lse_when_not_given(planner, launches, fast):
     decoder, q, k, v = planned(planner, [40, 90])
     out, lse = decoder.run(q, (k, v), return_lse=True)
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, HEADS) and lse.dtype == torch.float32
-    assert (decoder._decode_args.out, decoder._decode_args.lse) == (out.data_ptr(), lse.data_ptr())
+    a = decoder.current_plan.decode_args
+    assert (a.out, a.lse) == (out.data_ptr(), lse.data_ptr())
     combined = torch.stack([k, v], dim=1)  # one [pages, 2, ...] tensor
     decoder.run(q, combined)
-    a = decoder._decode_args
     assert a.k == combined.data_ptr() and a.v == combined.data_ptr() + combined.stride(1) * 2 and a.lse is None  # NULL
 
 
@@ -139,7 +142,7 @@ def test_run_points_at_each_layers_cache_in_turn(planner, launches):
     combined = torch.stack([k, v], dim=1)
     for kv_cache in [(k, v), (k, v), (k2, v2), [k, v], (k2, v2), combined, combined, (k, v)]:
         decoder.run(q, kv_cache)
-        a = decoder._decode_args
+        a = decoder.current_plan.decode_args
         if isinstance(kv_cache, torch.Tensor):
             assert (a.k, a.v) == (combined.data_ptr(), combined.data_ptr() + combined.stride(1) * 2)
             assert a.page_stride == combined.stride(0)
@@ -154,7 +157,8 @@ def test_a_refused_cache_leaves_the_previous_one_to_be_pointed_at_again(planner,
     with pytest.raises(ValueError, match="v_cache"):
         decoder.run(q, (k2, v.float()))  # K is set before V is refused
     decoder.run(q, (k, v))
-    assert (decoder._decode_args.k, decoder._decode_args.v) == (k.data_ptr(), v.data_ptr())
+    a = decoder.current_plan.decode_args
+    assert (a.k, a.v) == (k.data_ptr(), v.data_ptr())
 
 
 def test_the_previous_cache_is_checked_again_after_a_shape_change_or_a_new_plan(planner, launches):
@@ -179,7 +183,7 @@ def _tables_over(pages: int):
 
 
 def test_a_refused_scale_leaves_the_previous_scales_to_be_set_again(planner, launches):
-    decoder = cpu_decoder(planner)
+    decoder = run_decoder(planner)
     indptr, indices, last = tables([40, 90], PAGE, np.random.default_rng(0))
     decoder.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="e4m3")
     q = torch.randn(2, HEADS, DIM, dtype=torch.bfloat16)
@@ -188,4 +192,5 @@ def test_a_refused_scale_leaves_the_previous_scales_to_be_set_again(planner, lau
     with pytest.raises(ValueError, match="v_scale"):
         decoder.run(q, (k, v), k_scale=5.0, v_scale=-1.0)  # k_scale is set before v_scale is refused
     decoder.run(q, (k, v), k_scale=2.0, v_scale=3.0)
-    assert (decoder._decode_args.k_scale, decoder._decode_args.v_scale) == (2.0, 3.0)
+    a = decoder.current_plan.decode_args
+    assert (a.k_scale, a.v_scale) == (2.0, 3.0)

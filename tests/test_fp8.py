@@ -11,7 +11,7 @@ import torch
 from flashjit import DecodeSpec, SpecError
 from flashjit import validation as checks
 from flashjit.jit.compile import compile_source
-from flashjit.decode.quantize import FP8_MAX, dequantize_kv, quantize_kv
+from flashjit.serving.quantize import FP8_MAX, dequantize_kv, quantize_kv
 from flashjit.jit.render import render
 from flashjit.jit.tiling import decode_tiling
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flashjit.jit import host_library
-from flashjit.decode.batch_decode import _Capacity, _PlanBuffers
-from flashjit.decode.host_planner import HostPlanner, NativeTables, NumpyTables
-from flashjit.decode.split_plan import WorkPlan
+from flashjit.serving.buffers import Capacity, PlanBuffers
+from flashjit.serving.host_planner import HostPlanner, NativeTables, NumpyTables
+from flashjit.serving.split_plan import WorkPlan
 
 CPU = torch.device("cpu")
 
@@ -62,8 +62,8 @@ def random_case(rng):
 
 def staged(tables, work) -> tuple[list, WorkPlan]:
     """The staging buffer's contents after tables.write, and the work plan read back from it."""
-    buffers = _PlanBuffers(_Capacity(tables.batch, tables.num_tokens, work.num_work), partial_rows=1, head_dim=1,
-                           merge_groups=1, device=CPU)
+    buffers = PlanBuffers(Capacity(tables.batch, tables.num_tokens, work.num_work), partial_rows=1, head_dim=1,
+                          merge_groups=1, device=CPU)
     buffers.write(tables)
     return buffers.host.tolist(), tables.work_plan(buffers.host, buffers.starts)
 

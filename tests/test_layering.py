@@ -1,4 +1,4 @@
-"""The package's layers import downward only: foundation < masks < jit < decode < deploy.
+"""The package's layers import downward only: foundation < masks < jit < serving < deploy.
 
 Read from each module's source (ast), so a function-local import counts as much as a top-level one.
 """
@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashjit"
 # Rank of each layer; a module may import its own layer and any of lower rank.
-LAYERS = {"foundation": 0, "masks": 1, "jit": 2, "decode": 3, "deploy": 4, "top": 5}
+LAYERS = {"foundation": 0, "masks": 1, "jit": 2, "serving": 3, "deploy": 4, "top": 5}
 TOP_MODULES = {"__init__", "__main__"}
 
 
@@ -73,8 +73,8 @@ def test_imports_point_down(path):
 
 def test_the_checker_resolves_every_import_form():
     source = ("from .cache import KernelCache\nfrom ..errors import SpecError\nfrom .. import validation\n"
-              "def f():\n    from ..decode.batch_decode import BatchDecode\n    import flashjit.deploy.cli\n")
+              "def f():\n    from ..serving.batch_decode import BatchDecode\n    import flashjit.deploy.cli\n")
     imports = [target for _, target in imported_modules(source, "flashjit.jit.engine")]
     assert imports == ["flashjit.jit.cache", "flashjit.errors", "flashjit.validation",
-                       "flashjit.decode.batch_decode", "flashjit.deploy.cli"]
-    assert [layer_of(t) for t in imports] == ["jit", "foundation", "foundation", "decode", "deploy"]
+                       "flashjit.serving.batch_decode", "flashjit.deploy.cli"]
+    assert [layer_of(t) for t in imports] == ["jit", "foundation", "foundation", "serving", "deploy"]

@@ -513,7 +513,7 @@ class _ReferenceDecoder:
             mask_def.kv_span(kv_lens, np.diff(np.asarray(qo_indptr)), mask_params)
 
     def run(self, q, kv_cache, *, out, lse):
-        from flashjit.decode.reference import decode_reference
+        from flashjit.serving.reference import decode_reference
 
         indptr, indices, last, qo_indptr, mask, params, layout = self.args
         k, v = kv_cache
@@ -531,7 +531,7 @@ class _ReferenceDecoder:
 
 @pytest.mark.parametrize("name", ["tree", "sink_window"])
 def test_check_batch_wiring_on_cpu(name, monkeypatch, isolated_masks):
-    from flashjit.decode import batch_decode
+    from flashjit.serving import batch_decode
 
     monkeypatch.setattr(batch_decode, "BatchDecode", _ReferenceDecoder)
     rng = random.Random(0)

@@ -57,7 +57,7 @@ def main() -> int:
 
     # One decode step by hand: 3 requests, 2 query tokens each, GQA 32/8, head_dim 128, pages of 16.
     from flashjit.deploy.random_batches import make_batch
-    from flashjit.decode.reference import decode_reference
+    from flashjit.serving.reference import decode_reference
 
     batch = make_batch([70, 1000, 4097], num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_lens=2)
     decoder = flashjit.BatchDecode(device="cuda")

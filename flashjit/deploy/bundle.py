@@ -5,47 +5,45 @@ Inside a bundle (every path relative, files only):
     v{SCHEMA}/entries/<key>/kernel.cubin|source.cu|meta.json   verified cache entries, as on disk
     v{SCHEMA}/index/<spec key>                             index files, so GPU hosts skip rendering
 
-Import invariants:
-  * nothing is extracted: each member is read into memory and written through KernelCache.store /
-    store_index (temp file, fsync, os.replace), under names built from 64-hex-digit keys, so no
-    bundle can write outside the cache dir;
-  * the bundle is refused, before anything is written, if any member is not a regular file
-    (symlinks, hard links, devices, FIFOs), has an absolute path, '..', a name outside the layout
-    above, a duplicate name, an implausible size, or belongs to another schema or bundle format;
-  * each entry is verified (meta.json parses, names its own key and this schema, the cubin's
-    SHA-256 matches cubin_sha256) and skipped with a reason if not; an index file is copied only
-    when the entry it names is verified here.
+Import reads the bundle twice and writes nothing until the first read is through:
+  1. check: every member header (layout, kind, size), the running member count and uncompressed
+     size (Limits), the header file, and each entry, whose files lie next to each other:
+     meta.json of the shape flashjit writes (every field it reads, of its type; keys of 64 hex
+     digits), a cubin that is an ELF file matching cubin_sha256, and an entry key and portable key
+     that are the hashes of source.cu and meta.json's arch, options and versions. A malformed
+     member refuses the whole bundle, naming the member and field; a damaged entry (checksum, key,
+     schema) is rejected with its reason while the others go on.
+  2. write: the same stream again, every member hashing as it did in step 1 (a bundle changed in
+     between stops the import). Entries go through KernelCache.store and index files through
+     store_index, under names built from the 64-hex-digit keys step 1 checked (meta.json's
+     portable_key, a file name to store(), is one): no other value read from a bundle is used as
+     a path. A bundle's index file never replaces a local one that names a verified entry, unless
+     replace=True (`flashjit cache import --replace`).
+bundle_stream reads and checks the members, bundle_meta decides whether an entry is sound; this
+module writes bundles, runs the two steps and reports.
 A bundle holds machine code that will run on your GPUs: import only bundles your build made.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
-import re
+import shutil
 import tarfile
 import time
-import zlib
 from pathlib import Path
 
 from .._version import __version__
 from ..jit.cache import ENTRY_FILES, KEY_PATTERN, SCHEMA, KernelCache, atomic_file
-from ..errors import CacheError, FlashJITError
+from ..errors import CacheError
+from .bundle_meta import check_entry
+from .bundle_stream import (HEADER, MAX_BYTES, UNREADABLE, BundleError, BundleReader, Limits, Refusal, by_entry,
+                            open_bundle)
 
+__all__ = ["BUNDLE_FORMAT", "HEADER", "MAX_BYTES", "BundleError", "ExportReport", "ImportReport", "Limits",
+           "export_bundle", "import_bundle"]
 BUNDLE_FORMAT = 1
-HEADER = "flashjit-bundle.json"
-# Upper bounds on member sizes: a real cubin is well under a few MiB.
-MAX_BYTES = {"kernel.cubin": 256 << 20, "source.cu": 64 << 20, "meta.json": 16 << 20, "index": 1024,
-             HEADER: 256 << 20}
-_ENTRY_FILE = re.compile(r"v(?P<version>\d+)/entries/(?P<key>[0-9a-f]{64})/(?P<file>kernel\.cubin|source\.cu|meta\.json)")
-_INDEX_FILE = re.compile(r"v(?P<version>\d+)/index/(?P<key>[0-9a-f]{64})")
-_FOLDER = re.compile(r"v\d+(/entries(/[0-9a-f]{64})?|/index)?/?")
-
-
-class BundleError(FlashJITError):
-    """A bundle that cannot be made or must not be imported; says which file and member, and why."""
 
 
 @dataclasses.dataclass
@@ -54,6 +52,7 @@ class ExportReport:
     entries: list[dict]   # metadata of every exported entry
     index_files: int
     bytes: int            # size of the .tar.gz
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (entry folder, why not exported)
 
 
 @dataclasses.dataclass
@@ -64,7 +63,8 @@ class ImportReport:
     present: list[str] = dataclasses.field(default_factory=list)     # already in the cache, verified
     rejected: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (key, why)
     index_files: int = 0
-    index_skipped: int = 0
+    index_skipped: int = 0  # naming an entry neither imported nor verified here
+    index_kept: int = 0     # local index files naming another verified entry, kept (replace=False)
 
 
 # ---- export -------------------------------------------------------------------------------------
@@ -72,10 +72,15 @@ class ImportReport:
 def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str | None = None) -> ExportReport:
     """Write the cache's verified entries (only those of `specs`, if given; only `archs`, if given)
     and their index files to `out` (.tar.gz), atomically. Missing specs are an error: prewarm first
-    (`prewarm_hint`, the command that would, goes in the message).
+    (`prewarm_hint`, the command that would, goes in the message). Without `specs`, entry folders
+    that are not verified (incomplete or damaged) are listed in the report's `skipped`.
     """
+    out = Path(out)
+    if not out.name or out.is_dir():
+        raise BundleError(f"{out} is a folder: give the bundle's file name, such as {out / 'kernels.tar.gz'}")
     cache = KernelCache(cache_dir)
     entries = {e["key"]: e for e in cache.entries()}
+    skipped = []
     if specs is not None:
         from ..jit.engine import Engine, prewarm_command  # the engine knows how a spec maps to an entry
 
@@ -95,6 +100,7 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
     else:
         keep = {key for key, e in entries.items() if not archs or e.get("arch") in archs}
         index = {spec_key: key for spec_key, key in cache.index().items() if key in keep}
+        skipped = _unverified_entries(cache, set(entries))
     if not keep:
         where = f" for {', '.join(archs)}" if archs else ""
         raise BundleError(f"nothing to export: the kernel cache at {cache.root} holds no verified entries{where}")
@@ -102,18 +108,40 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
     header = {"format": BUNDLE_FORMAT, "schema": SCHEMA, "flashjit": __version__, "created": time.time(),
               "entries": [{k: e.get(k) for k in ("key", "name", "arch", "nvrtc", "cubin_sha256")} for e in chosen],
               "index_files": len(index)}
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(out) as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+            _add(tar, HEADER, json.dumps(header, indent=1).encode())
+            for e in chosen:
+                for name, data in _entry_files(e).items():
+                    _add(tar, f"v{SCHEMA}/entries/{e['key']}/{name}", data, e.get("created", 0))
+            for spec_key, key in sorted(index.items()):
+                _add(tar, f"v{SCHEMA}/index/{spec_key}", key.encode())
+        size = out.stat().st_size
+    except OSError as exc:
+        raise BundleError(f"could not write {out}: {exc.strerror or exc}") from None
+    return ExportReport(out, chosen, len(index), size, skipped)
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out) as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
-        _add(tar, HEADER, json.dumps(header, indent=1).encode())
-        for e in chosen:
-            folder = Path(e["path"])
-            for name in ENTRY_FILES:
-                _add(tar, f"v{SCHEMA}/entries/{e['key']}/{name}", (folder / name).read_bytes(), e.get("created", 0))
-        for spec_key, key in sorted(index.items()):
-            _add(tar, f"v{SCHEMA}/index/{spec_key}", key.encode())
-    return ExportReport(out, chosen, len(index), out.stat().st_size)
+
+def _entry_files(entry: dict) -> dict[str, bytes]:
+    folder = Path(entry["path"])
+    try:
+        return {name: (folder / name).read_bytes() for name in ENTRY_FILES}
+    except OSError as exc:  # verified a moment ago: pruned or cleared meanwhile
+        raise BundleError(f"cache entry {folder} ({entry.get('name')}) could not be read while exporting "
+                          f"({exc.strerror or exc}); nothing was written, export again") from None
+
+
+def _unverified_entries(cache: KernelCache, verified: set[str]) -> list[tuple[str, str]]:
+    """Entry folders of the cache that export leaves out, with the reason."""
+    folder = cache.base / "entries"
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return []
+    return [(name, "incomplete: no meta.json (its writer stopped, or the disk was full)"
+             if not (folder / name / "meta.json").exists() else "damaged or unreadable: its files do not verify")
+            for name in names if name not in verified]
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float = 0):
@@ -124,70 +152,52 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float = 0):
 
 # ---- import -------------------------------------------------------------------------------------
 
-def import_bundle(path, cache_dir=None) -> ImportReport:
+def import_bundle(path, cache_dir=None, *, replace: bool = False, limits: Limits = Limits()) -> ImportReport:
     """Verify a bundle and write its entries and index files into the cache (see the module doc)."""
     path = Path(path)
     cache = KernelCache(cache_dir)
     if not cache.writable:
         raise CacheError(f"cannot import {path}: the kernel cache at {cache.root} is not writable; "
                          "set FLASHJIT_CACHE_DIR or --cache-dir to a writable folder")
-    try:
-        with tarfile.open(path, mode="r:gz") as tar:
-            members = tar.getmembers()  # reads every header: a truncated file fails here
-            header, entry_members, index_members = _check_members(members, path)
-            _check_header(json.loads(_read(tar, header)), path)
-            return _import(tar, path, cache, entry_members, index_members)
-    except (tarfile.TarError, EOFError, zlib.error, ValueError) as exc:
-        raise BundleError(f"{path}: not a readable flashjit bundle ({type(exc).__name__}: {exc})") from None
-    except FileNotFoundError:
-        raise BundleError(f"{path}: no such file") from None
+    with open_bundle(path) as raw:
+        reader = BundleReader(raw, path, limits)
+        try:
+            checked = _check(reader)
+        except Refusal as refusal:
+            raise BundleError(f"{path}: refusing the bundle (nothing was imported): {refusal}") from None
+        except UNREADABLE as exc:
+            raise BundleError(f"{path}: not a readable flashjit bundle ({type(exc).__name__}: {exc})") from None
+        _check_space(cache, checked)
+        try:
+            return _write(reader, cache, checked, replace)
+        except (Refusal,) + UNREADABLE as exc:
+            raise BundleError(f"{path} changed while it was imported ({exc}); import it again") from None
 
 
-def _check_members(members, path):
-    """Refuse the whole bundle on any member outside the layout; returns what to import, in order."""
-    header, entries, index, seen = None, {}, {}, set()
+@dataclasses.dataclass
+class _Checked:
+    entries: dict[str, dict | str]   # entry key -> its meta.json, or why it is rejected
+    index: dict[str, bytes]          # spec key -> the index file's contents
+    sizes: dict[str, int]            # entry key -> bytes its files take
 
-    def refuse(member, why):
-        return BundleError(f"{path}: refusing the bundle (nothing was imported): member {member.name!r} {why}")
 
-    for member in members:
-        name = member.name
-        if name.startswith("/") or "\\" in name or any(part in ("", ".", "..") for part in name.rstrip("/").split("/")):
-            raise refuse(member, "has an absolute or non-normalized path")
-        if member.isdir():
-            if not _FOLDER.fullmatch(name):
-                raise refuse(member, "is a folder outside the bundle layout")
-            continue
-        if not member.isfile():
-            kind = ("a symbolic link" if member.issym() else "a hard link" if member.islnk() else
-                    "a device" if member.isdev() else "not a regular file")
-            raise refuse(member, f"is {kind}; bundles hold regular files only")
-        if name in seen:
-            raise refuse(member, "appears twice")
-        seen.add(name)
-        entry, indexed = _ENTRY_FILE.fullmatch(name), _INDEX_FILE.fullmatch(name)
-        match = entry or indexed
-        if name == HEADER:
-            header, kind = member, HEADER
-        elif match:
-            version = int(match.group("version"))
-            if version != SCHEMA:
-                raise BundleError(f"{path}: refusing the bundle (nothing was imported): it holds cache entries of "
-                                  f"schema v{version} and this flashjit ({__version__}) reads v{SCHEMA}; export the "
-                                  f"bundle again with flashjit {__version__}, or import it with the flashjit that made it")
-            kind = entry.group("file") if entry else "index"
-            if entry:
-                entries.setdefault(entry.group("key"), {})[kind] = member
-            else:
-                index[indexed.group("key")] = member
-        else:
-            raise refuse(member, "is not part of the bundle layout (flashjit-bundle.json, "
-                                 f"v{SCHEMA}/entries/<key>/{{{','.join(ENTRY_FILES)}}}, v{SCHEMA}/index/<key>)")
-        if member.size > MAX_BYTES[kind]:
-            raise refuse(member, f"is {member.size} bytes, more than the {MAX_BYTES[kind]} a {kind} may hold")
+def _check(reader: BundleReader) -> _Checked:
+    """Step 1 of the module doc: everything is checked, nothing written."""
+    checked, others, malformed = _Checked({}, {}, {}), [], None
+    for key, group in by_entry(reader.files(), others):
+        try:
+            checked.entries[key] = check_entry(key, group)
+        except Refusal as refusal:  # raised once the header is known to be ours
+            malformed = malformed or refusal
+        checked.sizes[key] = sum(len(f.data) for f in group.values())
+    header = next((f for f in others if f.kind == HEADER), None)
     if header is None:
-        raise BundleError(f"{path}: not a flashjit bundle (no {HEADER}); make one with `flashjit cache export`")
-    return header, entries, index
+        raise BundleError(f"{reader.path}: not a flashjit bundle (no {HEADER}); make one with `flashjit cache export`")
+    _check_header(json.loads(header.data), reader.path)
+    if malformed:
+        raise malformed
+    checked.index = {f.key: f.data for f in others if f.kind == "index"}
+    return checked
 
 
 def _check_header(header, path):
@@ -203,56 +213,54 @@ def _check_header(header, path):
                           f"Export it again with flashjit {__version__}")
 
 
-def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
-    handle = tar.extractfile(member)
-    data = handle.read(member.size + 1) if handle else b""
-    if len(data) != member.size:
-        raise BundleError(f"{tar.name}: member {member.name!r} is truncated")
-    return data
-
-
-def _verify(key: str, files: dict[str, bytes]):
-    """(cubin, source, meta) of a sound entry, or the reason it is not."""
-    missing = [name for name in ENTRY_FILES if name not in files]
-    if missing:
-        return f"incomplete: no {', '.join(missing)}"
+def _check_space(cache: KernelCache, checked: _Checked):
+    needed = sum(checked.sizes[key] for key, meta in checked.entries.items() if isinstance(meta, dict))
     try:
-        meta = json.loads(files["meta.json"])
-        source = files["source.cu"].decode()
-    except (ValueError, UnicodeDecodeError) as exc:
-        return f"unreadable meta.json or source.cu ({exc})"
-    if not isinstance(meta, dict) or meta.get("key") != key:
-        return "meta.json names another key"
-    if meta.get("schema") != SCHEMA:
-        return f"meta.json says schema {meta.get('schema')!r}, not {SCHEMA}"
-    if meta.get("cubin_sha256") != hashlib.sha256(files["kernel.cubin"]).hexdigest():
-        return "kernel.cubin does not match meta.json's cubin_sha256 (damaged in transit?)"
-    return files["kernel.cubin"], source, meta
+        free = shutil.disk_usage(cache.base).free
+    except OSError:
+        return
+    if needed > free:
+        raise CacheError(f"the bundle's entries need {needed} bytes and {cache.root} has {free} free; "
+                         "nothing was imported: free space (`flashjit cache prune`) and import again")
 
 
-def _import(tar, path, cache: KernelCache, entry_members: dict, index_members: dict) -> ImportReport:
-    report, good = ImportReport(path, cache.root), set()
-    for key, files in entry_members.items():
-        checked = _verify(key, {name: _read(tar, member) for name, member in
-                                sorted(files.items(), key=lambda item: item[1].offset)})
-        if isinstance(checked, str):
-            report.rejected.append((key, checked))
+def _write(reader: BundleReader, cache: KernelCache, checked: _Checked, replace: bool) -> ImportReport:
+    """Step 2 of the module doc."""
+    report = ImportReport(reader.path, cache.root)
+    report.rejected = [(key, why) for key, why in checked.entries.items() if isinstance(why, str)]
+    good = set()
+    for key, files in by_entry(reader.files(), []):
+        meta = checked.entries[key]
+        if not isinstance(meta, dict):
             continue
-        cubin, source, meta = checked
-        name = meta.get("name", key[:12])
         if cache.load(key) is not None:
-            report.present.append(name)
-        elif cache.store(key, cubin, source, meta):
-            report.imported.append(name)
+            report.present.append(meta["name"])
+        elif cache.store(key, files["kernel.cubin"].data, files["source.cu"].data.decode(), meta):
+            report.imported.append(meta["name"])
         else:
-            raise CacheError(f"could not write entry {key} ({name}) into {cache.root} after importing "
+            raise CacheError(f"could not write entry {key} ({meta['name']}) into {cache.root} after importing "
                              f"{len(report.imported)} entries; free space or fix permissions and import again")
         good.add(key)
-    for spec_key, member in index_members.items():
-        key = _read(tar, member).decode(errors="replace").strip()
-        if KEY_PATTERN.fullmatch(key) and (key in good or cache.load(key) is not None):
-            cache.store_index(spec_key, key)
-            report.index_files += 1
-        else:
+    for spec_key, data in checked.index.items():
+        key = data.decode(errors="replace").strip()
+        if not KEY_PATTERN.fullmatch(key) or not (key in good or cache.load(key) is not None):
             report.index_skipped += 1
+            continue
+        local = _local_index(cache, spec_key)
+        if local != key and local is not None and not replace and cache.load(local) is not None:
+            report.index_kept += 1
+            continue
+        if local != key:
+            cache.store_index(spec_key, key)
+            if _local_index(cache, spec_key) != key:
+                raise CacheError(f"could not write index file {spec_key} into {cache.root} after importing "
+                                 f"{len(report.imported)} entries; free space or fix permissions and import again")
+        report.index_files += 1
     return report
+
+
+def _local_index(cache: KernelCache, spec_key: str) -> str | None:
+    try:
+        return cache.lookup_index(spec_key)
+    except ValueError:  # an index file that is not text: no mapping
+        return None

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.set_defaults(func=cmd_cache_export)
     q = actions.add_parser("import", help="verify a bundle and add its entries to the cache")
     q.add_argument("bundle", metavar="IN.tar.gz")
+    q.add_argument("--replace", action="store_true",
+                   help="let the bundle's index files replace local ones that name other verified kernels")
+    q.add_argument("--max-size", metavar="SIZE", help="refuse bundles that unpack to more than SIZE (default 2GiB)")
+    q.add_argument("--max-members", type=int, metavar="N", help="refuse bundles of more than N members (default 50000)")
     cache_dir(q)
     q.set_defaults(func=cmd_cache_import)
     q = actions.add_parser("info", help="size, entries per arch, other schema versions")

@@ -7,6 +7,7 @@ import re
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from .cli_kernels import hf_specs, named_specs
 from .cli_output import UsageError, error, format_size, table
@@ -34,9 +35,22 @@ def cmd_clear(args) -> int:
     from ..jit.cache import KernelCache
 
     cache = KernelCache(args.cache_dir)
-    count = cache.clear()
+    if not cache.writable:
+        error(f"{not_writable(cache)}: nothing was removed")
+        return 1
+    try:
+        count = cache.clear()
+    except OSError as exc:
+        left = len(cache.entries())
+        error(f"could not clear the kernel cache at {cache.root} ({exc}); {left} entries remain")
+        return 1
     print(f"removed {count} entries from {cache.root}")
     return 0
+
+
+def not_writable(cache) -> str:
+    """Why a command that removes files did nothing."""
+    return f"the kernel cache at {cache.root} is read-only for this user (or not usable)"
 
 
 # ---- cache export / import / info / prune -----------------------------------------------------
@@ -72,21 +86,36 @@ def cmd_cache_export(args) -> int:
     report = export_bundle(args.out, args.cache_dir, specs=specs, archs=archs, prewarm_hint=shlex.join(hint))
     rows = [(e.get("name", "?"), e.get("arch", "?"), format_size(int(e.get("cubin_bytes", 0)))) for e in report.entries]
     print(table(rows, ("spec", "arch", "cubin")))
+    for key, why in report.skipped:
+        print(f"flashjit: skipped entry {key[:16]}: {why}", file=sys.stderr)
     print(f"exported {len(report.entries)} entries and {report.index_files} index files to {report.path} "
           f"({format_size(report.bytes)})")
+    if report.skipped:
+        error(f"skipped {len(report.skipped)} entries of the cache that do not verify (listed above): the bundle "
+              "lacks them; prewarm their specs again to rebuild them")
+        return 1
     return 0
 
 
 def cmd_cache_import(args) -> int:
-    from .bundle import import_bundle
+    from .bundle import Limits, import_bundle
 
-    report = import_bundle(args.bundle, args.cache_dir)
+    limits = Limits(members=args.max_members if args.max_members is not None else Limits.members,
+                    total_bytes=parse_size(args.max_size) if args.max_size is not None else Limits.total_bytes)
+    report = import_bundle(args.bundle, args.cache_dir, replace=args.replace, limits=limits)
     for key, why in report.rejected:
         print(f"flashjit: rejected entry {key[:16]}: {why}", file=sys.stderr)
+    if report.index_skipped:
+        print(f"flashjit: skipped {report.index_skipped} index files naming entries neither imported nor "
+              "in the cache", file=sys.stderr)
+    if report.index_kept:
+        print(f"flashjit: kept {report.index_kept} local index file{'s' if report.index_kept > 1 else ''} naming "
+              "other verified kernels than the bundle's, which are imported but not served for those specs; "
+              "--replace takes the bundle's", file=sys.stderr)
     print(f"imported {len(report.imported)} entries ({len(report.present)} already present, "
           f"{len(report.rejected)} rejected) and {report.index_files} index files from {report.path} "
           f"into {report.cache_dir}")
-    return 1 if report.rejected else 0
+    return 1 if report.rejected or report.index_kept else 0
 
 
 def cmd_cache_info(args) -> int:
@@ -119,6 +148,9 @@ def cmd_cache_prune(args) -> int:
         return 2
     max_bytes = parse_size(args.max_size) if args.max_size is not None else None
     cache = KernelCache(args.cache_dir)
+    if not cache.writable and not args.dry_run:
+        error(f"{not_writable(cache)}: nothing was removed (--dry-run shows what prune would remove)")
+        return 1
     report = cache.prune(max_bytes=max_bytes, old_versions=args.old_versions, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for e in report["removed"]:
@@ -130,5 +162,15 @@ def cmd_cache_prune(args) -> int:
           f"{report['index_removed']} index files and {len(report['versions_removed'])} old versions: "
           f"{format_size(report['freed_bytes'])} freed; kept {report['kept']} entries "
           f"({format_size(report['kept_bytes'])}) in {cache.root}")
+    if args.old_versions:
+        for v in cache.usage()["other_versions"]:
+            if v["state"] != "older":
+                print(f"kept v{v['version']} at {v['path']}: {v['state'].removesuffix(' (kept)')}")
+    left = [e["name"] for e in report["removed"] if cache.entry_dir(e["key"]).exists()]
+    left += [v["path"] for v in report["versions_removed"] if Path(v["path"]).exists()]
+    if left and not args.dry_run:
+        error(f"could not remove {len(left)} of them ({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}): "
+              "check the permissions in the cache dir")
+        return 1
     return 0
 

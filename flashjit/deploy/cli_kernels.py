@@ -82,9 +82,10 @@ def prewarm_specs(engine, specs, jobs: int | None, *, progress: bool = True) -> 
     return results, time.perf_counter() - start
 
 
-def prewarm_summary(results, wall_s: float) -> str:
+def prewarm_summary(results, wall_s: float, unsaved=frozenset()) -> str:
     """One row per kernel (where it came from, seconds), then the totals."""
-    rows = [(r.spec.name, r.spec.arch, ORIGIN.get(r.source, r.source), f"{r.seconds:.2f}") for r in results]
+    rows = [(r.spec.name, r.spec.arch, ORIGIN.get(r.source, r.source) + (", not saved" if r.spec in unsaved else ""),
+             f"{r.seconds:.2f}") for r in results]
     counts = {origin: sum(r.source == origin for r in results) for origin in ("compiled", "disk", "memory")}
     total = (f"total: {len(results)} kernels, {counts['compiled']} compiled, {counts['disk']} disk hits, "
              f"{counts['memory']} memory hits in {wall_s:.2f} s")
@@ -100,9 +101,16 @@ def cmd_prewarm(args) -> int:
     specs = named_specs(args)
     engine = Engine(args.cache_dir, allow_compile=True)  # compiling is its job, even where FLASHJIT_NO_COMPILE is set
     results, wall = prewarm_specs(engine, specs, args.jobs)
-    print(prewarm_summary(results, wall))
+    # A compile whose entry did not reach the disk (read-only, full) serves only this process.
+    unsaved = {r.spec for r in results
+               if r.source == "compiled" and engine.cache.load(engine.get_kernel(r.spec).key) is None}
+    print(prewarm_summary(results, wall, unsaved))
     print(f"cache: {engine.cache.root}" + ("" if engine.cache.writable else " (not writable: kept in memory only)"))
     print(f"host planner: {host_planner_status(engine)}")
+    if unsaved:
+        error(f"{len(unsaved)} kernels compiled but not saved in the kernel cache at {engine.cache.root} (read-only "
+              "or full: see the warning); a later process or `flashjit cache export` will not find them")
+        return 1
     return 0
 
 

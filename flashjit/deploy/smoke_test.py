@@ -36,8 +36,8 @@ def decode_check(engine, *, device="cuda", kv_lens=KV_LENS, mask: str = "none",
     """Plan and run BatchDecode on random bf16 data and compare with decode_reference."""
     import torch
 
-    from ..decode.batch_decode import BatchDecode
-    from ..decode.reference import decode_reference
+    from ..serving.batch_decode import BatchDecode
+    from ..serving.reference import decode_reference
 
     gen = torch.Generator().manual_seed(seed)
     pages_per_request = [-(-n // PAGE_SIZE) for n in kv_lens]

@@ -10,7 +10,7 @@ side is written by hand, and these checks tie it to the definitions here:
   each mask parameter's size and kind (flashjit.masks.params). A field reordered, retyped, added
   or dropped on one side only fails the NVRTC compile with a message naming it.
 * The entry template defines FJ_ITEM_INTS as ITEM_INTS, and WorkItem asserts the width it reads.
-* host_library builds the C planner (decode/native/host_plan.c) with -DFJ_ITEM_INTS=ITEM_INTS;
+* host_library builds the C planner (serving/native/host_plan.c) with -DFJ_ITEM_INTS=ITEM_INTS;
   the file refuses to build without it, or with a width other than the one it writes.
 """
 

@@ -21,7 +21,7 @@ with one warning; a read-only root still serves what it holds (warning at the fi
 Last use: the engine bumps an entry folder's mtime when it loads the entry from disk (one utime
 call; memory hits never touch the disk), so `prune` evicts least recently used entries first.
 Other v{N} folders under the root hold entries of other schema versions; this version never reads
-them, `usage` reports them and `prune(old_versions=True)` removes the older ones.
+them, `usage` reports them and `prune(old_versions=True)` removes the older ones in its layout.
 
 Trust model. The cache holds code that flashjit runs: cubins on the GPU and host helper libraries
 (dlopen()ed into the process). Whoever can write the cache folder can run code as every user of

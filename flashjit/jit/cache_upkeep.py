@@ -16,10 +16,12 @@ import time
 from pathlib import Path
 
 from ..errors import CacheError
-from .cache_format import SCHEMA
+from .cache_format import KEY_PATTERN, SCHEMA
 
 INCOMPLETE_GRACE_S = 3600.0  # prune removes entries that never got their meta.json after this long
 _VERSION_FOLDER = re.compile(r"v(\d+)")
+LAYOUT = ("entries", "index", "portable", "locks", "failed", "host")  # what a v{N} folder holds
+_OWN_HIDDEN = re.compile(r"\.(probe|trash)-.*|\..*\.tmp")  # probes, entries being removed, temp files
 
 
 class CacheUpkeep:
@@ -40,9 +42,10 @@ class CacheUpkeep:
                 match = _VERSION_FOLDER.fullmatch(path.name)
                 if match and path.is_dir() and int(match.group(1)) != SCHEMA:
                     version = int(match.group(1))
+                    state = ("newer (kept)" if version > SCHEMA else "older" if _is_cache_version(path)
+                             else "not a flashjit cache (kept)")
                     versions.append({"version": version, "path": str(path), "bytes": _tree_bytes(path),
-                                     "entries": _count_dirs(path / "entries"),
-                                     "state": "older" if version < SCHEMA else "newer (kept)"})
+                                     "entries": _count_dirs(path / "entries"), "state": state})
         return {
             "root": str(self.root), "schema": SCHEMA, "writable": self.writable,
             "bytes": _tree_bytes(self.base), "entries": len(entries),
@@ -55,10 +58,11 @@ class CacheUpkeep:
 
     def prune(self, max_bytes: int | None = None, old_versions: bool = False, dry_run: bool = False) -> dict:
         """Free space: least recently used entries first until entries fit in max_bytes; with
-        old_versions, the v{N} folders of older schemas. Entries left incomplete by a killed writer
-        (no valid meta.json for INCOMPLETE_GRACE_S) always go, and so do index files naming removed
-        entries. Safe while other processes use the cache: an entry is renamed away before it is
-        deleted, so readers see it whole or not at all (and a miss only means a recompile).
+        old_versions, the v{N} folders of older schemas in flashjit's layout. Entries left incomplete
+        by a killed writer (no valid meta.json for INCOMPLETE_GRACE_S) always go, and so do index
+        files naming removed entries. Safe while other processes use the cache: an entry is renamed
+        away before it is deleted, so readers see it whole or not at all (and a miss only means a
+        recompile).
         Raises CacheError for a cache that is not read at all (not trusted): every entry of it
         would look incomplete.
         """
@@ -112,7 +116,7 @@ class CacheUpkeep:
                         (self.base / "index" / spec_key).unlink()
         if old_versions:
             for version in self.usage()["other_versions"]:
-                if version["version"] < SCHEMA:
+                if version["state"] == "older":
                     report["versions_removed"].append(version)
                     report["freed_bytes"] += version["bytes"]
                     if not dry_run:
@@ -132,10 +136,15 @@ class CacheUpkeep:
         shutil.rmtree(trash, ignore_errors=True)
 
     def clear(self) -> int:
-        """Remove every entry and lock; returns the number of entries removed."""
-        count = len(list((self.base / "entries").glob("*"))) if (self.base / "entries").is_dir() else 0
-        if self.base.exists():
-            shutil.rmtree(self.base)
+        """Remove the LAYOUT folders inside v{SCHEMA} (not v{SCHEMA} itself: a link to another disk
+        stays, and so do files not the cache's); returns the entries removed. OSError if read-only."""
+        count = len([p for p in self.base.glob("entries/*") if KEY_PATTERN.fullmatch(p.name)])
+        for name in LAYOUT:
+            path = self.base / name
+            if path.is_symlink() or path.is_file():
+                path.unlink()
+            elif path.is_dir():
+                shutil.rmtree(path)
         self.writable = self._prepare()
         return count
 
@@ -161,6 +170,19 @@ def _remove_stale_temp_files(folder: Path, now: float, dry_run: bool) -> int:
                     path.unlink()
                 freed += stat.st_size
     return freed
+
+
+def _is_cache_version(path: Path) -> bool:
+    """A v{N} folder flashjit wrote (LAYOUT folders and its own hidden files only, key-named entries):
+    prune removes no other, so a cache root pointed at a data folder loses nothing."""
+    try:
+        if path.is_symlink() or not (path / "entries").is_dir():
+            return False
+        names, keys = [p.name for p in path.iterdir()], [p.name for p in (path / "entries").iterdir()]
+    except OSError:
+        return False
+    return (all(name in LAYOUT or _OWN_HIDDEN.fullmatch(name) for name in names)
+            and all(KEY_PATTERN.fullmatch(key) or _OWN_HIDDEN.fullmatch(key) for key in keys))
 
 
 def _count_dirs(path: Path) -> int:

@@ -1,4 +1,4 @@
-"""Host-side C helpers (flashjit/decode/native/*.c): built once with the system C compiler, kept in
+"""Host-side C helpers (flashjit/serving/native/*.c): built once with the system C compiler, kept in
 the kernel cache folder, loaded with ctypes.
 
 Each library goes through the artifact lifecycle (artifact.py), as cubins do: load
@@ -45,7 +45,7 @@ from .cache import SCHEMA, KernelCache, LockBusy, atomic_file
 
 log = logging.getLogger("flashjit")
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "decode" / "native"
+SOURCE_DIR = Path(__file__).resolve().parent.parent / "serving" / "native"
 # No -ffast-math, and no fused multiply-adds: the helpers must round exactly as the Python references.
 # -DFJ_ITEM_INTS: the work-item record width of abi.py, which host_plan.c refuses to build without.
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math", f"-DFJ_ITEM_INTS={ITEM_INTS}")

@@ -3,6 +3,11 @@
 Headers are pasted verbatim by `{{ header(name) }}`, so the rendered text alone determines the compiled code
 (and so the cache key). Templates render in a sandboxed environment with StrictUndefined: user
 mask templates cannot reach Python internals, and a typo is an error naming file and line.
+
+What a template may load (include, extends, import, header) is confined to the template roots:
+relative names resolve under the package's templates/ only, and an absolute path loads only when it
+is the template file of a registered mask. Anything else would land, verbatim, in the kernel
+source, the cache's source.cu and every exported bundle.
 """
 
 from __future__ import annotations
@@ -36,18 +41,33 @@ def template_root() -> Path:
     raise TemplateError(f"flashjit templates not found next to {package}; reinstall flashjit")
 
 
-def _load_absolute(name: str):
-    """Loader for user mask templates registered by absolute path."""
-    if not os.path.isabs(name) or not os.path.isfile(name):
-        return None
-    path = Path(name)
-    mtime = path.stat().st_mtime
-    return path.read_text(), str(path), lambda: path.exists() and path.stat().st_mtime == mtime
+class OutsideTemplateRoots(jinja2.TemplateNotFound):
+    """A template named a file outside the template roots."""
+
+
+class _TemplateLoader(jinja2.BaseLoader):
+    """Relative names from the package's templates/; absolute paths only for registered mask templates."""
+
+    def __init__(self, root: Path):
+        self._package = jinja2.FileSystemLoader(str(root))  # refuses '..' and names that leave root
+
+    def get_source(self, environment, name):
+        if not isinstance(name, str):  # header(42), header(an_undefined_name)
+            raise jinja2.TemplateNotFound(repr(name))
+        if not os.path.isabs(name):
+            return self._package.get_source(environment, name)
+        if not masks.is_template_file(name):
+            raise OutsideTemplateRoots(name)
+        path = Path(name)
+        if not path.is_file():
+            raise jinja2.TemplateNotFound(name)
+        mtime = path.stat().st_mtime
+        return path.read_text(), str(path), lambda: path.exists() and path.stat().st_mtime == mtime
 
 
 @lru_cache(maxsize=1)
 def environment() -> SandboxedEnvironment:
-    loader = jinja2.ChoiceLoader([jinja2.FileSystemLoader(str(template_root())), jinja2.FunctionLoader(_load_absolute)])
+    loader = _TemplateLoader(template_root())
     env = SandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                autoescape=False)
     # CUDA headers are pasted verbatim, not parsed: inline PTX such as "{%0, %1}" is not Jinja.
@@ -100,6 +120,10 @@ def render(spec: DecodeSpec, mask: MaskDef | None = None, tiling: DecodeTiling |
                    item_ints=abi.ITEM_INTS, abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge))
     try:
         return environment().get_template(ENTRY_TEMPLATE).render(**context)
+    except OutsideTemplateRoots as exc:
+        raise TemplateError(f"template {exc.name!r} is outside the template roots: templates load package "
+                            "templates by relative name and registered mask templates by path (rendering "
+                            f"{spec.name}; mask {mask.name!r} uses {mask.template!r})") from exc
     except jinja2.TemplateNotFound as exc:
         raise TemplateError(f"template {exc.name!r} not found (rendering {spec.name}; mask {mask.name!r} "
                             f"uses {mask.template!r})") from exc

@@ -9,7 +9,13 @@ Registering a mask never needs a change to the engine.
 Discovery is lazy: FLASHJIT_TEMPLATE_PATH is re-scanned whenever its value changed, and the entry
 points load once per process, on the first lookup of a name not registered yet (or on names()),
 so a process that only uses built-ins never imports importlib.metadata. A folder mask replaces
-an earlier mask of the same name; register_mask and plugins never replace silently.
+an earlier user mask of the same name but never a built-in; register_mask and plugins never
+replace silently.
+
+A template folder that cannot be used (missing, not a folder, a file with a bad params header, a
+link out of the folder, a file named after a built-in) registers none of its masks. Engine's
+template_dirs raise at once; a FLASHJIT_TEMPLATE_PATH folder is reported by every names() and by
+every lookup of a name not registered, while the built-ins keep working.
 """
 
 from __future__ import annotations
@@ -29,8 +35,20 @@ from .params import PARAM_CTYPES
 log = logging.getLogger("flashjit")
 
 ENTRY_POINT_GROUP = "flashjit.masks"
+TEMPLATE_PATH_ENV = "FLASHJIT_TEMPLATE_PATH"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _HEADER = re.compile(r"\{#-?\s*params:(?P<params>[^#]*?)-?#\}")  # lazy: '-#}' is not a param
+_HEADER_CHARS = 2000  # the params header is the first comment: a huge file is not read whole
+
+
+class TemplateFolderError(SpecError):
+    """A template folder, or a file in it, cannot be used. field: 'template_dirs' or
+    'FLASHJIT_TEMPLATE_PATH'; value: the folder (or the variable's value); accepted: what is wrong,
+    naming the folder or file."""
+
+    def __init__(self, field: str, value, problem: str):
+        self.field, self.value, self.accepted = field, str(value), problem
+        Exception.__init__(self, f"{field}={value}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +66,12 @@ class MaskDef:
     """What the engine and planner need to know about one mask.
 
     template: the Jinja2 name the loader resolves (built-ins) or an absolute file path (user masks).
+        A template loads other files by relative name from the package's templates/ only, and by
+        absolute path only the template files of registered masks (flashjit.jit.render).
     kv_span: (kv_lens, q_lens, params) -> (begin, end) numpy arrays of the positions worth reading
         per request; the planner cuts only that span into chunks. None means [0, kv_len).
     reference: (q_pos, kv_pos, request, params) -> bool tensor, the torch predicate used by
-        flashjit.decode.reference and the tests; q_pos is the request's [q_len, 1] column of query
+        flashjit.serving.reference and the tests; q_pos is the request's [q_len, 1] column of query
         positions (kv_len - q_len + i), kv_pos the [1, kv_len] row of keys. None means every key
         below kv_len is visible.
     sample_params: (rng, kv_lens, q_lens, page_size, device) -> mask_params for a random batch
@@ -95,6 +115,8 @@ class MaskRegistry:
         self._masks: dict[str, MaskDef] = {}
         self._lock = threading.Lock()
         self._scanned_env: list[Path] | None = None
+        self._scan_lock = threading.Lock()
+        self._env_problems: tuple[list[Path] | None, tuple[str, ...]] = (None, ())  # (scanned folders, problems)
         self._plugins_loaded = self._plugins_loading = False
         self._plugin_lock = threading.RLock()  # re-entrant: a plugin may look masks up while loading
         self.plugin_errors: dict[str, str] = {}  # entry-point name -> why it did not load
@@ -119,26 +141,45 @@ class MaskRegistry:
         """Register every ``NAME.cuh.j2`` in ``folder`` (or its ``masks/`` subfolder) as mask NAME.
 
         Runtime parameters are declared on the template's first line:
-        ``{# params: window_left:int block_indices:int_tensor #}``.
+        ``{# params: window_left:int block_indices:int_tensor #}``. A folder that cannot be used
+        raises TemplateFolderError naming the folder or file, and registers none of its masks.
         """
-        folder = Path(folder).expanduser().resolve()
-        if not folder.is_dir():
-            raise SpecError("template_dirs", str(folder), "existing folders")
-        found = []
-        for path in sorted(list(folder.glob("*.cuh.j2")) + list(folder.glob("masks/*.cuh.j2"))):
-            name = path.name.removesuffix(".cuh.j2")
-            if name == "base" or not _NAME.fullmatch(name):
-                continue
-            found.append(self.register(name, path, _params_from_header(path), replace=True))
-        return found
+        return self._add_folder(folder, "template_dirs")
+
+    def _add_folder(self, folder, field: str) -> list[MaskDef]:
+        found = _folder_masks(folder, field)
+        with self._lock:
+            for name, path, _ in found:
+                current = self._masks.get(name)
+                if current is not None and _is_package_template(current.template):
+                    raise TemplateFolderError(field, folder, (
+                        f"{path} would replace the built-in mask {name!r}; rename the file, or replace the "
+                        f"built-in on purpose with register_mask({name!r}, template=PATH, replace=True)"))
+        return [self.register(name, path, params, replace=True) for name, path, params in found]
 
     def _scan_env(self):
         folders = env.template_path()
         if folders == self._scanned_env:
             return
-        self._scanned_env = folders
-        for folder in folders:
-            self.add_template_dir(folder)
+        with self._scan_lock:  # one scan per value: the others wait for its masks
+            if folders == self._scanned_env:
+                return
+            problems = []
+            for folder in folders:
+                try:
+                    self._add_folder(folder, TEMPLATE_PATH_ENV)
+                except TemplateFolderError as exc:  # the other folders and the built-ins still load
+                    problems.append(exc.accepted)
+                    log.warning("%s: %s", TEMPLATE_PATH_ENV, exc.accepted)
+            self._env_problems = (folders, tuple(problems))
+            self._scanned_env = folders
+
+    def template_folder_error(self) -> TemplateFolderError | None:
+        """What is wrong with the FLASHJIT_TEMPLATE_PATH folders as last scanned, or None."""
+        folders, problems = self._env_problems
+        if folders != self._scanned_env or not problems:
+            return None
+        return TemplateFolderError(TEMPLATE_PATH_ENV, os.pathsep.join(map(str, folders)), "; ".join(problems))
 
     def load_plugins(self) -> None:
         """Register the masks of every ``flashjit.masks`` entry point, once per process.
@@ -182,13 +223,28 @@ class MaskRegistry:
             if self.plugin_errors:
                 accepted += " (mask plugins that failed to load: " + "; ".join(
                     f"{k}: {v}" for k, v in self.plugin_errors.items()) + ")"
+            folder_error = self.template_folder_error()
+            if folder_error is not None:
+                accepted += f" (template folders that failed to load: {folder_error})"
             raise SpecError("mask", name, accepted)
         return mask
 
     def names(self) -> Iterable[str]:
+        """Every registered name; raises TemplateFolderError while a FLASHJIT_TEMPLATE_PATH folder is bad
+        (a listing without that folder's masks would be wrong)."""
         self.load_plugins()
         self._scan_env()
+        folder_error = self.template_folder_error()
+        if folder_error is not None:
+            raise folder_error
         return list(self._masks)
+
+    def is_template_file(self, path) -> bool:
+        """Whether ``path`` (links resolved) is the template file of a registered mask."""
+        real = os.path.realpath(path)
+        with self._lock:
+            files = [m.template for m in self._masks.values() if os.path.isabs(m.template)]
+        return any(os.path.realpath(file) == real for file in files)
 
     def __contains__(self, name) -> bool:
         try:
@@ -214,15 +270,52 @@ def _register_plugin_result(result) -> None:
         register_mask(item.pop("name"), template=item.pop("template"), **item)
 
 
-def _params_from_header(path: Path) -> dict[str, str]:
-    match = _HEADER.search(path.read_text()[:2000])
+def _is_package_template(template: str) -> bool:
+    """A built-in's template is a name under the package's templates/; a user mask's is an absolute path."""
+    return not os.path.isabs(template)
+
+
+def _params_from_header(text: str) -> dict[str, str]:
+    match = _HEADER.search(text[:_HEADER_CHARS])
     if not match:
         return {}
     params = {}
     for item in match.group("params").split():
         name, _, kind = item.partition(":")
+        if name in params:
+            raise SpecError("mask params", name, "each name once")
         params[name] = kind or "int"
     return params
+
+
+def _folder_masks(folder, field: str) -> list[tuple[str, Path, tuple[MaskParam, ...]]]:
+    """(name, path, params) of each mask template in a folder; TemplateFolderError names what is wrong.
+
+    Only regular files inside the folder count: a link out of it could paste any readable file into
+    the kernel source, the cache and exported bundles, and a FIFO would block the reader.
+    """
+    folder = Path(folder).expanduser().resolve()
+    if not folder.is_dir():
+        raise TemplateFolderError(field, folder, f"{folder} is not an existing folder")
+    found = []
+    for path in sorted(list(folder.glob("*.cuh.j2")) + list(folder.glob("masks/*.cuh.j2"))):
+        name = path.name.removesuffix(".cuh.j2")
+        if name == "base" or not _NAME.fullmatch(name):
+            continue
+        real = path.resolve()
+        if not real.is_relative_to(folder):
+            raise TemplateFolderError(field, folder, f"{path} links to {real}, outside the folder")
+        if not real.is_file():
+            raise TemplateFolderError(field, folder, f"{path} is not a regular file")
+        try:
+            with open(real, encoding="utf-8") as file:
+                params = _parse_params(_params_from_header(file.read(_HEADER_CHARS)))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TemplateFolderError(field, folder, f"{path} cannot be read: {type(exc).__name__}: {exc}") from exc
+        except SpecError as exc:
+            raise TemplateFolderError(field, folder, f"{path}: bad params header: {exc}") from exc
+        found.append((name, path, params))
+    return found
 
 
 # ---- built-in masks -------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.decode.reference import decode_reference
+from flashjit.serving.reference import decode_reference
 
 from .batches import make_batch, rel_error
 
@@ -140,7 +140,8 @@ def assert_right_eager_and_replayed(decoder, run, out, ref, tolerance: float):
         launch()
         torch.cuda.synchronize()
         assert rel_error(out, ref) <= tolerance, decoder.spec.name
-        assert not decoder._buffers.merge_counters.any() and not decoder._buffers.tile_counters.any()
+        buffers = decoder.current_plan.buffers
+        assert not buffers.merge_counters.any() and not buffers.tile_counters.any()
 
 
 @pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn"])
@@ -151,7 +152,7 @@ def test_shared_tiles_are_exact_and_leave_their_counters_at_zero(tmp_path, monke
     whatever tiles each CTA claims, the merged output matches the reference, on every launch, eager
     and replayed, as the last CTA of each group sets its claim counter back to 0."""
     from flashjit.jit import tiling
-    from flashjit.decode.quantize import dequantize_kv, quantize_kv
+    from flashjit.serving.quantize import dequantize_kv, quantize_kv
 
     monkeypatch.setattr(tiling, "TUNING", tiling.TUNING.with_rows(static_share=50))
     kv_lens = [9000, 1, 700, 0, 2500]

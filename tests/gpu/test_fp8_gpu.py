@@ -15,8 +15,8 @@ import torch
 
 import flashjit
 from flashjit.deploy import mask_check as cm
-from flashjit.decode.quantize import dequantize_kv, quantize_kv
-from flashjit.decode.reference import decode_reference
+from flashjit.serving.quantize import dequantize_kv, quantize_kv
+from flashjit.serving.reference import decode_reference
 from flashjit.masks.registry import masks
 
 from .batches import make_batch

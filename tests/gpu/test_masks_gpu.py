@@ -16,7 +16,7 @@ import torch
 import flashjit
 from flashjit.deploy import mask_check as cm
 from flashjit.masks import sink_window
-from flashjit.decode.reference import decode_reference
+from flashjit.serving.reference import decode_reference
 from flashjit.masks.registry import masks
 
 from .batches import make_batch, rel_error

@@ -3,7 +3,7 @@
 `flashjit check-mask NAME` and the GPU tests (tests/gpu/test_masks_gpu.py) share this runner:
 
 - batch_check: one paged batch through BatchDecode under every split policy, with random and
-  with zero queries, against flashjit.decode.reference (check_batch).
+  with zero queries, against flashjit.serving.reference (check_batch).
 - host_replay: the mask's hooks compiled for the CPU (host_build) and the kernels' walk replayed
   against the torch predicate, no GPU needed (check_on_host).
 - runner: the whole check of one mask (check_mask): compile, host replay, random GPU cases

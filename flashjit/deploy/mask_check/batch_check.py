@@ -5,7 +5,7 @@ every split policy (SPLITS), with outputs poisoned with NaN first, twice: with t
 queries, and with zero queries. Zero queries give every visible key the same weight, so a row's
 LSE is ln(number of visible keys): an exact count that a missed or an extra key fails
 (COUNT_LSE_ATOL), however long the row. Each run is compared with
-flashjit.decode.reference.decode_reference, which applies the mask's torch predicate. A mask
+flashjit.serving.reference.decode_reference, which applies the mask's torch predicate. A mask
 without a predicate (a template folder's mask) is compared with its own unsplit run instead: that
 checks the span, the kv_position mapping and split/merge consistency, not the predicate.
 """
@@ -34,7 +34,7 @@ def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *,
     """BatchDecode on a flashjit.deploy.random_batches.PagedBatch; out and lse start as NaN. Returns (out, lse, decoder)."""
     import torch
 
-    from ...decode.batch_decode import BatchDecode
+    from ...serving.batch_decode import BatchDecode
 
     q = batch.q if q is None else q
     num_kv_heads = batch.k_cache.shape[2 if batch.kv_layout == "NHD" else 1]
@@ -97,7 +97,7 @@ def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes
     """Every split policy x probe of one batch against decode_reference (see the module docstring)."""
     import torch
 
-    from ...decode.reference import decode_reference
+    from ...serving.reference import decode_reference
     from ...jit.spec import normalize_dtype
 
     has_reference = masks.get(mask).reference is not None

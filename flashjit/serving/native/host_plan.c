@@ -1,7 +1,7 @@
 /* plan()'s host work in C: the page table's checks and lengths, the split-KV chunk search and the
  * work list, written straight into the pinned staging buffer plan() copies to the GPU.
  *
- * The numpy versions (flashjit/validation.py page_table and query_indptr, flashjit/decode/split_plan.py
+ * The numpy versions (flashjit/validation.py page_table and query_indptr, flashjit/serving/split_plan.py
  * choose_chunk and plan_work) are the reference: this file computes the same values in the same
  * order, with the costs in doubles so that every comparison of the chunk search comes out the same
  * (tests/test_host_plan.py compares the two on random batches). Whole numbers stay below 2^53, so
@@ -42,7 +42,7 @@ typedef struct {
     int64_t chunk, num_work;       /* fj_plan */
 } fj_plan_t;
 
-/* The offsets (in int32 words) of the staging buffer's fields (see _PlanBuffers.FIELDS), and the
+/* The offsets (in int32 words) of the staging buffer's fields (see buffers.PlanBuffers.FIELDS), and the
  * number of ITEM_INTS-int work-item records it holds. */
 typedef struct {
     int64_t work_items, num_tokens, req_qo_indptr, req_work_indptr, token_request, work_capacity;
@@ -134,7 +134,7 @@ static int64_t choose_chunk(const fj_plan_t *p, int64_t longest) {
     return best;
 }
 
-/* plan.plan_work's sizes: chunk, num_work. Call fj_read (for kv_lens, unless span_end is given) first. */
+/* split_plan.plan_work's sizes: chunk, num_work. Call fj_read (for kv_lens, unless span_end is given) first. */
 int fj_plan(fj_plan_t *p) {
     int64_t longest = 0, items = 0;
     for (int64_t b = 0; b < p->batch; ++b) {

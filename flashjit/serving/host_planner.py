@@ -1,9 +1,9 @@
 """plan()'s host work: read the page table, plan the split-KV work, write the work list for the GPU.
 
 Two implementations of the same steps, giving the same values:
-  * NumpyTables, the reference: validation.page_table, validation.query_indptr and plan.plan_work over
-    numpy arrays. It takes any input form (tensors, numpy arrays, lists; any integer dtype) and
-    says what is wrong with a bad one.
+  * NumpyTables, the reference: validation.page_table, validation.query_indptr and
+    split_plan.plan_work over numpy arrays. It takes any input form (tensors, numpy arrays,
+    lists; any integer dtype) and says what is wrong with a bad one.
   * NativeTables: the same in one C file (native/host_plan.c, built by host_library) over the
     tensors' memory, written straight into the staging buffer. For 64 requests the numpy steps
     cost ~90 us (about 60 numpy calls on short arrays), the C ones ~2 us.
@@ -39,13 +39,13 @@ class NumpyTables:
         self.work: WorkPlan | None = None
 
     def plan(self, span_begin, span_end, **options) -> WorkPlan:
-        """plan.plan_work over the spans (span_end None: the kv_lens); options as plan_work's."""
+        """split_plan.plan_work over the spans (span_end None: the kv_lens); options as plan_work's."""
         self.work = plan_work(span_begin, self.kv_lens if span_end is None else span_end, self.qo_h, **options)
         return self.work
 
     def write(self, host: np.ndarray, starts: tuple, staging_pointer: int):
         """The work list into the staging buffer (host, a numpy view of it; starts, the offsets of
-        _PlanBuffers.FIELDS): per item its record, then the merges' arrays."""
+        buffers.PlanBuffers.FIELDS): per item its record, then the merges' arrays."""
         work = self.work
         _, num_tokens, qo, work_indptr, token_request = starts
         r, q_begin, first_item = work.work_request, work.req_qo_indptr, work.req_work_indptr
@@ -85,8 +85,8 @@ class _Params(ctypes.Structure):
 
 
 class _Layout(ctypes.Structure):
-    """Mirror of fj_layout_t: the staging buffer's field offsets (_PlanBuffers.FIELDS' order) and
-    how many item records it holds."""
+    """Mirror of fj_layout_t: the staging buffer's field offsets (in buffers.PlanBuffers.FIELDS'
+    order) and how many item records it holds."""
 
     _fields_ = [(name, ctypes.c_int64) for name in (
         "work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request", "work_capacity")]
@@ -134,7 +134,7 @@ class NativeTables:
 
     def plan(self, span_begin, span_end, *, ctas_per_item: int, max_ctas: int, granularity: int,
              chunk_tokens: int | None = None, max_items: int | None = None) -> "NativeTables":
-        """plan.plan_work's sizes (chunk_tokens, num_work); the arrays come with write()."""
+        """split_plan.plan_work's sizes (chunk_tokens, num_work); the arrays come with write()."""
         p = self._planner.params
         if span_end is None:
             p.span_begin = p.span_end = None

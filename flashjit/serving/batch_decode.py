@@ -1,0 +1,354 @@
+"""BatchDecode: the serving API. plan() once per batch composition, run() once per layer.
+
+Conventions follow FlashInfer's paged KV cache: CSR `indptr` [B+1] into `indices` (physical
+page ids), `last_page_len` [B] (tokens in each request's last page), a cache of
+[pages, page_size, kv_heads, head_dim] (NHD) or [pages, kv_heads, page_size, head_dim] (HND),
+as separate K and V tensors or one [pages, 2, ...] tensor. Queries are [tokens, qo_heads, head_dim].
+
+plan() validates, plans split-KV work, copies the work list to the GPU once and builds the launch
+arguments, all gathered in one Plan (plan_state) that replaces the previous one whole. run() checks
+the tensors, patches the pointers and launches: no allocation when `out` (and `lse`) are given, no
+host synchronization.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+
+from .. import validation
+from ..jit.engine import Engine
+from ..jit.host_library import load as load_host_library
+from ..jit.kernel import Kernel
+from ..jit.spec import KV_DTYPES, normalize_dtype
+from ..masks.registry import masks
+from . import run_checks
+from .buffers import PageIdRange, PlanBuffers
+from .graph_mode import graph_limits
+from .host_planner import HostPlanner
+from .plan_setup import MAX_SETUPS, Setup, make_setup
+from .plan_state import Plan, prepare_launches, split_work
+from .run_checks import NO_CACHE, scale_key
+from .split_plan import WorkPlan
+from .streams import stream_getter
+
+_default_engine: Engine | None = None
+
+
+def default_engine() -> Engine:
+    global _default_engine
+    if _default_engine is None:
+        _default_engine = Engine()
+    return _default_engine
+
+
+def _of_plan(path: str, doc: str) -> property:
+    """A read-only attribute of the current plan (path: dotted, in Plan); AttributeError before the first."""
+    read = operator.attrgetter(path)
+
+    def get(self):
+        if self._plan is None:
+            raise AttributeError(f"BatchDecode has no plan yet: {path.rpartition('.')[2]} is set by plan()")
+        return read(self._plan)
+
+    return property(get, doc=doc)
+
+
+class BatchDecode:
+    """Paged-KV decode attention for a batch of requests.
+
+    >>> decoder = BatchDecode(device="cuda")
+    >>> decoder.plan(indptr, indices, last_page_len, 32, 8, 128, 16, mask="causal")
+    >>> out = decoder.run(q, (k_cache, v_cache))
+    """
+
+    def __init__(self, engine: Engine | None = None, device="cuda", *, use_cuda_graph: bool = False,
+                 max_batch_size: int | None = None, max_num_pages: int | None = None, max_tokens: int | None = None,
+                 max_q_len: int | None = None, arch: str | None = None, load_kernel=None, current_stream=None,
+                 host_planner: HostPlanner | None = None, page_id_range: PageIdRange | None = None):
+        """use_cuda_graph: run() launches fixed-size grids over fixed buffers, so a captured run()
+        replays correctly after a new plan() with other lengths and page tables. Needs
+        max_batch_size (requests) and max_num_pages (page ids in one plan's indices; plan() copies
+        them into a buffer of that size), optionally max_q_len (query tokens per request any plan
+        may have, default the first plan's largest) and max_tokens (query tokens in all, default
+        max_batch_size x max_q_len). Every plan() then uses one kernel, built for max_q_len, so
+        the heads, head_dim, dtypes, mask and page size must stay the same, while the query tokens
+        per request may vary up to max_q_len (speculative decoding). Scalars such as sm_scale and
+        window_left, and mask tensors, are part of the captured launch: keep them the same too.
+
+        The other keywords replace what the decoder asks of its device, so tests can plan without
+        a GPU: arch ("sm_90"; default the device's; given, the device may be the CPU, where copies
+        are plain copies), load_kernel(kernel, device index) -> LoadedKernel (default
+        Kernel.loaded; its occupancy and SM count size the split), current_stream(device index) ->
+        the stream handle run() launches on (default torch's current stream), host_planner
+        (default over the C helper built in the engine's cache) and page_id_range (the reader of
+        the page ids' range)."""
+        import torch
+
+        self.engine = engine or default_engine()
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and (arch is None or self.device.type != "cpu"):
+            validation.fail("device", "a CUDA device", self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = self.device.index
+        self._arch = arch if arch is not None else "sm_%d%d" % torch.cuda.get_device_capability(self.device)
+        self._load_kernel = load_kernel or Kernel.loaded
+        self._current_stream = current_stream or stream_getter()
+        self.use_cuda_graph = use_cuda_graph
+        self._graph = graph_limits(use_cuda_graph, self.device, max_batch_size, max_num_pages, max_tokens, max_q_len)
+        self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
+        if host_planner is None:
+            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
+        self._host_planner = host_planner
+        self._lse_dtype = torch.float32
+        self._plan: Plan | None = None  # the current plan; each successful plan() replaces it whole
+        # Memos, each named for what it saves, and why it pays:
+        # (scalars, their types) -> {kernel query tokens: Setup}: a serving loop plans one configuration a step.
+        self._setup_for_scalars: dict = {}
+        # id(tensor) -> (weakref, data_ptr, dtype, shape, strides): each layer's cache is validated once a plan.
+        self._validated_caches: dict = {}
+        # The cache the arguments point at (NO_CACHE: none): a layer passes the same cache every step.
+        self._cache_pointed_at = NO_CACHE
+        # scale_key()s of the scales the arguments hold (None: none yet): the scales rarely change between calls.
+        self._scales_pointed_at = None
+        # (decode args, fp8 cache, KV heads) those scales were checked for: a plan changing none keeps them.
+        self._scales_checked_for = None
+
+    # ---- plan -------------------------------------------------------------------------------
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, *, qo_indptr=None, q_len: int | None = None, mask: str = "none",
+             window_left: int | None = None, mask_params: dict | None = None, q_dtype="bfloat16",
+             kv_dtype=None, kv_layout: str = "NHD", sm_scale: float | None = None,
+             chunk_tokens: int | None = None, disable_split_kv: bool = False,
+             tensor_cores: bool | None = None, check_page_ids: bool = True) -> "BatchDecode":
+        """Plans a batch for every layer's run(); see docs/api.md for the arguments.
+
+        check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
+        here and run() refuses a cache with too few pages. That waits for the work already queued
+        on the current stream. False skips it (no synchronization: plan() can overlap the GPU's
+        previous step); the caller then guarantees 0 <= id < the cache's page count, as FlashInfer's
+        plan() assumes.
+        """
+        import torch
+
+        # Types are part of the setup memo's key, as 128.0 == 128 yet only the int is valid;
+        # mask_params may hold tensors, so plans given them build their setup each time.
+        scalars = (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout,
+                   sm_scale, tensor_cores)
+        key = (scalars, tuple(map(type, scalars))) if mask_params is None else None
+        try:
+            known = self._setup_for_scalars.get(key)
+        except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+            key = known = None
+        if known is None:
+            validation.head_counts(num_qo_heads, num_kv_heads, page_size)
+        # The query tokens are each request's newest positions (kv_len - q_len + i).
+        tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len)
+        num_page_ids = tables.num_page_ids
+
+        validation.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
+        if indices.shape[0] < num_page_ids:
+            validation.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
+        if num_page_ids > 1 and indices.stride(0) != 1:  # the kernel reads them as one run
+            validation.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
+        graph, previous = self._graph, self._plan
+        if graph is not None:
+            graph.check_page_id_count(num_page_ids)
+        if not isinstance(check_page_ids, bool):
+            validation.fail("check_page_ids", "True or False", check_page_ids)
+        # The page-id range travels to the host while the host plans, instead of in a round trip of
+        # its own; a negative id is still reported ahead of any later argument error.
+        page_range = self._page_id_range
+        page_range.start(indices, num_page_ids if check_page_ids else 0)
+        try:
+            kernel_q_len = tables.max_q_len if graph is None else graph.kernel_q_len(tables.max_q_len, previous)
+            setup = None if known is None else known.get(kernel_q_len)
+            if setup is None or setup.mask_generation != masks.generation:
+                setup = make_setup(scalars, mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
+                                   device=self.device, load_kernel=self._load_kernel)
+                if key is not None:
+                    if len(self._setup_for_scalars) >= MAX_SETUPS:
+                        self._setup_for_scalars.clear()
+                    self._setup_for_scalars.setdefault(key, {})[kernel_q_len] = setup
+            if graph is not None:
+                graph.check_kernel(setup, previous)
+            work, capacity = split_work(setup, tables, chunk_tokens, disable_split_kv, graph, previous)
+        finally:
+            landed, max_page = page_range.wait(), -1
+            if landed:  # run() checks the cache against the largest id
+                max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
+        buffers = self._buffers_for(capacity, setup, previous)
+
+        # Every argument is valid: from here on the new plan replaces the previous one.
+        self._validated_caches.clear()  # cache tensors are validated against this plan (page count, shape)
+        self._cache_pointed_at = NO_CACHE
+        # A page-id range that landed was copied after the previous plan's work list, on the same
+        # stream if the copies say so: then the staging memory is free without a wait of its own.
+        buffers.write(tables, synced_stream=page_range.copies.marked_stream if landed else None)
+        a = buffers.decode_args  # the work-list pointers are in already; the tensors' come with run()
+        page_ids = indices if graph is None else graph.hold_page_ids(indices, int(num_page_ids))
+        a.page_indices = page_ids.data_ptr()
+        if previous is None or previous.setup is not setup or previous.buffers is not buffers:
+            decode_params = self._write_scalars(setup, buffers)
+        else:  # the same setup over the same buffers: the arguments hold its scalars already
+            decode_params = previous.decode_launch.params
+        decode_launch, merge_prepared, merge_launch = prepare_launches(setup, buffers, work, decode_params,
+                                                                       graph is not None, previous)
+        num_tokens = work.num_tokens
+        query_form = (num_tokens, num_tokens if graph is None else capacity.tokens, setup.q_dtype, setup.num_qo_heads,
+                      setup.head_dim)
+        self._plan = Plan(setup, tables, buffers, page_ids, max_page, tables.batch, num_tokens, query_form, a,
+                          buffers.merge_args, decode_launch, merge_prepared, merge_launch)
+        return self
+
+    def _buffers_for(self, capacity, setup: Setup, previous: Plan | None) -> PlanBuffers:
+        """The previous plan's buffers where the new one fits in them, else new ones (never in CUDA-graph mode)."""
+        spec, num_qo_heads = setup.spec, setup.num_qo_heads
+        partial_rows = capacity.work * spec.max_q_len * num_qo_heads
+        merge_groups = capacity.batch * setup.num_kv_heads * setup.kernel.tiling.row_tiles
+        current = None if previous is None else previous.buffers
+        if current is not None and current.fits(capacity, partial_rows * setup.head_dim, merge_groups):
+            return current
+        if current is not None and self._graph is not None:
+            self._graph.refuse_new_buffers()
+        return PlanBuffers(capacity, partial_rows, setup.head_dim, merge_groups, self.device)
+
+    def _write_scalars(self, setup: Setup, buffers: PlanBuffers):
+        """The setup's scalars into the buffers' launch arguments (they hold another setup's); returns
+        the decode kernel's params array, with the mask parameters' values."""
+        a, m = buffers.decode_args, buffers.merge_args
+        a.num_qo_heads = m.num_qo_heads = setup.num_qo_heads
+        a.sm_scale_log2 = setup.sm_scale_log2
+        checked_for = (a, setup.spec.kv_is_fp8, setup.num_kv_heads)  # what run() checks the scales against
+        if checked_for != self._scales_checked_for:
+            self._scales_pointed_at, self._scales_checked_for = None, checked_for  # run() checks and sets them again
+        mask_params, values = setup.kernel.mask.params, []
+        for param in mask_params:
+            value = setup.params[param.name]  # a tensor among them stays alive in the setup, held by the plan
+            values.append(value.data_ptr() if param.kind == "int_tensor" else value)
+        return buffers.decode_params(mask_params, values)
+
+    # ---- what the current plan decided ------------------------------------------------------
+
+    @property
+    def current_plan(self) -> Plan | None:
+        """The current plan (None before the first): setup, buffers, launch arguments and launches."""
+        return self._plan
+
+    @property
+    def work(self) -> WorkPlan | None:
+        """The current plan's work items (None before the first plan). With the native host planner
+        its arrays are views of the staging buffer: valid until the next plan()."""
+        return None if self._plan is None else self._plan.work
+
+    spec = _of_plan("setup.spec", "The current plan's DecodeSpec.")
+    kernel = _of_plan("setup.kernel", "The current plan's Kernel.")
+    num_qo_heads = _of_plan("setup.num_qo_heads", "Query heads of the current plan.")
+    num_kv_heads = _of_plan("setup.num_kv_heads", "KV heads of the current plan.")
+    head_dim = _of_plan("setup.head_dim", "head_dim of the current plan.")
+    page_size = _of_plan("setup.page_size", "Tokens per cache page of the current plan.")
+    batch_size = _of_plan("batch_size", "Requests in the current plan.")
+    num_tokens = _of_plan("num_tokens", "Query tokens in the current plan.")
+
+    # ---- run --------------------------------------------------------------------------------
+
+    def run(self, q, kv_cache, *, out=None, lse=None, return_lse: bool = False, k_scale=None, v_scale=None):
+        """Attention of q over the planned cache; returns out (and lse, natural log, if asked).
+
+        q and out are [tokens, qo_heads, head_dim]. Allocates only out/lse when they are not given;
+        never synchronizes (except once to check the values of a scale tensor it has not seen).
+
+        k_scale, v_scale: the cache holds K / k_scale and V / v_scale (required for fp8 caches,
+        default 1 otherwise). Each a positive float, or a float32 tensor of 1 or num_kv_heads values
+        on the cache's device, read at launch: a captured run() sees the values at replay time.
+
+        With use_cuda_graph=True, q/out may have up to max_tokens rows (rows past the plan's tokens
+        are left alone), and a captured run() replays correctly after a new plan(); the graph keeps
+        the tensors it was captured with, so refill those between replays.
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("BatchDecode.run() called before plan()")
+        a = plan.decode_args
+        self._point_at_cache(kv_cache, a, plan)
+        # Scales given, or others held from an earlier call ((None, None) is the key of neither):
+        if k_scale is not None or v_scale is not None or self._scales_pointed_at != (None, None):
+            self._point_at_scales(a, k_scale, v_scale, plan)
+        a.q, a.q_stride = self._query_args("q", q, plan)
+        if out is None:
+            out = q.new_empty((q.shape[0],) + plan.query_form[3:])  # (qo heads, head_dim)
+        a.out, a.out_stride = out_pointer, out_stride = self._query_args("out", out, plan)
+        if return_lse and lse is None:
+            lse = q.new_empty(out.shape[:2], dtype=self._lse_dtype)
+        a.lse = lse_pointer = 0 if lse is None else self._lse_pointer(lse, out)
+
+        stream = self._current_stream(self._device_index)
+        plan.decode_launch(stream)
+        merge = plan.merge_launch
+        if merge is not None:
+            m = plan.merge_args
+            m.out, m.out_stride, m.lse = out_pointer, out_stride, lse_pointer
+            merge(stream)
+        return (out, lse) if return_lse else out
+
+    def _point_at_cache(self, kv_cache, a, plan: Plan):
+        """Point the arguments at K and V; the cache they point at already is recognised in a few tests."""
+        pair = isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2
+        k, v = kv_cache if pair else (kv_cache, kv_cache)
+        last = self._cache_pointed_at
+        if (pair is last[0] and last[1]() is k and last[2]() is v and k.data_ptr() == last[3]
+                and v.data_ptr() == last[4] and k.shape == last[5] and v.shape == last[6]):
+            return
+        self._cache_pointed_at = NO_CACHE  # a cache refused half-way may have re-pointed K already
+        run_checks.point_at_cache(kv_cache, a, plan, self.device, self._validated_caches)
+        self._cache_pointed_at = (pair, weakref.ref(k), weakref.ref(v), k.data_ptr(), v.data_ptr(), k.shape, v.shape)
+
+    def _point_at_scales(self, a, k_scale, v_scale, plan: Plan):
+        """Point the arguments at the scales; unchanged scales (the common case) cost one comparison."""
+        key = (scale_key(k_scale), scale_key(v_scale))
+        if key == self._scales_pointed_at:
+            return
+        self._scales_pointed_at = None  # a v_scale refused after k_scale was set leaves no stale match
+        run_checks.point_at_scales(a, k_scale, v_scale, plan.setup, self.device)
+        self._scales_pointed_at = key
+
+    def _query_args(self, name: str, t, plan: Plan) -> tuple[int, int]:
+        """(data_ptr, row stride) of q or out. The common valid case costs one read of each attribute
+        (torch's stride(i) costs twice stride()); anything else gets the full validation."""
+        try:
+            pointer, (rows, heads, dim), (row_stride, head_stride, unit) = t.data_ptr(), t.shape, t.stride()
+            low, high, dtype, qo_heads, head_dim = plan.query_form
+            if (t.dtype is dtype and t.get_device() == self._device_index and heads == qo_heads
+                    and dim == head_dim and low <= rows <= high and head_stride == dim and unit == 1
+                    and row_stride % 8 == 0 and pointer % 16 == 0):  # 16-byte rows of 2-byte values
+                return pointer, row_stride
+        except (AttributeError, TypeError, ValueError):  # not a 3-d tensor: the checks say what it is
+            pass
+        run_checks.check_query(name, t, plan, self.device)
+        return t.data_ptr(), t.stride(0)
+
+    def _lse_pointer(self, lse, out) -> int:
+        """data_ptr of lse, a contiguous float32 [out's rows, qo_heads]; the common valid case in a few reads."""
+        try:
+            if (lse.dtype is self._lse_dtype and lse.get_device() == self._device_index and lse.shape == out.shape[:2]
+                    and lse.is_contiguous()):
+                return lse.data_ptr()
+        except AttributeError:  # not a tensor: the checks say what it is
+            pass
+        return run_checks.lse_pointer(lse, out, self._lse_dtype, self.device)
+
+
+def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None = None, engine: Engine | None = None,
+           return_lse: bool = False, kv_layout: str = "NHD", k_scale=None, v_scale=None, **plan_options):
+    """One-shot convenience for scripts: plan and run in one call (serving code should reuse a BatchDecode)."""
+    k = kv_cache[0] if isinstance(kv_cache, (tuple, list)) else kv_cache[:, 0]
+    if page_size is None:
+        page_size = k.shape[1] if kv_layout.upper() == "NHD" else k.shape[2]
+    num_kv_heads = k.shape[2] if kv_layout.upper() == "NHD" else k.shape[1]
+    decoder = BatchDecode(engine, device=q.device)
+    decoder.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, q.shape[2], page_size,
+                 q_dtype=normalize_dtype(q.dtype), kv_dtype=normalize_dtype(k.dtype, "kv_dtype", KV_DTYPES),
+                 kv_layout=kv_layout, **plan_options)
+    return decoder.run(q, kv_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)

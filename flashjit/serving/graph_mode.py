@@ -1,0 +1,72 @@
+"""use_cuda_graph=True: the sizes every plan must fit, so that a captured run() replays correctly
+after any later plan. One kernel (built for max_q_len query tokens per request), buffers fixed by
+the first plan, and the page ids copied into one buffer of max_num_pages."""
+
+from __future__ import annotations
+
+from .. import validation
+from .buffers import Capacity
+
+_REFUSED = "plan() with use_cuda_graph=True"
+
+
+def graph_limits(use_cuda_graph: bool, device, max_batch_size, max_num_pages, max_tokens,
+                 max_q_len) -> "GraphLimits | None":
+    """BatchDecode's CUDA-graph arguments checked: GraphLimits with use_cuda_graph, else None."""
+    for name, value in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages)):
+        if use_cuda_graph and (not isinstance(value, int) or value < 1):
+            validation.fail(name, "a positive int when use_cuda_graph=True", value)
+    if max_q_len is not None and (not use_cuda_graph or not isinstance(max_q_len, int) or max_q_len < 1):
+        validation.fail("max_q_len", "a positive int, with use_cuda_graph=True", max_q_len)
+    return GraphLimits(device, max_batch_size, max_num_pages, max_tokens, max_q_len) if use_cuda_graph else None
+
+
+class GraphLimits:
+    """The fixed sizes of CUDA-graph mode; `previous` is the decoder's current plan (None before the first)."""
+
+    def __init__(self, device, max_batch_size: int, max_num_pages: int, max_tokens: int | None,
+                 max_q_len: int | None):
+        import torch
+
+        self.max_batch_size, self.max_tokens, self.max_q_len = max_batch_size, max_tokens, max_q_len
+        # Every plan copies its page ids here: one address for every replay.
+        self.page_ids = torch.zeros(max_num_pages, dtype=torch.int32, device=device)
+
+    def check_page_id_count(self, count: int):
+        if count > self.page_ids.numel():
+            validation.fail("indices", f"at most max_num_pages={self.page_ids.numel()} page ids", count)
+
+    def kernel_q_len(self, largest_q: int, previous) -> int:
+        """The kernel's query tokens per request: max_q_len (default the first plan's largest),
+        which also serves batches with fewer."""
+        fixed = self.max_q_len if previous is None else previous.setup.spec.max_q_len
+        if fixed is None:
+            return largest_q
+        if largest_q > fixed:
+            validation.fail(_REFUSED, f"at most max_q_len={fixed} query tokens per request "
+                            "(set max_q_len when constructing BatchDecode)", largest_q)
+        return fixed
+
+    def check_kernel(self, setup, previous):
+        if previous is not None and setup.spec != previous.setup.spec:
+            validation.fail(_REFUSED, f"the first plan's kernel {previous.setup.spec.name}", setup.spec.name)
+
+    def capacity(self, spec, batch: int, tokens: int, one_wave_items: int, previous) -> Capacity:
+        """The buffer sizes, fixed at the first plan; a batch beyond them is refused."""
+        if previous is not None:
+            cap = previous.buffers.capacity
+        else:
+            max_tokens = self.max_tokens or self.max_batch_size * spec.max_q_len
+            cap = Capacity(self.max_batch_size, max_tokens, max(self.max_batch_size, one_wave_items))
+        if batch > cap.batch or tokens > cap.tokens:
+            validation.fail(_REFUSED, f"at most {cap.batch} requests and {cap.tokens} query tokens",
+                            f"{batch} requests, {tokens} tokens")
+        return cap
+
+    def refuse_new_buffers(self):
+        validation.fail(_REFUSED, "the buffers of the first plan", "a larger plan")
+
+    def hold_page_ids(self, indices, count: int):
+        """The fixed page-id buffer, with the plan's count ids copied in (queued on the current stream)."""
+        self.page_ids[:count].copy_(indices[:count], non_blocking=True)
+        return self.page_ids

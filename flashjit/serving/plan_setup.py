@@ -1,0 +1,86 @@
+"""What plan()'s scalar arguments decide (Setup): validated, the spec's kernel built or found, and
+loaded on the device. A serving loop plans one configuration every step, so BatchDecode keeps the
+setups it made and makes one only for a configuration it has not seen."""
+
+from __future__ import annotations
+
+import math
+import typing
+
+import numpy as np
+
+from .. import validation
+from ..jit.kernel import Kernel, LoadedKernel
+from ..jit.spec import DecodeSpec
+from ..masks.registry import masks
+
+LOG2E = 1.4426950408889634
+MAX_SETUPS = 64  # distinct plan() configurations remembered per BatchDecode (then forgotten at once)
+
+
+class Setup(typing.NamedTuple):
+    """What plan()'s scalar arguments decide, worked out once per configuration (make_setup)."""
+
+    spec: DecodeSpec
+    kernel: Kernel
+    loaded: LoadedKernel
+    params: dict           # the mask's parameters, validated (its tensors are held alive here)
+    sm_scale_log2: float
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    q_dtype: object        # torch dtypes of q/out and of the cache
+    kv_dtype: object
+    kv_shape: tuple        # a cache page's shape (NHD or HND)
+    mask_generation: int   # masks.generation when made: a later registration may change the kernel
+
+
+def make_setup(scalars: tuple, mask_params, kernel_q_len: int, *, engine, arch: str, device,
+               load_kernel) -> Setup:
+    """A plan's scalars validated, the spec compiled (or found) and loaded with load_kernel(kernel, device index)."""
+    (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout, sm_scale,
+     tensor_cores) = scalars
+    validation.head_counts(num_qo_heads, num_kv_heads, page_size)
+    generation = masks.generation  # before the lookups: a mask registered meanwhile makes a new setup
+    spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
+                             kernel_q_len, kv_layout, arch, tensor_cores)
+    kernel = engine.get_kernel(spec)
+    loaded = load_kernel(kernel, device.index)
+    params = checked_mask_params(kernel.mask, window_left, mask_params, device)
+    kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
+                else (num_kv_heads, page_size, head_dim))
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return Setup(spec, kernel, loaded, params, scale * LOG2E, num_qo_heads, num_kv_heads, head_dim, page_size,
+                 _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype), kv_shape, generation)
+
+
+def checked_mask_params(mask, window_left, mask_params, device) -> dict:
+    """The mask's runtime parameters (window_left among them), each checked against its kind."""
+    if not mask.params and not mask_params and window_left is None:
+        return {}  # the common case, a mask without parameters given none, in one test
+    params = dict(mask_params or {})
+    if window_left is not None:
+        params["window_left"] = window_left
+    missing = [p for p in mask.param_names if p not in params]
+    unknown = [p for p in params if p not in mask.param_names]
+    if missing or unknown:
+        validation.fail(f"mask_params for mask {mask.name!r}", f"exactly {list(mask.param_names)}",
+                        f"missing {missing}, unknown {unknown}")
+    for p in mask.params:
+        value = params[p.name]
+        if p.kind == "int" and (not isinstance(value, (int, np.integer)) or value < 0):
+            validation.fail(f"mask param {p.name}", "a non-negative int", value)
+        if p.kind == "int_tensor":
+            import torch
+
+            validation.tensor(f"mask param {p.name}", value, dtype=torch.int32, device=device, ndim=1)
+            if value.numel() > 1 and value.stride(0) != 1:
+                validation.fail(f"mask param {p.name}", "a contiguous tensor (stride 1)", f"stride {value.stride(0)}")
+    return params
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)  # the spec's dtype names are torch's

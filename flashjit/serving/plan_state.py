@@ -1,0 +1,108 @@
+"""What one plan() produced (Plan), and the steps that make its parts: the split work and the launches.
+
+plan() builds a Plan only once every argument is valid and swaps it in with one assignment, so a
+refused plan leaves the previous one whole. The Plan itself never changes. The ctypes structures
+it refers to (the launch arguments, the prepared launches) and its buffers are shared with the next
+plan over the same buffers, which rewrites them in place: their addresses are what a captured CUDA
+graph holds.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import numpy as np
+
+from .. import validation
+from ..jit.kernel import DecodeArgs, MergeArgs, PreparedLaunch
+from ..small_arrays import largest
+from .buffers import Capacity, PlanBuffers
+from .plan_setup import Setup
+from .split_plan import WorkPlan
+
+
+class Plan(typing.NamedTuple):  # a NamedTuple: immutable, and built in a quarter of a frozen dataclass's time
+    setup: Setup                   # what the scalar arguments decided: spec, kernel, dtypes, shapes
+    tables: object                 # the host tables (host_planner's NumpyTables or NativeTables)
+    buffers: PlanBuffers           # the work list on the device, at buffers.capacity
+    page_ids: object               # the page-id tensor the arguments point at (the CUDA-graph buffer in that mode)
+    max_page: int                  # the largest page id, -1 for none or unchecked: run() wants a cache with more
+    batch_size: int
+    num_tokens: int
+    # What q and out must be: (fewest rows, most rows, dtype, qo heads, head_dim); one tuple, as
+    # run() reads it twice per call. More rows than tokens only in CUDA-graph mode (up to max_tokens).
+    query_form: tuple
+    decode_args: DecodeArgs        # buffers.decode_args and .merge_args, which run() patches per call
+    merge_args: MergeArgs
+    decode_launch: PreparedLaunch
+    merge_prepared: PreparedLaunch | None  # the merge's launch, kept for a later plan with a split
+    merge_launch: PreparedLaunch | None    # merge_prepared where this plan runs the merge, else None
+
+    @property
+    def spec(self):
+        return self.setup.spec
+
+    @property
+    def kernel(self):
+        return self.setup.kernel
+
+    @property
+    def capacity(self) -> Capacity:
+        return self.buffers.capacity
+
+    @property
+    def work(self) -> WorkPlan:
+        """The work items. With the native host planner its arrays are views of the staging
+        buffer: valid until the next plan()."""
+        return self.tables.work_plan(self.buffers.host, self.buffers.starts)
+
+
+def split_work(setup: Setup, tables, chunk_tokens, disable_split_kv: bool, graph,
+               previous: Plan | None) -> tuple[WorkPlan, Capacity]:
+    """The work items over the span the mask reads, and the capacity they need: in CUDA-graph
+    mode (graph: GraphLimits) the fixed one, which bounds them."""
+    span_begin = span_end = None  # None: every span starts at 0 and ends at the request's kv_len
+    kernel = setup.kernel
+    if kernel.mask.kv_span is not None:
+        span_begin, span_end = kernel.mask.kv_span(tables.kv_lens, tables.q_lens, setup.params)
+        span_end = np.minimum(span_end, np.iinfo(np.int32).max)
+    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+        validation.fail("chunk_tokens", "a positive int", chunk_tokens)
+    if disable_split_kv:
+        span_lens = (tables.kv_lens if span_end is None else span_end if span_begin is None
+                     else span_end - span_begin)
+        chunk_tokens = max(1, largest(span_lens, 1))
+    tiling, batch, loaded = kernel.tiling, tables.batch, setup.loaded
+    ctas_per_item, max_ctas = setup.num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
+    capacity = None if graph is None else graph.capacity(setup.spec, batch, tables.num_tokens,
+                                                         max(batch, max_ctas // ctas_per_item), previous)
+    work = tables.plan(span_begin, span_end, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
+                       granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens,
+                       max_items=capacity.work if capacity else None)
+    if capacity is None:
+        capacity = Capacity(batch, work.num_tokens, work.num_work)
+    elif work.num_work > capacity.work:
+        validation.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
+                        f"{work.num_work} items of {work.chunk_tokens} tokens")
+    return work, capacity
+
+
+def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_params, graph: bool,
+                     previous: Plan | None) -> tuple:
+    """(decode launch, merge launch kept, merge launch to run or None). The previous plan's launches
+    are re-aimed at the new grids where they run the same function over the same params array
+    (PreparedLaunch.update): cheaper than converting their arguments to ctypes again."""
+    kernel = setup.kernel
+    cap, tiling, loaded = buffers.capacity, kernel.tiling, setup.loaded
+    decode_grid = tiling.grid(cap.work if graph else work.num_work, setup.num_kv_heads)
+    decode = PreparedLaunch.update(None if previous is None else previous.decode_launch, loaded.decode, decode_grid,
+                                   tiling.block, decode_params, tiling.smem_bytes)
+    kept_merge = None if previous is None else previous.merge_prepared
+    if tiling.fused_merge:  # the decode kernel merges split requests itself
+        return decode, kept_merge, None
+    # Graphs always launch the merge (its blocks exit early when nothing was split); a plan
+    # without a split keeps the prepared merge for the next plan that has one.
+    merge = PreparedLaunch.update(kept_merge, loaded.merge, (cap.tokens if graph else work.num_tokens,
+                                                             setup.num_qo_heads, 1), tiling.merge_block,
+                                  buffers.merge_params)
+    return decode, merge, merge if graph or work.needs_merge else None
