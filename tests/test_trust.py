@@ -419,3 +419,15 @@ def test_entry_files_are_read_under_the_trust_rule(warm, cache_dir):
     (entry / "source.cu").unlink()
     (entry / "source.cu").symlink_to("/dev/zero")
     assert cache.entry_files(warm.kernel.key) is None and cache.entry_files("../x") is None
+
+
+def test_a_linked_v1_is_followed_and_what_it_leads_to_is_checked(warm, tmp_path, caplog):
+    """v1/ moved to another disk and linked back is served; the folder it leads to must pass too."""
+    root, disk = tmp_path / "cache", tmp_path / "big-disk"
+    base = warm.copy_entry_to(root).parent.parent  # root/v1
+    shutil.move(base, disk)
+    base.symlink_to(disk)
+    assert Engine(cache_dir=root, allow_compile=False).get_kernel(warm.spec).cubin == warm.kernel.cubin
+    disk.chmod(0o777)
+    with pytest.raises(KernelNotPrewarmed, match="not trusted"):
+        Engine(cache_dir=root, allow_compile=False).get_kernel(warm.spec)

@@ -123,7 +123,7 @@ class KernelCache(CacheUpkeep):
                 if self.root.exists() and not self.root.is_dir():
                     raise CacheError(f"{self.root} exists and is not a folder")
                 for sub in ("entries", "locks", "index"):
-                    trusted_files.make_folders(self.root, (f"v{SCHEMA}", sub))
+                    self._folder(sub, make=True)
                 probe = self.base / "entries" / f".probe-{os.getpid()}-{threading.get_ident()}"
                 probe.write_bytes(b"")
                 probe.unlink()
@@ -146,7 +146,7 @@ class KernelCache(CacheUpkeep):
     def _readable(self) -> bool:
         """Whether the entries folder can be read; raises Refused if it fails the trust rule."""
         try:
-            trusted_files.check_folders(self.root, (f"v{SCHEMA}", "entries"))
+            self._folder("entries")
         except OSError:
             return False
         return os.access(self.base / "entries", os.R_OK | os.X_OK)
@@ -166,6 +166,12 @@ class KernelCache(CacheUpkeep):
     def entry_dir(self, key: str) -> Path:
         return self.base / "entries" / key
 
+    def _folder(self, *parts: str, make: bool = False) -> Path:
+        """base/parts..., checked by the trust rule from the root down (made first, with make);
+        v{SCHEMA} itself may be a link, to move the kernels to another disk."""
+        check = trusted_files.make_folders if make else trusted_files.check_folders
+        return check(self.root, (f"v{SCHEMA}", *parts), follow=1)
+
     # ---- reading: every file through trusted_files, every failure a miss -----------------------
 
     def _read(self, parts: tuple, limit: int, subject: str) -> bytes | None:
@@ -174,7 +180,7 @@ class KernelCache(CacheUpkeep):
         if self._unusable:
             return None
         try:
-            return trusted_files.read_file(self.root, (f"v{SCHEMA}", *parts), limit)
+            return trusted_files.read_file(self.root, (f"v{SCHEMA}", *parts), limit, follow=1)
         except Refused as exc:
             self._refuse(subject, f"{exc}; {UNTRUSTED_HINT.format(root=self.root)}", exc.path)
         except PermissionError as exc:
@@ -271,12 +277,12 @@ class KernelCache(CacheUpkeep):
         """base/parts..., made where missing and checked; an entry folder that fails the check is
         moved away and made anew (its parent passed, so only this user or root put it there)."""
         try:
-            return trusted_files.make_folders(self.root, (f"v{SCHEMA}", *parts))
+            return self._folder(*parts, make=True)
         except Refused:
             if parts[0] != "entries" or len(parts) != 2:
                 raise
             self._remove_entry(parts[1])
-            return trusted_files.make_folders(self.root, (f"v{SCHEMA}", *parts))
+            return self._folder(*parts, make=True)
 
     def store(self, key: str, cubin: bytes, source: str, meta: dict) -> bool:
         """Write an entry (cubin and source first, metadata last). False if it could not be written.
@@ -336,7 +342,7 @@ class KernelCache(CacheUpkeep):
         timeout = lock_timeout() if give_up_after is None else min(give_up_after, lock_timeout())
         lock = filelock.FileLock(str(self.base / "locks" / f"{key}.lock"), timeout=timeout)
         try:
-            trusted_files.check_folders(self.root, (f"v{SCHEMA}", "locks"))
+            self._folder("locks")
             lock.acquire()
         except filelock.Timeout:
             if give_up_after is not None:

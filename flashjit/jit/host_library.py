@@ -102,7 +102,7 @@ class SharedLibrary:
     def _trusted_path(self) -> Path:
         """path, once it passed the trust rule; raises Refused, PermissionError or FileNotFoundError."""
         root = self.cache.root if self.cache is not None else self.path.parent
-        return trusted_files.check_file(root, self.path.relative_to(root).parts, MAX_LIBRARY_BYTES)
+        return trusted_files.check_file(root, self.path.relative_to(root).parts, MAX_LIBRARY_BYTES, follow=1)
 
     def _warn_once(self, what: str, *args):
         if what not in self._warned:
@@ -180,7 +180,7 @@ def _library_folder(cache: KernelCache | None) -> tuple[Path, KernelCache | None
     and checked by the trust rule, else a private temp folder (no lock needed)."""
     if cache is not None and cache.writable:
         try:
-            folder = trusted_files.make_folders(cache.root, (f"v{SCHEMA}", "host"))
+            folder = trusted_files.make_folders(cache.root, (f"v{SCHEMA}", "host"), follow=1)
             if os.access(folder, os.W_OK):
                 return folder, cache
         except (OSError, trusted_files.Refused) as exc:

@@ -10,8 +10,9 @@ only if:
   * none of them is writable by group or others; a folder with the sticky bit (as /tmp) is the
     exception: others may add names there but cannot rename or remove ours, and whatever they add
     fails the owner check.
-The root's own path may pass through links (the operator chose it); below the root none is
-followed. Only this user and root can change a folder that passes, so what passed a check stays
+The root's own path may pass through links (the operator chose it), and so may the first
+`follow` folders below it (the cache's v{N} folder, which an operator may move to another disk and
+link back); the folders they lead to are checked as any other. Below those, no link is followed. Only this user and root can change a folder that passes, so what passed a check stays
 as it was until it is used: no other user can swap a file between the check and the load.
 
 What fails raises Refused (its message names the file and the reason); a file this user may not
@@ -56,17 +57,18 @@ def _check_folder(path: Path, st: os.stat_result):
     _check_owner_and_mode(path, st, folder=True)
 
 
-def check_folders(root: Path, parts=()) -> Path:
-    """root/parts[0]/parts[1]/..., after checking the root and each folder below it in turn."""
+def check_folders(root: Path, parts=(), follow: int = 0) -> Path:
+    """root/parts[0]/parts[1]/..., after checking the root and each folder below it in turn (links
+    followed for the root and the first `follow` parts only)."""
     path = Path(root)
     _check_folder(path, os.stat(path))
-    for part in parts:
+    for depth, part in enumerate(parts):
         path = path / part
-        _check_folder(path, os.lstat(path))
+        _check_folder(path, os.stat(path) if depth < follow else os.lstat(path))
     return path
 
 
-def make_folders(root: Path, parts=()) -> Path:
+def make_folders(root: Path, parts=(), follow: int = 0) -> Path:
     """check_folders, making the missing folders (mode 0755 under the umask) on the way."""
     root = Path(root)
     if not root.exists():
@@ -74,18 +76,18 @@ def make_folders(root: Path, parts=()) -> Path:
         with contextlib.suppress(FileExistsError):
             os.mkdir(root, FOLDER_MODE)
     path = check_folders(root)
-    for part in parts:
+    for depth, part in enumerate(parts):
         path = path / part
         with contextlib.suppress(FileExistsError):
             os.mkdir(path, FOLDER_MODE)
-        _check_folder(path, os.lstat(path))
+        _check_folder(path, os.stat(path) if depth < follow else os.lstat(path))
     return path
 
 
 @contextlib.contextmanager
-def open_file(root: Path, parts, limit: int):
+def open_file(root: Path, parts, limit: int, follow: int = 0):
     """The open descriptor of the regular file root/parts... (see the module doc), closed after."""
-    path = check_folders(root, parts[:-1]) / parts[-1]
+    path = check_folders(root, parts[:-1], follow) / parts[-1]
     before = os.lstat(path)
     if not stat.S_ISREG(before.st_mode):
         raise Refused(path, _KINDS.get(stat.S_IFMT(before.st_mode), "not a file") + ", not a regular file")
@@ -107,9 +109,9 @@ def open_file(root: Path, parts, limit: int):
         os.close(fd)
 
 
-def read_file(root: Path, parts, limit: int) -> bytes:
+def read_file(root: Path, parts, limit: int, follow: int = 0) -> bytes:
     """The bytes of root/parts..., checked as open_file does; never more than `limit` are read."""
-    with open_file(root, parts, limit) as fd:
+    with open_file(root, parts, limit, follow) as fd:
         chunks, size = [], 0
         while size <= limit:
             chunk = os.read(fd, min(1 << 20, limit + 1 - size))
@@ -122,9 +124,9 @@ def read_file(root: Path, parts, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def check_file(root: Path, parts, limit: int) -> Path:
+def check_file(root: Path, parts, limit: int, follow: int = 0) -> Path:
     """root/parts... after open_file's checks, for loaders that take a path (ctypes.CDLL)."""
-    with open_file(root, parts, limit):
+    with open_file(root, parts, limit, follow):
         return Path(root).joinpath(*parts)
 
 
