@@ -28,10 +28,10 @@ Trust model. The cache holds code that flashjit runs: cubins on the GPU and host
 it, so only the user who runs flashjit, and root, may write it. The SHA-256 in meta.json detects
 damage, not forgery: anyone able to write a cubin can write a matching meta.json. So before any
 file is read, loaded or executed, trusted_files.py checks it: a regular file reached without
-following a link below the root (a FIFO or device is never opened), within a size cap
-(MAX_BYTES), owned by this user or root and writable by no one else; the root and every folder on
-the way likewise (a sticky folder, as /tmp, is accepted: others may add names but not touch
-ours). A file that fails is a miss with a warning naming it and why: a cubin is rebuilt (strict
+following a link below v{SCHEMA} (a FIFO or device is never opened), within a size cap
+(MAX_BYTES), owned by this user or root and writable by no one else; the root, v{SCHEMA} (which
+may link to another disk) and every folder on the way likewise (a sticky folder, as /tmp, is
+accepted: others may add names but not touch ours). A file that fails is a miss with a warning naming it and why: a cubin is rebuilt (strict
 mode raises KernelNotPrewarmed with the reason), a host library is rebuilt or left for numpy; it
 is never loaded. A root that fails is not used at all (memory only, one warning). Keys that come
 from outside (a bundle's meta.json, index names) are checked against KEY_PATTERN before they name
