@@ -113,7 +113,7 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
         with atomic_file(out) as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
             _add(tar, HEADER, json.dumps(header, indent=1).encode())
             for e in chosen:
-                for name, data in _entry_files(e).items():
+                for name, data in _entry_files(cache, e).items():
                     _add(tar, f"v{SCHEMA}/entries/{e['key']}/{name}", data, e.get("created", 0))
             for spec_key, key in sorted(index.items()):
                 _add(tar, f"v{SCHEMA}/index/{spec_key}", key.encode())
@@ -123,13 +123,13 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
     return ExportReport(out, chosen, len(index), size, skipped)
 
 
-def _entry_files(entry: dict) -> dict[str, bytes]:
-    folder = Path(entry["path"])
-    try:
-        return {name: (folder / name).read_bytes() for name in ENTRY_FILES}
-    except OSError as exc:  # verified a moment ago: pruned or cleared meanwhile
-        raise BundleError(f"cache entry {folder} ({entry.get('name')}) could not be read while exporting "
-                          f"({exc.strerror or exc}); nothing was written, export again") from None
+def _entry_files(cache: KernelCache, entry: dict) -> dict[str, bytes]:
+    """The entry's files, read under the cache's trust rule (no link or FIFO reaches a bundle)."""
+    files = cache.entry_files(entry["key"])
+    if files is None:  # verified a moment ago: pruned, cleared or replaced meanwhile
+        raise BundleError(f"cache entry {entry['path']} ({entry.get('name')}) could not be read while exporting; "
+                          "nothing was written, export again")
+    return files
 
 
 def _unverified_entries(cache: KernelCache, verified: set[str]) -> list[tuple[str, str]]:
