@@ -1,6 +1,6 @@
 """flashjit: JIT-generated paged-KV decode attention kernels (Jinja2 templates, NVRTC, disk cache)."""
 
-from ._version import __version__
+from ._version import __version__  # noqa: F401 (flashjit.__version__)
 
 from .serving.batch_decode import BatchDecode, decode, default_engine
 from .jit.engine import Engine, PrewarmResult

@@ -12,9 +12,9 @@ import pytest
 
 import flashjit
 from flashjit import CompileError, DecodeSpec
-from flashjit.serving import host_planner
+from flashjit.serving import buffers, host_planner, plan_state
 from flashjit.deploy.mask_check import host_replay
-from flashjit.jit import abi, host_library, kernel
+from flashjit.jit import abi, host_library
 from flashjit.jit.compile import compile_source
 from flashjit.jit.render import render
 from flashjit.masks import params, registry
@@ -105,9 +105,10 @@ def test_another_record_width_fails_the_compile(tmp_path, monkeypatch):
 
 
 def test_each_definition_has_one_source():
-    assert kernel.DecodeArgs is abi.DecodeArgs and kernel.MergeArgs is abi.MergeArgs
-    assert kernel.MASK_PARAM_CTYPES is params.MASK_PARAM_CTYPES is host_replay.MASK_PARAM_CTYPES
-    assert host_planner.ITEM_INTS == abi.ITEM_INTS == len(abi.WORK_ITEM_FIELDS)
+    assert buffers.DecodeArgs is plan_state.DecodeArgs is abi.DecodeArgs
+    assert buffers.MergeArgs is plan_state.MergeArgs is abi.MergeArgs
+    assert buffers.MASK_PARAM_CTYPES is params.MASK_PARAM_CTYPES is host_replay.MASK_PARAM_CTYPES
+    assert buffers.ITEM_INTS == host_planner.ITEM_INTS == abi.ITEM_INTS == len(abi.WORK_ITEM_FIELDS)
     assert registry.PARAM_CTYPES is params.PARAM_CTYPES
     assert set(params.PARAM_CTYPES) == set(params.MASK_PARAM_CTYPES) == set(params.PARAM_KINDS)
     assert f"-DFJ_ITEM_INTS={abi.ITEM_INTS}" in host_library.CFLAGS

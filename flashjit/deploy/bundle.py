@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from .._version import __version__
-from ..jit.cache import ENTRY_FILES, KEY_PATTERN, SCHEMA, KernelCache, atomic_file
+from ..jit.cache import KEY_PATTERN, SCHEMA, KernelCache, atomic_file
 from ..errors import CacheError
 from .bundle_meta import check_entry
 from .bundle_stream import (HEADER, MAX_BYTES, UNREADABLE, BundleError, BundleReader, Limits, Refusal, by_entry,

@@ -17,9 +17,7 @@ import dataclasses
 import threading
 
 from ..errors import KernelNotPrewarmed
-from ..masks.params import MASK_PARAM_CTYPES  # noqa: F401 (re-exported for the launch path)
 from ..masks.registry import MaskDef
-from .abi import DecodeArgs, MergeArgs  # noqa: F401 (re-exported: the launch arguments)
 from .spec import DecodeSpec
 from .tiling import DecodeTiling
 

@@ -8,8 +8,8 @@ import typing
 
 import numpy as np
 
-from ..jit.kernel import MASK_PARAM_CTYPES, DecodeArgs, MergeArgs
-from .host_planner import ITEM_INTS
+from ..jit.abi import ITEM_INTS, DecodeArgs, MergeArgs
+from ..masks.params import MASK_PARAM_CTYPES
 from .streams import DEVICE_TO_HOST, HOST_TO_DEVICE, StreamCopies
 
 
