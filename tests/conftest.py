@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,12 @@ def run_children(children, results, timeout: float = 120) -> list:
             child.join(30)
             if child.is_alive():
                 child.kill()
+
+
+@pytest.fixture
+def shared_tmp():
+    """A folder other users can reach (pytest's tmp_path is private to the user running the suite)."""
+    folder = Path(tempfile.mkdtemp(prefix="flashjit-shared-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

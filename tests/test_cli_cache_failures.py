@@ -12,7 +12,6 @@ import errno
 import multiprocessing
 import os
 import shutil
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -30,15 +29,6 @@ from test_cli_cache import MISTRAL
 
 FORK = multiprocessing.get_context("fork")
 NOBODY = 65534
-
-
-@pytest.fixture
-def shared_tmp():
-    """A folder another user can reach (pytest's tmp_path is private to the user running the suite)."""
-    folder = Path(tempfile.mkdtemp(prefix="flashjit-shared-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run_as_nobody(argv, results):

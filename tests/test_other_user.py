@@ -88,15 +88,6 @@ def readable_package():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-@pytest.fixture
-def shared_dir():
-    """A folder other users can reach (pytest's tmp_path is private to root)."""
-    folder = Path(tempfile.mkdtemp(prefix="flashjit-shared-"))
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 def serve_as(uid: int, cache_dir: Path, spec_name: str, package: Path) -> dict:
     result = subprocess.run([sys.executable, "-c", CHILD, str(cache_dir), spec_name, str(uid)], cwd=package,
                             capture_output=True, text=True, timeout=300)
@@ -116,8 +107,8 @@ def imported_as_root(warm, tmp_path, cache_dir: Path) -> Path:
     return cache_dir
 
 
-def test_a_cache_imported_as_root_serves_another_user_in_strict_mode(warm, tmp_path, shared_dir, readable_package):
-    cache_dir = imported_as_root(warm, tmp_path, shared_dir / "cache")
+def test_a_cache_imported_as_root_serves_another_user_in_strict_mode(warm, tmp_path, shared_tmp, readable_package):
+    cache_dir = imported_as_root(warm, tmp_path, shared_tmp / "cache")
     report = serve_as(NOBODY, cache_dir, warm.spec.name, readable_package)
     assert report.get("error") is None, report
     assert report["cubin_sha256"] == hashlib.sha256(warm.kernel.cubin).hexdigest()
@@ -127,8 +118,8 @@ def test_a_cache_imported_as_root_serves_another_user_in_strict_mode(warm, tmp_p
     assert not [w for w in report["warnings"] if "not trusted" in w or "Permission" in w], report["warnings"]
 
 
-def test_a_file_another_user_cannot_read_is_reported(warm, tmp_path, shared_dir, readable_package):
-    cache_dir = imported_as_root(warm, tmp_path, shared_dir / "cache")
+def test_a_file_another_user_cannot_read_is_reported(warm, tmp_path, shared_tmp, readable_package):
+    cache_dir = imported_as_root(warm, tmp_path, shared_tmp / "cache")
     meta = KernelCache(cache_dir).entry_dir(warm.kernel.key) / "meta.json"
     meta.chmod(0o600)  # as an older flashjit wrote every file
     report = serve_as(NOBODY, cache_dir, warm.spec.name, readable_package)
@@ -137,8 +128,8 @@ def test_a_file_another_user_cannot_read_is_reported(warm, tmp_path, shared_dir,
     assert any(str(meta) in w and "chmod" in w for w in report["warnings"]), report["warnings"]
 
 
-def test_a_file_owned_by_a_third_user_is_not_served_to_the_other_user(warm, tmp_path, shared_dir, readable_package):
-    cache_dir = imported_as_root(warm, tmp_path, shared_dir / "cache")
+def test_a_file_owned_by_a_third_user_is_not_served_to_the_other_user(warm, tmp_path, shared_tmp, readable_package):
+    cache_dir = imported_as_root(warm, tmp_path, shared_tmp / "cache")
     cubin = KernelCache(cache_dir).entry_dir(warm.kernel.key) / "kernel.cubin"
     os.chown(cubin, 1234, 1234)
     report = serve_as(NOBODY, cache_dir, warm.spec.name, readable_package)
