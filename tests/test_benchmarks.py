@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,8 +115,9 @@ def test_parser_defaults_time_both_columns():
 
 
 def test_help_runs_without_a_gpu():
+    root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-m", "benchmarks.decode", "--help"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, cwd=root)
     assert done.returncode == 0 and "--no-graph" in done.stdout and "--plot" in done.stdout
 
 
