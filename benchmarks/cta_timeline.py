@@ -16,7 +16,10 @@ and timing are those of benchmarks/decode.py. Percentiles are in µs from the fi
 import argparse
 import tempfile
 
-from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantize
+from benchmarks.cases import CASES
+from benchmarks.inputs import build_inputs, quantize
+from benchmarks.peers import flashjit_impl
+from benchmarks.timing import Timer
 
 STAMPS = ("entry", "first tile", "tiles done", "exit")
 PERCENTILES = (0, 10, 50, 90, 100)

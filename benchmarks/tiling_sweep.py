@@ -13,7 +13,10 @@ import argparse
 import re
 import tempfile
 
-from benchmarks.decode import CASES, Timer, build_inputs, flashjit_impl, quantize
+from benchmarks.cases import CASES
+from benchmarks.inputs import build_inputs, quantize
+from benchmarks.peers import flashjit_impl
+from benchmarks.timing import Timer
 
 # (head_dim, fp8 cache) -> (warps, stages, min CTAs per SM) variants; the first is the current choice
 WARP_STAGES = {(128, False): [(4, 2, 1), (4, 3, 1), (4, 2, 3), (2, 4, 1)], (64, False): [(4, 4, 1), (4, 3, 1), (8, 2, 1)],
