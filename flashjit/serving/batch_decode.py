@@ -269,6 +269,10 @@ class BatchDecode:
         With use_cuda_graph=True, q/out may have up to max_tokens rows (rows past the plan's tokens
         are left alone), and a captured run() replays correctly after a new plan(); the graph keeps
         the tensors it was captured with, so refill those between replays.
+
+        A plan without query tokens (an empty batch, e.g. a data-parallel rank with no decodes this
+        step) checks the tensors and returns the empty out (and lse) without a launch; in CUDA-graph
+        mode it launches its fixed grid, whose items are then all padding, so the capture holds it.
         """
         plan = self._plan
         if plan is None:
@@ -285,6 +289,8 @@ class BatchDecode:
         if return_lse and lse is None:
             lse = q.new_empty(out.shape[:2], dtype=self._lse_dtype)
         a.lse = lse_pointer = 0 if lse is None else self._lse_pointer(lse, out)
+        if not plan.query_form[1]:  # no query rows at all (an empty batch, outside CUDA-graph mode): no grid
+            return (out, lse) if return_lse else out
 
         stream = self._current_stream(self._device_index)
         plan.decode_launch(stream)
