@@ -11,8 +11,48 @@ import numpy as np
 from .small_arrays import largest, smallest
 
 
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_MIN_NORMAL = float(np.finfo(np.float32).tiny)
+
+
 def fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+# Scalars reach the kernel as C int and float values, which ctypes fills by wrapping and rounding
+# silently (2**32 becomes 0): each is checked to survive the conversion. A bool is refused where an
+# int or a float is meant: True as a window or a scale is a mistake, not a 1.
+
+def int32_param(name: str, value) -> int:
+    """An int mask parameter: an int (or numpy integer) in 0..2**31-1."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value <= INT32_MAX:
+        return int(value)
+    fail(name, f"an int in 0..{INT32_MAX} (int32; a bool is not an int here)", repr(value))
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+# The range checks compare the value itself, before any float(): NaN fails every comparison, and an
+# int too large for a double compares exactly instead of raising OverflowError.
+
+def float32_param(name: str, value) -> float:
+    """A float mask parameter: a real number (not a bool) that is a finite float32."""
+    if _real(value) and -FLOAT32_MAX <= value <= FLOAT32_MAX:
+        return float(value)
+    fail(name, f"a finite float (float32: magnitude at most {FLOAT32_MAX:.2g})", repr(value))
+
+
+def positive_float32(name: str, value, factor: float = 1.0) -> float:
+    """A real number > 0 whose product with factor is a normal float32 (the kernel's value, e.g.
+    sm_scale * log2(e)): neither infinite nor flushed to 0."""
+    low, high = FLOAT32_MIN_NORMAL / factor, FLOAT32_MAX / factor
+    if _real(value) and low <= value <= high:
+        return float(value)
+    kernel_value = "a normal float32" if factor == 1.0 else f"times {factor:.6g} a normal float32"
+    fail(name, f"a finite float > 0 in {low:.3g}..{high:.3g} ({kernel_value})", repr(value))
 
 
 def host_int_array(name: str, value, length: int | None = None) -> np.ndarray:
@@ -73,9 +113,6 @@ def rows_16b_aligned(name: str, t, row: int) -> None:
              f"data_ptr % 16 = {t.data_ptr() % 16}, strides {t.stride()}")
 
 
-INT32_MAX = 2**31 - 1
-
-
 def strides_fit_int32(name: str, strides: tuple[int, ...]) -> None:
     """The kernel multiplies page, slot and head strides in 32 bits (the products are 64-bit)."""
     if max(strides) > INT32_MAX:
@@ -86,6 +123,8 @@ def head_counts(num_qo_heads, num_kv_heads, page_size) -> None:
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             fail(name, "a positive int", value)
+        if value > INT32_MAX:
+            fail(name, f"at most {INT32_MAX} (int32)", value)
     if num_qo_heads % num_kv_heads:
         fail("num_qo_heads", f"a multiple of num_kv_heads={num_kv_heads}", num_qo_heads)
 
@@ -103,16 +142,27 @@ def page_table(indptr, last_page_len, page_size: int) -> tuple[np.ndarray, np.nd
     kv_lens = (pages - 1) * page_size + last
     if fewest_pages == 0:  # a request without pages has no tokens (its last <= page_size: clamp at 0)
         np.maximum(kv_lens, 0, out=kv_lens)
+    longest = largest(kv_lens)
+    if longest > INT32_MAX:  # the kernel's positions, and the work list's fields, are int32
+        at = int(np.argmax(kv_lens))
+        fail("kv_len", f"at most {INT32_MAX} tokens per request (int32)", f"request {at} of {longest} tokens")
+    if indptr_h[-1] > INT32_MAX:
+        fail("indptr", f"at most {INT32_MAX} page ids in all (int32)", int(indptr_h[-1]))
     return indptr_h, kv_lens
 
 
 def query_indptr(qo_indptr, q_len, batch: int) -> np.ndarray:
     """Query-token offsets per request: qo_indptr as given, or q_len tokens each (default 1)."""
     if qo_indptr is not None:
-        return indptr_array("qo_indptr", qo_indptr, length=batch + 1)
+        offsets = indptr_array("qo_indptr", qo_indptr, length=batch + 1)
+        if offsets[-1] > INT32_MAX:
+            fail("qo_indptr", f"at most {INT32_MAX} query tokens in all (int32)", int(offsets[-1]))
+        return offsets
     n = 1 if q_len is None else q_len
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         fail("q_len", "a positive int", q_len)
+    if max(batch, 1) * n > INT32_MAX:
+        fail("q_len", f"at most {INT32_MAX} query tokens in all (int32)", f"{batch} requests of {n}")
     return np.arange(batch + 1, dtype=np.int64) * n
 
 

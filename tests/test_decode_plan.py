@@ -43,9 +43,9 @@ def fake_loaded(kernel, device_index) -> LoadedKernel:
 
 
 def cpu_decoder(engine, **options) -> BatchDecode:
-    """A BatchDecode on the CPU; options are BatchDecode's (use_cuda_graph, max_batch_size, ...)."""
-    return BatchDecode(engine, CPU, arch="sm_90", load_kernel=fake_loaded, host_planner=HostPlanner(native_library()),
-                       **options)
+    """A BatchDecode on the CPU; options are BatchDecode's (use_cuda_graph, max_batch_size, host_planner, ...)."""
+    options.setdefault("host_planner", HostPlanner(native_library()))
+    return BatchDecode(engine, CPU, arch="sm_90", load_kernel=fake_loaded, **options)
 
 
 @functools.cache

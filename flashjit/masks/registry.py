@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 from .. import env
 from ..errors import SpecError
+from . import block_sparse
 from .params import PARAM_CTYPES
 
 log = logging.getLogger("flashjit")
@@ -327,14 +328,6 @@ def _window_span(kv_lens, q_lens, params):
     return begin, kv_lens
 
 
-def _block_sparse_span(kv_lens, q_lens, params):
-    import numpy as np
-
-    indptr = params["block_indptr"]
-    indptr = indptr.cpu().numpy() if hasattr(indptr, "cpu") else np.asarray(indptr)
-    return np.zeros_like(kv_lens), np.diff(indptr).astype(kv_lens.dtype) * int(params["block_size"])
-
-
 def _causal_ref(q_pos, kv_pos, request, params):
     return kv_pos <= q_pos
 
@@ -381,7 +374,7 @@ masks.register("sliding_window", "masks/sliding_window.cuh.j2", {"window_left": 
                kv_span=_window_span, reference=_window_ref, sample_params=_window_sample)
 masks.register("block_sparse", "masks/block_sparse.cuh.j2",
                {"block_size": "int", "block_indptr": "int_tensor", "block_indices": "int_tensor"},
-               kv_span=_block_sparse_span, reference=_block_sparse_ref, sample_params=_block_sparse_sample)
+               kv_span=block_sparse.kv_span, reference=_block_sparse_ref, sample_params=_block_sparse_sample)
 
 
 def _register_mask_modules():

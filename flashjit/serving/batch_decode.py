@@ -145,7 +145,9 @@ class BatchDecode:
         if known is None:
             validation.head_counts(num_qo_heads, num_kv_heads, page_size)
         # The query tokens are each request's newest positions (kv_len - q_len + i).
-        tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len)
+        graph, previous = self._graph, self._plan
+        tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len,
+                                         keep=None if previous is None else previous.tables)
         num_page_ids = tables.num_page_ids
 
         validation.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
@@ -153,7 +155,6 @@ class BatchDecode:
             validation.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
         if num_page_ids > 1 and indices.stride(0) != 1:  # the kernel reads them as one run
             validation.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
-        graph, previous = self._graph, self._plan
         if graph is not None:
             graph.check_page_id_count(num_page_ids)
         if not isinstance(check_page_ids, bool):
@@ -181,7 +182,8 @@ class BatchDecode:
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
         buffers = self._buffers_for(capacity, setup, previous)
 
-        # Every argument is valid: from here on the new plan replaces the previous one.
+        # Every argument is valid, every value checked to fit the C type it goes into (nothing below
+        # raises): from here on the new plan replaces the previous one.
         self._validated_caches.clear()  # cache tensors are validated against this plan (page count, shape)
         self._cache_pointed_at = NO_CACHE
         # A page-id range that landed was copied after the previous plan's work list, on the same
@@ -267,6 +269,10 @@ class BatchDecode:
         With use_cuda_graph=True, q/out may have up to max_tokens rows (rows past the plan's tokens
         are left alone), and a captured run() replays correctly after a new plan(); the graph keeps
         the tensors it was captured with, so refill those between replays.
+
+        A plan without query tokens (an empty batch, e.g. a data-parallel rank with no decodes this
+        step) checks the tensors and returns the empty out (and lse) without a launch; in CUDA-graph
+        mode it launches its fixed grid, whose items are then all padding, so the capture holds it.
         """
         plan = self._plan
         if plan is None:
@@ -283,6 +289,8 @@ class BatchDecode:
         if return_lse and lse is None:
             lse = q.new_empty(out.shape[:2], dtype=self._lse_dtype)
         a.lse = lse_pointer = 0 if lse is None else self._lse_pointer(lse, out)
+        if not plan.query_form[1]:  # no query rows at all (an empty batch, outside CUDA-graph mode): no grid
+            return (out, lse) if return_lse else out
 
         stream = self._current_stream(self._device_index)
         plan.decode_launch(stream)

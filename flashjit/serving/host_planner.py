@@ -111,9 +111,10 @@ def _torch_int32():
 class NativeTables:
     """One plan's host tables and work, computed by native/host_plan.c. Built by HostPlanner.read()."""
 
-    def __init__(self, planner: "HostPlanner", indptr, qo_indptr, q_len, batch: int):
+    def __init__(self, planner: "HostPlanner", indptr, qo_indptr, q_len, batch: int, kv_scratch: np.ndarray):
         self._planner, self._qo_indptr, self._q_len = planner, qo_indptr, q_len
         self._indptr = indptr  # read again by write(): kept alive
+        self.kv_scratch = kv_scratch
         p = planner.params
         self.batch, self.num_tokens, self.max_q_len = batch, p.num_tokens, p.max_q_len
         self.num_page_ids = p.num_page_ids
@@ -122,8 +123,8 @@ class NativeTables:
 
     @property
     def kv_lens(self) -> np.ndarray:
-        """A view of the planner's scratch: valid until its next read()."""
-        return self._planner.kv_lens[:self.batch]
+        """A view of the planner's scratch: valid until a later read() that does not keep these tables."""
+        return self.kv_scratch[:self.batch]
 
     @property
     def q_lens(self) -> np.ndarray:
@@ -182,27 +183,33 @@ class HostPlanner:
         self._parts = SPLIT_CANDIDATES.astype(np.int64)
         p.parts, p.num_parts = self._parts.ctypes.data, len(self._parts)
         p.min_chunk, p.item_overhead, p.merge_cost = MIN_CHUNK_TOKENS, ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS
-        self.kv_lens = np.empty(0, dtype=np.int64)
+        # Two scratch arrays for the C code's kv_lens: a read writes the one the tables it keeps do not use.
+        self._kv_scratch = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]
+        self._kv_pointers = [0, 0]
         self._layouts: dict[tuple, _Layout] = {}
         self._range = (ctypes.c_int64 * 2)()
 
-    def read(self, indptr, last_page_len, page_size: int, qo_indptr=None, q_len=None):
+    def read(self, indptr, last_page_len, page_size: int, qo_indptr=None, q_len=None, keep=None):
         """The tables of a page table (and query offsets): NativeTables or NumpyTables. A bad input
-        raises ValueError naming it."""
+        raises ValueError naming it. keep: tables of an earlier read (the current plan's) whose
+        kv_lens stay valid, however this read ends."""
         if self.library is not None and _int32_cpu_vector(indptr) and indptr.shape[0] >= 1:
             batch = indptr.shape[0] - 1
             queries_ok = (_int32_cpu_vector(qo_indptr, batch + 1) if qo_indptr is not None
-                          else q_len is None or (type(q_len) is int and q_len >= 1))
+                          else q_len is None or (type(q_len) is int and 1 <= q_len <= validation.INT32_MAX))
             if queries_ok and _int32_cpu_vector(last_page_len, batch):
                 p = self.params
-                if len(self.kv_lens) < batch:
-                    self.kv_lens = np.empty(max(batch, 2 * len(self.kv_lens)), dtype=np.int64)
-                    p.kv_lens = self.kv_lens.ctypes.data
+                slot = 1 if getattr(keep, "kv_scratch", None) is self._kv_scratch[0] else 0
+                scratch = self._kv_scratch[slot]
+                if len(scratch) < batch:
+                    scratch = self._kv_scratch[slot] = np.empty(max(batch, 2 * len(scratch)), dtype=np.int64)
+                    self._kv_pointers[slot] = scratch.ctypes.data
+                p.kv_lens = self._kv_pointers[slot]
                 p.indptr, p.last_page_len, p.batch, p.page_size = indptr.data_ptr(), last_page_len.data_ptr(), batch, page_size
                 p.qo_indptr = None if qo_indptr is None else qo_indptr.data_ptr()
                 p.q_len = 1 if q_len is None else q_len
                 if not self.library.fj_read(ctypes.byref(p)):
-                    return NativeTables(self, indptr, qo_indptr, q_len, batch)
+                    return NativeTables(self, indptr, qo_indptr, q_len, batch, scratch)
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
 
     def id_range(self, ids, count: int) -> tuple[int, int]:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 import typing
 
-import numpy as np
-
 from .. import validation
 from ..jit.kernel import Kernel, LoadedKernel
 from ..jit.spec import DecodeSpec
@@ -50,13 +48,15 @@ def make_setup(scalars: tuple, mask_params, kernel_q_len: int, *, engine, arch: 
     params = checked_mask_params(kernel.mask, window_left, mask_params, device)
     kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
                 else (num_kv_heads, page_size, head_dim))
-    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else validation.positive_float32("sm_scale", sm_scale, LOG2E)
     return Setup(spec, kernel, loaded, params, scale * LOG2E, num_qo_heads, num_kv_heads, head_dim, page_size,
                  _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype), kv_shape, generation)
 
 
 def checked_mask_params(mask, window_left, mask_params, device) -> dict:
-    """The mask's runtime parameters (window_left among them), each checked against its kind."""
+    """The mask's runtime parameters (window_left among them), each checked against its kind: ints
+    in 0..2**31-1 and finite float32 floats (as Python numbers), int32 tensors on the device. What
+    a value must be for the batch (a tensor's length, say) is the mask's kv_span to check."""
     if not mask.params and not mask_params and window_left is None:
         return {}  # the common case, a mask without parameters given none, in one test
     params = dict(mask_params or {})
@@ -69,9 +69,11 @@ def checked_mask_params(mask, window_left, mask_params, device) -> dict:
                         f"missing {missing}, unknown {unknown}")
     for p in mask.params:
         value = params[p.name]
-        if p.kind == "int" and (not isinstance(value, (int, np.integer)) or value < 0):
-            validation.fail(f"mask param {p.name}", "a non-negative int", value)
-        if p.kind == "int_tensor":
+        if p.kind == "int":
+            params[p.name] = validation.int32_param(f"mask param {p.name}", value)
+        elif p.kind == "float":
+            params[p.name] = validation.float32_param(f"mask param {p.name}", value)
+        elif p.kind == "int_tensor":
             import torch
 
             validation.tensor(f"mask param {p.name}", value, dtype=torch.int32, device=device, ndim=1)

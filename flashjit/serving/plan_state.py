@@ -66,9 +66,14 @@ def split_work(setup: Setup, tables, chunk_tokens, disable_split_kv: bool, graph
     kernel = setup.kernel
     if kernel.mask.kv_span is not None:
         span_begin, span_end = kernel.mask.kv_span(tables.kv_lens, tables.q_lens, setup.params)
+        for name, span in (("begins", span_begin), ("ends", span_end)):  # the C planner reads one per request
+            if span is not None and (span.shape if isinstance(span, np.ndarray) else np.shape(span)) != (tables.batch,):
+                validation.fail(f"mask {kernel.mask.name!r}'s kv_span", f"{tables.batch} span {name}, one per request",
+                                f"shape {np.shape(span)}")
         span_end = np.minimum(span_end, np.iinfo(np.int32).max)
-    if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
-        validation.fail("chunk_tokens", "a positive int", chunk_tokens)
+    if chunk_tokens is not None and (type(chunk_tokens) is not int or not 1 <= chunk_tokens <= validation.INT32_MAX):
+        validation.fail("chunk_tokens", f"a positive int up to {validation.INT32_MAX} (a bool is not an int here)",
+                        repr(chunk_tokens))
     if disable_split_kv:
         span_lens = (tables.kv_lens if span_end is None else span_end if span_begin is None
                      else span_end - span_begin)

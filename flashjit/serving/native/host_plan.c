@@ -60,20 +60,23 @@ static void span(const fj_plan_t *p, int64_t b, int64_t *begin, int64_t *end) {
     *end = max64(e, s);
 }
 
-/* kv_lens from the page table; 1 if indptr does not start at 0, decreases, or a last_page_len is
- * outside 1..page_size (0 allowed for a request without pages). */
+/* kv_lens from the page table; 1 if page_size is not in 1..INT32_MAX, indptr does not start at 0
+ * or decreases, a last_page_len is outside 1..page_size (0 allowed for a request without pages),
+ * or a request holds more tokens than the kernel's int32 positions reach. */
 static int fj_page_table(fj_plan_t *p) {
-    if (p->indptr[0] != 0) return 1;
+    if (p->indptr[0] != 0 || p->page_size < 1 || p->page_size > INT32_MAX) return 1;
     for (int64_t b = 0; b < p->batch; ++b) {
         int64_t pages = (int64_t)p->indptr[b + 1] - p->indptr[b], last = p->last_page_len[b];
         if (pages < 0 || last < 0 || last > p->page_size || (last < 1 && pages > 0)) return 1;
         p->kv_lens[b] = pages ? (pages - 1) * p->page_size + last : 0;
+        if (p->kv_lens[b] > INT32_MAX) return 1;
     }
     p->num_page_ids = p->indptr[p->batch];
     return 0;
 }
 
-/* 1 if qo_indptr does not start at 0 or decreases. Sets num_tokens and max_q_len (at least 1). */
+/* 1 if qo_indptr does not start at 0 or decreases, or batch x q_len query tokens exceed int32.
+ * Sets num_tokens and max_q_len (at least 1). */
 static int fj_query_indptr(fj_plan_t *p) {
     int64_t most = 1;
     if (p->qo_indptr) {
@@ -86,6 +89,7 @@ static int fj_query_indptr(fj_plan_t *p) {
         p->num_tokens = p->qo_indptr[p->batch];
     } else {
         if (p->batch) most = max64(most, p->q_len);
+        if (p->q_len > INT32_MAX || p->batch * p->q_len > INT32_MAX) return 1;
         p->num_tokens = p->batch * p->q_len;
     }
     p->max_q_len = most;
