@@ -191,7 +191,7 @@ def _library_folder(cache: KernelCache | None) -> tuple[Path, KernelCache | None
 
 def _build(command: list[str], source: Path, name: str, libs=()) -> bytes:
     """Compile source into a shared library in a scratch folder; its bytes. The compiler runs in a
-    session of its own, so at BUILD_TIMEOUT_S it is killed together with everything it started."""
+    process group of its own (start_new_session), so at BUILD_TIMEOUT_S it is killed together with everything it started."""
     with tempfile.TemporaryDirectory(prefix="flashjit-build-") as scratch:
         built = Path(scratch) / name
         argv = [*command, "-o", str(built), str(source), *libs]
@@ -202,7 +202,7 @@ def _build(command: list[str], source: Path, name: str, libs=()) -> bytes:
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(OSError):
                     os.killpg(process.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the session
+                with contextlib.suppress(subprocess.TimeoutExpired):  # a child that left the process group
                     process.communicate(timeout=5)
                 raise subprocess.TimeoutExpired(argv, BUILD_TIMEOUT_S) from None
         if process.returncode != 0:
