@@ -13,9 +13,13 @@ fields transformers reads.
                       model_type "gemma2"                              (every other layer, from 0)
                       sliding_window_pattern = p                       (Gemma 3: every p-th layer is global)
                       sliding_window alone                             (Mistral: every layer)
-Multimodal configs are read from their `text_config`. The window's size, like sm_scale (Gemma's
-query_pre_attn_scalar), is a runtime BatchDecode.plan argument, not part of a kernel.
-Every problem raises ManifestError naming the file and the config field.
+Multimodal configs are read from their `text_config`. Fields a model type's config class fills in
+by default (Gemma 3's head_dim, heads and window pattern, which Hub configs omit) are filled the
+same way. The window's size, like sm_scale (Gemma's query_pre_attn_scalar), is a runtime
+BatchDecode.plan argument, not part of a kernel.
+A config whose attention flashjit kernels cannot compute (soft-capped logits, learned sinks,
+ALiBi, chunked or linear attention layers, latent attention) is refused, never approximated.
+Every problem raises ManifestError naming the file, the model and the config field.
 """
 
 from __future__ import annotations
@@ -27,6 +31,17 @@ from pathlib import Path
 from ..errors import SpecError
 from .manifest import Manifest, ManifestError, ModelEntry
 from ..jit.spec import HEAD_DIMS, QUERY_DTYPES, normalize_dtype
+
+
+# Defaults of transformers' config classes that the attention shape depends on: Hub configs leave
+# out the fields equal to them (gemma-3-4b's text_config names neither heads nor head_dim).
+MODEL_DEFAULTS = {
+    "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6},
+}
+
+SUPPORTED = "flashjit kernels compute plain softmax attention with masks none, causal and sliding_window"
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +102,8 @@ def read_hf_config(path, dtype=None) -> HFAttention:
         outer, config = config, dict(config["text_config"])  # multimodal: the language model's config
         for key in ("torch_dtype", "dtype"):
             config.setdefault(key, outer.get(key))
-    if config.get("kv_lora_rank"):
-        raise fail("kv_lora_rank", "multi-head latent attention (DeepSeek V2/V3) is not supported by flashjit kernels")
+    config = {**MODEL_DEFAULTS.get(config.get("model_type"), {}), **config}
+    refuse_unsupported(config, fail)
     notes = []
 
     heads = _positive_int(config, "num_attention_heads", fail)
@@ -117,9 +132,6 @@ def read_hf_config(path, dtype=None) -> HFAttention:
     layers = config.get("num_hidden_layers")
     layers = layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
     window, sliding = _sliding_window(config, layers, notes)
-    if config.get("attn_logit_softcapping"):
-        notes.append(f"attn_logit_softcapping={config['attn_logit_softcapping']}: flashjit kernels do not "
-                     "soft-cap attention logits, so outputs differ from the reference model")
     scalar = config.get("query_pre_attn_scalar")
     if isinstance(scalar, (int, float)) and scalar != head_dim:
         notes.append(f"query_pre_attn_scalar={scalar}: pass sm_scale={scalar}**-0.5 to BatchDecode.plan")
@@ -168,7 +180,7 @@ def _sliding_window(config: dict, layers: int | None, notes: list) -> tuple[int 
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None, 0
     count = layers or 1  # Mistral: every layer
-    if isinstance(config.get("layer_types"), list):
+    if isinstance(config.get("layer_types"), list):  # refuse_unsupported checked its entries
         count = sum(kind == "sliding_attention" for kind in config["layer_types"])
     elif "use_sliding_window" in config:  # Qwen2/2.5: layers from max_window_layers on
         if not config["use_sliding_window"]:
@@ -186,3 +198,29 @@ def _sliding_window(config: dict, layers: int | None, notes: list) -> tuple[int 
         notes.append(f"sliding_window={window} is set but no layer uses it")
         return None, 0
     return window, count
+
+
+def refuse_unsupported(config: dict, fail) -> None:
+    """Raise for the first config field whose attention flashjit kernels do not compute."""
+    def refuse(field, feature, verdict="attention variants are not supported yet"):
+        raise fail(field, f"{config[field]!r}: {feature}; {verdict}: {SUPPORTED}")
+
+    if config.get("model_type") == "gpt_oss":  # the sinks are weights: the model type is what the config says
+        refuse("model_type", "sinks, a learned logit per query head (self_attn.sinks) in every softmax")
+    if config.get("attn_logit_softcapping"):
+        refuse("attn_logit_softcapping", "logit soft-capping, cap * tanh(score / cap) before the softmax")
+    for field in ("alibi", "use_alibi"):
+        if config.get(field):
+            refuse(field, "ALiBi position biases on the scores")
+    if config.get("position_embedding_type") == "alibi":
+        refuse("position_embedding_type", "ALiBi position biases on the scores")
+    if config.get("kv_lora_rank"):
+        refuse("kv_lora_rank", "multi-head latent attention (DeepSeek V2/V3)", "not supported")
+    if config.get("attention_chunk_size"):
+        refuse("attention_chunk_size", "chunked attention (Llama 4)", "not supported")
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list):
+        other = sorted({str(kind) for kind in layer_types if kind not in LAYER_TYPES})
+        if other:
+            raise fail("layer_types", f"layers of type {', '.join(map(repr, other))} are not supported; "
+                                      f"layer_types may list {' and '.join(LAYER_TYPES)} ({SUPPORTED})")
