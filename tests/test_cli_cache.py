@@ -36,11 +36,11 @@ def test_prewarm_hf_config(cache_dir, fake_nvrtc):
 
 
 def test_prewarm_hf_config_options(cache_dir, fake_nvrtc):
-    code, out, err = run("prewarm", "--hf-config", EXAMPLES / "hf" / "gemma-2-9b", "--arch", "sm_80",
+    code, out, err = run("prewarm", "--hf-config", EXAMPLES / "hf" / "gemma-3-12b", "--arch", "sm_80",
                          "--dtype", "fp16", "--kv-dtype", "fp16", "--max-q-len", "1,2", "--cache-dir", cache_dir)
     assert code == 0, err
     assert "total: 6 kernels" in out and "decode_d256_f16_kvf16_sliding_window_p16_g2_q2_nhd_sm80" in out
-    assert "note: attn_logit_softcapping" in err and "float32" not in err  # --dtype replaced the config's
+    assert "head_dim 256, float16; sliding window 1024 on 40 of 48 layers" in err  # --dtype replaced bfloat16
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -48,6 +48,7 @@ def test_prewarm_hf_config_options(cache_dir, fake_nvrtc):
     (("--hf-config", MISTRAL, "--arch", "sm_90", "--page-size", "16,x"), "comma-separated integers"),
     (("--spec", DecodeSpec(64, arch="sm_90").name, "--page-size", "32"), "apply to --hf-config only"),
     (("--hf-config", "/nonexistent/config.json", "--arch", "sm_90"), "cannot be read"),
+    (("--hf-config", EXAMPLES / "hf" / "gemma-2-9b", "--arch", "sm_90"), "logit soft-capping"),
 ])
 def test_prewarm_hf_config_errors(cache_dir, argv, message):
     code, _, err = run("prewarm", *argv, "--cache-dir", cache_dir)

@@ -1,5 +1,5 @@
 """Manifests from HuggingFace config.json: the shipped examples, the sliding-window conventions of
-Mistral, Gemma 2/3 and Qwen2, and errors that name the config field."""
+Mistral, Gemma 2/3 and Qwen2, the attention features refused, and errors that name the config field."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import pytest
 from flashjit.deploy.hf_config import manifest_from_hf_config, read_hf_config
 from flashjit.deploy.manifest import ManifestError
 
+from test_cli import run
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
 LLAMA = json.loads((EXAMPLES / "llama-3-8b" / "config.json").read_text())
 
@@ -19,23 +21,63 @@ LLAMA = json.loads((EXAMPLES / "llama-3-8b" / "config.json").read_text())
     ("llama-3-8b", 32, 8, 128, ("none", "causal"), None, 0),
     ("qwen2.5-7b", 28, 4, 128, ("none", "causal"), None, 0),           # use_sliding_window is false
     ("mistral-7b", 32, 8, 128, ("none", "causal", "sliding_window"), 4096, 32),
-    ("gemma-2-9b", 16, 8, 256, ("none", "causal", "sliding_window"), 4096, 21),  # head_dim field, not 3584/16
+    ("qwen3-8b", 32, 8, 128, ("none", "causal"), None, 0),             # head_dim field; sliding_window null
+    ("llama-3.1-8b", 32, 8, 128, ("none", "causal"), None, 0),
+    ("llama-3.3-70b", 64, 8, 128, ("none", "causal"), None, 0),
+    ("llama-2-7b", 32, 32, 128, ("none", "causal"), None, 0),          # MHA, float16 checkpoint
+    ("phi-3-mini-4k", 32, 32, 96, ("none", "causal", "sliding_window"), 2047, 32),  # 3072 / 32
+    ("gemma-3-1b", 4, 1, 256, ("none", "causal", "sliding_window"), 512, 22),      # every 6th layer global
+    ("gemma-3-12b", 16, 8, 256, ("none", "causal", "sliding_window"), 1024, 40),   # head_dim: Gemma 3's default
+    ("gemma-3-27b", 32, 16, 128, ("none", "causal", "sliding_window"), 1024, 52),  # multimodal text_config
 ])
 def test_shipped_examples(folder, heads, kv_heads, head_dim, masks, window, sliding_layers):
     model = read_hf_config(EXAMPLES / folder / "config.json")
     assert (model.name, model.num_qo_heads, model.num_kv_heads, model.head_dim) == (folder, heads, kv_heads, head_dim)
-    assert model.dtype == "bfloat16" and model.masks == masks
+    assert model.dtype == ("float16" if folder == "llama-2-7b" else "bfloat16") and model.masks == masks
     assert (model.sliding_window, model.sliding_layers) == (window, sliding_layers)
     specs = manifest_from_hf_config(EXAMPLES / folder).specs(["sm_90"])  # a folder holding config.json works too
     assert [s.mask for s in specs] == list(masks)
     assert all(s.head_dim == head_dim and s.group_size == heads // kv_heads and s.page_size == 16 for s in specs)
+    assert all(s.arch == "sm_90" for s in specs)
+
+
+@pytest.mark.parametrize("folder, field, feature", [
+    ("gpt-oss-20b", "model_type", "sinks, a learned logit per query head"),
+    ("gpt-oss-120b", "model_type", "sinks, a learned logit per query head"),
+    ("gemma-2-9b", "attn_logit_softcapping", "logit soft-capping"),
+])
+def test_shipped_examples_flashjit_cannot_serve(folder, field, feature):
+    with pytest.raises(ManifestError) as info:
+        read_hf_config(EXAMPLES / folder)
+    assert (info.value.model, info.value.field) == (folder, field)
+    assert feature in str(info.value) and "attention variants are not supported yet" in str(info.value)
+    assert "masks none, causal and sliding_window" in str(info.value)  # what is supported
+
+
+def test_every_shipped_example_is_tested():
+    tested = {row[0] for mark in (test_shipped_examples, test_shipped_examples_flashjit_cannot_serve)
+              for row in mark.pytestmark[0].args[1]}
+    assert tested == {path.parent.name for path in EXAMPLES.glob("*/config.json")}
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*/config.json")), ids=lambda path: path.parent.name)
+def test_prewarm_every_shipped_example(path, cache_dir, fake_nvrtc):
+    """`flashjit prewarm --hf-config examples/hf/<model> --arch sm_90`: the kernels, or exit 2 naming the field."""
+    code, out, err = run("prewarm", "--hf-config", path.parent, "--arch", "sm_90", "--cache-dir", cache_dir)
+    try:
+        specs = manifest_from_hf_config(path).specs(["sm_90"])
+    except ManifestError as refused:
+        assert code == 2 and f"field {refused.field!r}" in err and not fake_nvrtc
+        return
+    assert code == 0, err
+    assert f"total: {len(specs)} kernels" in out and all(spec.name in out for spec in specs)
 
 
 def test_example_notes():
-    gemma = read_hf_config(EXAMPLES / "gemma-2-9b")
-    assert any("float32" in n and "bfloat16" in n for n in gemma.notes)
-    assert any("attn_logit_softcapping" in n for n in gemma.notes)
-    assert "21 of 42 layers" in gemma.summary() and "window_left=4095" in gemma.summary()
+    gemma = read_hf_config(EXAMPLES / "gemma-3-27b")
+    assert gemma.notes == ("query_pre_attn_scalar=168: pass sm_scale=168**-0.5 to BatchDecode.plan",)
+    assert "52 of 62 layers" in gemma.summary() and "window_left=1023" in gemma.summary()
+    assert read_hf_config(EXAMPLES / "gemma-3-12b").notes == ()  # query_pre_attn_scalar 256 = head_dim
     qwen = read_hf_config(EXAMPLES / "qwen2.5-7b")
     assert any("use_sliding_window is false" in n for n in qwen.notes)
     assert read_hf_config(EXAMPLES / "llama-3-8b").notes == ()
@@ -59,8 +101,10 @@ def write(tmp_path, **fields) -> Path:
     ({"sliding_window": 1024, "sliding_window_pattern": 6, "num_hidden_layers": 12}, 1024, 10),  # Gemma 3
     ({"sliding_window": 512, "layer_types": ["sliding_attention", "full_attention"] * 3}, 512, 3),
     ({"sliding_window": 512, "layer_types": ["full_attention"] * 4}, None, 0),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 12}, 4096, 10),  # Gemma 3's default window and pattern
+    ({"attn_logit_softcapping": None, "sliding_window": 4096}, 4096, 32),  # null soft-capping: none
 ], ids=["mistral", "no-window", "qwen-on", "qwen-past-last-layer", "qwen-off", "gemma2", "gemma3", "layer-types",
-        "layer-types-all-full"])
+        "layer-types-all-full", "gemma3-defaults", "softcap-null"])
 def test_sliding_window_conventions(tmp_path, fields, window, sliding_layers):
     model = read_hf_config(write(tmp_path, **fields))
     assert (model.sliding_window, model.sliding_layers) == (window, sliding_layers)
@@ -97,6 +141,13 @@ def test_manifest_options(tmp_path):
     ({"num_attention_heads": 0}, "num_attention_heads", "positive integer"),
     ({"torch_dtype": "int8"}, "torch_dtype", "'int8' is not supported"),
     ({"kv_lora_rank": 512}, "kv_lora_rank", "multi-head latent attention"),
+    ({"head_dim": 512}, "head_dim", "512 (from head_dim) is not supported"),
+    ({"model_type": "gpt_oss"}, "model_type", "'gpt_oss': sinks"),
+    ({"attn_logit_softcapping": 30.0}, "attn_logit_softcapping", "30.0: logit soft-capping"),
+    ({"alibi": True}, "alibi", "ALiBi"),
+    ({"position_embedding_type": "alibi"}, "position_embedding_type", "ALiBi"),
+    ({"attention_chunk_size": 8192}, "attention_chunk_size", "chunked attention"),
+    ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types", "'linear_attention' are not supported"),
 ])
 def test_errors_name_the_config_field(tmp_path, fields, field, problem):
     path = write(tmp_path, **fields)
