@@ -1,4 +1,5 @@
-"""The package's layers import downward only: foundation < masks < jit < serving < deploy.
+"""The package's layers import downward only: foundation < masks < jit < serving < parallel, compat
+< integrations < deploy.
 
 Read from each module's source (ast), so a function-local import counts as much as a top-level one.
 """
@@ -12,7 +13,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashjit"
 # Rank of each layer; a module may import its own layer and any of lower rank.
-LAYERS = {"foundation": 0, "masks": 1, "jit": 2, "serving": 3, "deploy": 4, "top": 5}
+LAYERS = {"foundation": 0, "masks": 1, "jit": 2, "serving": 3, "parallel": 4, "compat": 4, "integrations": 5,
+          "deploy": 6, "top": 7}
 TOP_MODULES = {"__init__", "__main__"}
 
 

@@ -1,0 +1,1 @@
+"""Drop-in modules with other libraries' APIs over flashjit's kernels."""

@@ -1,0 +1,1 @@
+"""flashjit inside serving frameworks (optional extras)."""
