@@ -197,6 +197,34 @@ def test_qo_indptr_and_sm_scale(planner):
     assert decoder.spec.max_q_len == 4 and decoder.num_tokens == sum(q_lens)
 
 
+def test_cuda_graph_mode_reads_a_callers_page_id_buffer_in_place(planner):
+    rng = np.random.default_rng(6)
+    buffer = torch.full((64,), -7, dtype=torch.int32)
+    decoder = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=4, page_ids_buffer=buffer)
+    assert decoder.graph_page_ids is buffer
+    indptr, indices, last = tables([40, 3, 90], 16, rng)
+    buffer[: len(indices)] = indices  # the caller writes its ids in place, then plans over the buffer
+    decoder.plan(indptr, buffer, last, 8, 2, 64, 16)
+    assert decoder.current_plan.page_ids is buffer
+    assert decoder.current_plan.decode_args.page_indices == buffer.data_ptr()
+    assert int(buffer[len(indices)]) == -7  # nothing copied over the rest
+    decoder.plan(indptr, indices, last, 8, 2, 64, 16)  # other indices are copied into the caller's buffer
+    assert torch.equal(buffer[: len(indices)], indices) and decoder.current_plan.page_ids is buffer
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(use_cuda_graph=False, page_ids_buffer=torch.zeros(8, dtype=torch.int32)), "page_ids_buffer"),
+    (dict(use_cuda_graph=True, max_batch_size=2, page_ids_buffer=torch.zeros(8, dtype=torch.int64)), "page_ids_buffer"),
+    (dict(use_cuda_graph=True, max_batch_size=2, page_ids_buffer=torch.zeros(8, dtype=torch.int32)[::2]),
+     "page_ids_buffer"),
+    (dict(use_cuda_graph=True, max_batch_size=2, max_num_pages=9, page_ids_buffer=torch.zeros(8, dtype=torch.int32)),
+     "max_num_pages"),
+])
+def test_a_bad_page_id_buffer_is_refused_naming_it(planner, options, message):
+    with pytest.raises(ValueError, match=message):
+        cpu_decoder(planner, **options)
+
+
 def test_cuda_graph_mode_plans_within_the_first_capacity(planner):
     rng = np.random.default_rng(5)
     decoder = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=8, max_num_pages=4000)

@@ -64,14 +64,17 @@ class BatchDecode:
 
     def __init__(self, engine: Engine | None = None, device="cuda", *, use_cuda_graph: bool = False,
                  max_batch_size: int | None = None, max_num_pages: int | None = None, max_tokens: int | None = None,
-                 max_q_len: int | None = None, arch: str | None = None, load_kernel=None, current_stream=None,
+                 max_q_len: int | None = None, page_ids_buffer=None, arch: str | None = None, load_kernel=None, current_stream=None,
                  host_planner: HostPlanner | None = None, page_id_range: PageIdRange | None = None):
         """use_cuda_graph: run() launches fixed-size grids over fixed buffers, so a captured run()
         replays correctly after a new plan() with other lengths and page tables. Needs
         max_batch_size (requests) and max_num_pages (page ids in one plan's indices; plan() copies
         them into a buffer of that size), optionally max_q_len (query tokens per request any plan
         may have, default the first plan's largest) and max_tokens (query tokens in all, default
-        max_batch_size x max_q_len). Every plan() then uses one kernel, built for max_q_len, so
+        max_batch_size x max_q_len). page_ids_buffer: an int32 device tensor the caller owns and
+        writes the page ids into; the kernels read it in place (plan() gets it, or a tensor
+        sharing its storage from the start, as indices), and max_num_pages defaults to its length.
+        graph_page_ids is the buffer in use, either way. Every plan() then uses one kernel, built for max_q_len, so
         the heads, head_dim, dtypes, mask and page size must stay the same, while the query tokens
         per request may vary up to max_q_len (speculative decoding). Scalars such as sm_scale and
         window_left, and mask tensors, are part of the captured launch: keep them the same too.
@@ -96,7 +99,8 @@ class BatchDecode:
         self._load_kernel = load_kernel or Kernel.loaded
         self._current_stream = current_stream or stream_getter()
         self.use_cuda_graph = use_cuda_graph
-        self._graph = graph_limits(use_cuda_graph, self.device, max_batch_size, max_num_pages, max_tokens, max_q_len)
+        self._graph = graph_limits(use_cuda_graph, self.device, max_batch_size, max_num_pages, max_tokens, max_q_len,
+                                   page_ids_buffer)
         self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
         if host_planner is None:
             host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
@@ -233,6 +237,11 @@ class BatchDecode:
         return buffers.decode_params(mask_params, values)
 
     # ---- what the current plan decided ------------------------------------------------------
+
+    @property
+    def graph_page_ids(self):
+        """CUDA-graph mode: the page-id buffer the kernels read (None otherwise)."""
+        return None if self._graph is None else self._graph.page_ids
 
     @property
     def current_plan(self) -> Plan | None:

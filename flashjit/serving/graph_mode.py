@@ -1,6 +1,7 @@
 """use_cuda_graph=True: the sizes every plan must fit, so that a captured run() replays correctly
 after any later plan. One kernel (built for max_q_len query tokens per request), buffers fixed by
-the first plan, and the page ids copied into one buffer of max_num_pages."""
+the first plan, and the page ids in one buffer of max_num_pages: the decoder's own, into which
+plan() copies them, or the caller's (page_ids_buffer), which the kernels read in place."""
 
 from __future__ import annotations
 
@@ -11,26 +12,42 @@ _REFUSED = "plan() with use_cuda_graph=True"
 
 
 def graph_limits(use_cuda_graph: bool, device, max_batch_size, max_num_pages, max_tokens,
-                 max_q_len) -> "GraphLimits | None":
+                 max_q_len, page_ids_buffer=None) -> "GraphLimits | None":
     """BatchDecode's CUDA-graph arguments checked: GraphLimits with use_cuda_graph, else None."""
+    if page_ids_buffer is not None:
+        import torch
+
+        if not use_cuda_graph:
+            validation.fail("page_ids_buffer", "None unless use_cuda_graph=True", "a tensor")
+        validation.tensor("page_ids_buffer", page_ids_buffer, dtype=torch.int32, device=device, ndim=1)
+        if not page_ids_buffer.is_contiguous() or page_ids_buffer.numel() < 1:
+            validation.fail("page_ids_buffer", "a contiguous, non-empty int32 tensor", tuple(page_ids_buffer.shape))
+        if max_num_pages is None:
+            max_num_pages = page_ids_buffer.numel()
+        elif max_num_pages != page_ids_buffer.numel():
+            validation.fail("max_num_pages", f"page_ids_buffer's length {page_ids_buffer.numel()} (or None)",
+                            max_num_pages)
     for name, value in (("max_batch_size", max_batch_size), ("max_num_pages", max_num_pages)):
         if use_cuda_graph and (not isinstance(value, int) or value < 1):
             validation.fail(name, "a positive int when use_cuda_graph=True", value)
     if max_q_len is not None and (not use_cuda_graph or not isinstance(max_q_len, int) or max_q_len < 1):
         validation.fail("max_q_len", "a positive int, with use_cuda_graph=True", max_q_len)
-    return GraphLimits(device, max_batch_size, max_num_pages, max_tokens, max_q_len) if use_cuda_graph else None
+    if not use_cuda_graph:
+        return None
+    return GraphLimits(device, max_batch_size, max_num_pages, max_tokens, max_q_len, page_ids_buffer)
 
 
 class GraphLimits:
     """The fixed sizes of CUDA-graph mode; `previous` is the decoder's current plan (None before the first)."""
 
     def __init__(self, device, max_batch_size: int, max_num_pages: int, max_tokens: int | None,
-                 max_q_len: int | None):
+                 max_q_len: int | None, page_ids_buffer=None):
         import torch
 
         self.max_batch_size, self.max_tokens, self.max_q_len = max_batch_size, max_tokens, max_q_len
-        # Every plan copies its page ids here: one address for every replay.
-        self.page_ids = torch.zeros(max_num_pages, dtype=torch.int32, device=device)
+        # Every plan's page ids are here: one address for every replay.
+        self.page_ids = (torch.zeros(max_num_pages, dtype=torch.int32, device=device) if page_ids_buffer is None
+                         else page_ids_buffer)
 
     def check_page_id_count(self, count: int):
         if count > self.page_ids.numel():
@@ -67,6 +84,8 @@ class GraphLimits:
         validation.fail(_REFUSED, "the buffers of the first plan", "a larger plan")
 
     def hold_page_ids(self, indices, count: int):
-        """The fixed page-id buffer, with the plan's count ids copied in (queued on the current stream)."""
-        self.page_ids[:count].copy_(indices[:count], non_blocking=True)
+        """The fixed page-id buffer, with the plan's count ids copied in (queued on the current stream),
+        unless indices is that buffer: the caller wrote them in place."""
+        if indices.data_ptr() != self.page_ids.data_ptr():
+            self.page_ids[:count].copy_(indices[:count], non_blocking=True)
         return self.page_ids
