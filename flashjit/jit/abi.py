@@ -1,6 +1,6 @@
 """The one source of the Python<->CUDA ABI: the kernels' argument structs and the work-item record.
 
-The host fills DecodeArgs and MergeArgs and hands their addresses to cuLaunchKernel as the
+The host fills DecodeArgs and MergeArgs (MLAArgs for the MLA kernel) and hands their addresses to cuLaunchKernel as the
 kernels' `decode::Args` and `merge::Args` parameters (templates/include/decode_common.cuh and
 merge.cuh); plan() writes ITEM_INTS int32 per work item, which decode::WorkItem reads. The CUDA
 side is written by hand, and these checks tie it to the definitions here:
@@ -58,6 +58,26 @@ class MergeArgs(ctypes.Structure):
         ("req_work_indptr", ctypes.c_void_p), ("num_tokens", ctypes.c_void_p),
         ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
         ("lse", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int),
+    ]
+
+
+class MLAArgs(ctypes.Structure):
+    """mla::Args, the MLA decode kernel's parameter (templates/include/mla.cuh)."""
+
+    _c_name_ = "mla::Args"
+    _fields_ = [
+        ("q_nope", ctypes.c_void_p), ("q_nope_stride", ctypes.c_int64), ("q_nope_head_stride", ctypes.c_int64),
+        ("q_pe", ctypes.c_void_p), ("q_pe_stride", ctypes.c_int64), ("q_pe_head_stride", ctypes.c_int64),
+        ("ckv", ctypes.c_void_p), ("ckv_page_stride", ctypes.c_int64), ("ckv_slot_stride", ctypes.c_int64),
+        ("kpe", ctypes.c_void_p), ("kpe_page_stride", ctypes.c_int64), ("kpe_slot_stride", ctypes.c_int64),
+        ("page_indices", ctypes.c_void_p),
+        ("work_items", ctypes.c_void_p), ("req_work_indptr", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("tmp_o", ctypes.c_void_p), ("tmp_lse", ctypes.c_void_p),
+        ("merge_counters", ctypes.c_void_p), ("tile_counters", ctypes.c_void_p),
+        ("num_heads", ctypes.c_int), ("sm_scale_log2", ctypes.c_float),
+        ("ckv_scale_ptr", ctypes.c_void_p), ("kpe_scale_ptr", ctypes.c_void_p),
+        ("ckv_scale", ctypes.c_float), ("kpe_scale", ctypes.c_float),
     ]
 
 
@@ -123,3 +143,9 @@ def source_checks(mask_params, merge: bool) -> str:
         checks.append(_field_assert("MaskParams", p.name, None, MASK_PARAM_CTYPES[p.kind],
                                     f"flashjit.masks.params.PARAM_KINDS['{p.kind}']"))
     return "\n".join(checks)
+
+
+def mla_source_checks() -> str:
+    """The ABI checks of an MLA kernel source: mla::Args field by field."""
+    return "\n".join(["// The host's argument layout (flashjit.jit.abi.MLAArgs), checked field by field.", _PREAMBLE,
+                      *struct_asserts(MLAArgs)])

@@ -29,7 +29,7 @@ from .kernel import Kernel
 from ..masks.registry import masks
 from .render import render, templates_digest
 from .spec import DecodeSpec
-from .tiling import decode_tiling
+from .families import tiling_of
 
 log = logging.getLogger("flashjit")
 
@@ -50,7 +50,7 @@ def _capturing() -> bool:
 
 
 class Engine:
-    """Compiles, caches and hands out decode kernels.
+    """Compiles, caches and hands out kernels of every family (DecodeSpec, MLASpec: jit/families.py).
 
     cache_dir: where compiled kernels live (else FLASHJIT_CACHE_DIR, else the user cache dir).
     template_dirs: folders of extra mask templates (NAME.cuh.j2), registered on construction.
@@ -113,7 +113,7 @@ class Engine:
                     self.cache.store_index(spec_key, key)
                     if not built:
                         self.cache.touch(key)
-            kernel = Kernel(spec, decode_tiling(spec), mask, cubin, key)
+            kernel = Kernel(spec, tiling_of(spec), mask, cubin, key)
             self._kernels[spec] = kernel
             return kernel, origin
 

@@ -112,7 +112,7 @@ class Kernel:
             with cupy.cuda.Device(device_index):
                 module = cupy.cuda.function.Module()
                 module.load(self.cubin)
-                decode = module.get_function(DECODE_ENTRY).ptr
+                decode = module.get_function(self.tiling.entry).ptr
                 merge = None if self.tiling.fused_merge else module.get_function(MERGE_ENTRY).ptr
                 smem = self.tiling.smem_bytes
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory

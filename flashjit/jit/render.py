@@ -25,10 +25,13 @@ from .._version import __version__
 from ..errors import TemplateError
 from ..masks.registry import MaskDef, masks
 from . import abi
+from .mla_spec import MLASpec
+from .mla_tiling import MLATiling, mla_tiling
 from .spec import DecodeSpec
 from .tiling import DecodeTiling, decode_tiling
 
 ENTRY_TEMPLATE = "decode/paged.cu.j2"
+MLA_ENTRY_TEMPLATE = "mla/decode.cu.j2"
 STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float8_e4m3fn": "e4m3_t", "float8_e5m2": "e5m2_t"}
 
 
@@ -111,15 +114,21 @@ def templates_digest(mask: MaskDef) -> str:
     return h.hexdigest()
 
 
-def render(spec: DecodeSpec, mask: MaskDef | None = None, tiling: DecodeTiling | None = None) -> str:
+def render(spec: DecodeSpec | MLASpec, mask: MaskDef | None = None,
+           tiling: DecodeTiling | MLATiling | None = None) -> str:
     """The CUDA source of one specialization, with its ABI checks (abi.source_checks), under
-    decode_tiling(spec) unless a tiling is given."""
+    decode_tiling(spec) (mla_tiling for an MLASpec) unless a tiling is given."""
     mask = mask or masks.get(spec.mask)
-    tiling = tiling or decode_tiling(spec)
+    if isinstance(spec, MLASpec):
+        entry, tiling = MLA_ENTRY_TEMPLATE, tiling or mla_tiling(spec)
+        checks = abi.mla_source_checks()
+    else:
+        entry, tiling = ENTRY_TEMPLATE, tiling or decode_tiling(spec)
+        checks = abi.source_checks(mask.params, merge=not tiling.fused_merge)
     context = dict(spec=spec, tiling=tiling, mask=mask, ctype=STORAGE_TYPES, version=__version__,
-                   item_ints=abi.ITEM_INTS, abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge))
+                   item_ints=abi.ITEM_INTS, abi_checks=checks)
     try:
-        return environment().get_template(ENTRY_TEMPLATE).render(**context)
+        return environment().get_template(entry).render(**context)
     except OutsideTemplateRoots as exc:
         raise TemplateError(f"template {exc.name!r} is outside the template roots: templates load package "
                             "templates by relative name and registered mask templates by path (rendering "

@@ -73,7 +73,8 @@ struct WorkItem {
                                                   "(flashjit.jit.abi.ITEM_INTS)");
   int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len, splits, split;
   bool direct;  // the request's only item: it writes the output, not a partial for the merge
-  FJ_INLINE WorkItem(const Args& a, int w) {
+  template <class A>  // decode::Args, or another family's arguments with the same work_items
+  FJ_INLINE WorkItem(const A& a, int w) {
     const int4 span = __ldg(a.work_items + RECORD_INT4S * w), geometry = __ldg(a.work_items + RECORD_INT4S * w + 1);
     request = span.x; v_begin = span.y; v_end = span.z; kv_len = span.w;
     page_begin = geometry.x; q_begin = geometry.y; q_len = geometry.z; splits = geometry.w;

@@ -1,0 +1,135 @@
+"""Thread-block shape of the MLA decode kernel (templates/include/mla.cuh): an MLASpec's tiling,
+derived from a table of tuned constants, as tiling.py does for the decode kernels.
+
+One CTA serves ROWS query rows (heads x query tokens of one request: 16, 32 or 64, the MMA's M in
+16-row m-tiles) over one work item's span of the latent cache. Each pipeline stage holds
+tile_tokens latent rows of 576 values in shared memory; every warp scores a slice of them for one
+m-tile (S = Q K^T, 576 wide), the probabilities meet in shared memory, and every warp accumulates
+its own slice of the 512 output columns for all rows (O += P V, V being the same rows' first 512
+values). Python is the one source of these numbers: the template receives them as constants and
+static_asserts their invariants; the launcher takes grid, block and shared memory from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .mla_spec import MLASpec
+
+MMA_M = 16
+ENTRY = "flashjit_mla"
+P_PAD = 16  # bytes after each row of P in shared memory: rows 16 bytes apart keep ldmatrix conflict-free
+RING_ALIGN = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class MLATiling:
+    rows: int            # query rows per CTA (a multiple of 16)
+    warps: int           # warps per CTA: warps / m_tiles score each m-tile, each warp owns 512 / warps columns
+    tile_tokens: int     # latent rows per pipeline stage
+    stages: int          # stages in flight in the shared-memory ring
+    row_tiles: int       # CTAs along the rows of one request
+    min_ctas: int        # __launch_bounds__'s CTAs per SM
+    q_bytes: int         # shared memory of Q: rows x 576 16-bit values
+    ring_bytes: int      # the ring: stages x tile_tokens rows as stored (16-bit or fp8)
+    convert_bytes: int   # fp8: one stage converted to 16-bit; 0 otherwise
+    p_pitch: int         # bytes per row of P (tile_tokens 16-bit values and a pad)
+    smem_bytes: int      # dynamic shared memory, with the slack to align the ring
+    merge_chunk: int     # partials the fused merge loads at once
+    l2_prefetch: int     # bytes the L2 fetches around each 16-byte copy
+    fused_merge: bool = True   # split requests merge in the decode kernel (decode_common.cuh)
+    heads_first: bool = True   # grid x: work items (one latent head each); y: row tiles
+    ring_align: int = RING_ALIGN
+    entry: str = ENTRY
+
+    @property
+    def m_tiles(self) -> int:
+        return self.rows // MMA_M
+
+    @property
+    def key_slices(self) -> int:
+        """Warps scoring one m-tile, each over tile_tokens / key_slices keys."""
+        return self.warps // self.m_tiles
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (self.threads, 1, 1)
+
+    def grid(self, work_items: int, kv_heads: int = 1) -> tuple[int, int, int]:
+        return (work_items * kv_heads, self.row_tiles, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLATuningRow:
+    fp8: bool
+    rows: int
+    warps: int
+    tile_tokens: int
+    stages: int
+    min_ctas: int
+
+    @property
+    def key(self) -> tuple[bool, int]:
+        return (self.fp8, self.rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class MLATuning:
+    rows: tuple[MLATuningRow, ...]
+    merge_chunk: int = 8
+    l2_prefetch: int = 128
+
+    def row(self, fp8: bool, rows: int) -> MLATuningRow:
+        for row in self.rows:
+            if row.key == (fp8, rows):
+                return row
+        raise KeyError(f"no MLA tuning row for {'fp8' if fp8 else '16-bit'} latents at {rows} rows per CTA")
+
+    def with_rows(self, *, fp8: bool | None = None, rows: int | None = None, **changes) -> "MLATuning":
+        """A copy whose rows of this cache width and CTA rows (None: every one) take changes (sweeps)."""
+        new = tuple(dataclasses.replace(r, **changes) if fp8 in (None, r.fp8) and rows in (None, r.rows) else r
+                    for r in self.rows)
+        return dataclasses.replace(self, rows=new)
+
+
+# Starting points, not yet swept on the GPU. 16 rows (16 heads, memory-bound): two CTAs per SM, so
+# one CTA's barriers overlap the other's copies. 64 rows (128 heads, compute-bound): 8 warps, each
+# with 64 output columns of 4 m-tiles (128 accumulator registers). fp8 rings hold twice the stages.
+MLA_TUNING = MLATuning(rows=(
+    #            fp8    rows warps tile stages min_ctas
+    MLATuningRow(False, 16,  4,    32,  2,     2),
+    MLATuningRow(False, 32,  8,    32,  3,     1),
+    MLATuningRow(False, 64,  8,    32,  3,     1),
+    MLATuningRow(True,  16,  4,    32,  3,     2),
+    MLATuningRow(True,  32,  8,    32,  4,     1),
+    MLATuningRow(True,  64,  8,    32,  4,     1),
+))
+
+
+def cta_rows(total_rows: int) -> int:
+    """Query rows per CTA for a request's heads x query tokens: 16, 32 or 64."""
+    for rows in (16, 32):
+        if total_rows <= rows:
+            return rows
+    return 64
+
+
+def mla_tiling(spec: MLASpec, table: MLATuning | None = None) -> MLATiling:
+    table = MLA_TUNING if table is None else table
+    total = spec.num_heads * spec.max_q_len
+    rows = cta_rows(total)
+    row = table.row(spec.kv_is_fp8, rows)
+    qk_row_bytes = spec.qk_dim * 2  # 16-bit Q and converted latent rows
+    q_bytes = rows * qk_row_bytes
+    ring_bytes = row.stages * row.tile_tokens * spec.qk_dim * spec.kv_bytes
+    convert_bytes = row.tile_tokens * qk_row_bytes if spec.kv_is_fp8 else 0
+    p_pitch = row.tile_tokens * 2 + P_PAD
+    smem = ring_bytes + convert_bytes + q_bytes + rows * p_pitch + RING_ALIGN - 16
+    return MLATiling(rows=rows, warps=row.warps, tile_tokens=row.tile_tokens, stages=row.stages,
+                     row_tiles=-(-total // rows), min_ctas=row.min_ctas, q_bytes=q_bytes, ring_bytes=ring_bytes,
+                     convert_bytes=convert_bytes, p_pitch=p_pitch, smem_bytes=smem, merge_chunk=table.merge_chunk,
+                     l2_prefetch=table.l2_prefetch)
