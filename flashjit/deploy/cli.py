@@ -37,13 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     def specs_from(p, what):
         p.add_argument("--spec", action="append", metavar="NAME",
-                       help=f"{what}a spec name such as decode_d128_bf16_kvbf16_none_p16_g4_q1_nhd_sm90_tc (repeatable)")
+                       help=f"{what}a spec name such as decode_d128_bf16_kvbf16_none_p16_g4_q1_nhd_sm90_tc or "
+                            "mla_c512_r64_h16_bf16_kvbf16_p64_q1_sm90 (repeatable)")
         p.add_argument("--hf-config", action="append", metavar="CONFIG.json",
                        help=f"{what}the kernels of a HuggingFace config.json (or its folder); repeatable")
         p.add_argument("--page-size", help="with --hf-config: comma-separated page sizes (default 16)")
         p.add_argument("--dtype", help="with --hf-config: query dtype instead of the config's torch_dtype")
         p.add_argument("--kv-dtype", help="with --hf-config: KV cache dtype (default: the query dtype)")
         p.add_argument("--max-q-len", help="with --hf-config: comma-separated query tokens per request (default 1)")
+        p.add_argument("--tp", help="with --hf-config of a latent-attention (MLA) model: comma-separated "
+                                    "tensor-parallel sizes, heads per GPU = num_attention_heads / TP (default 1,8,16)")
 
     p = sub.add_parser("prewarm", help="compile (or load) every kernel of a manifest and/or named specs")
     p.add_argument("manifest", nargs="?", metavar="MANIFEST.toml")

@@ -18,13 +18,13 @@ ORIGIN = {"memory": "hit (memory)", "disk": "hit (disk)", "compiled": "compiled"
 def collect_specs(manifest, spec_names, arch_text) -> list:
     """The specs of a manifest and of --spec names (retargeted to every --arch when given), once each."""
     from .manifest import parse_arch_list, resolve_archs, specs_from_manifest
-    from ..jit.spec import DecodeSpec
+    from ..jit.families import spec_from_name
 
     specs = []
     if manifest:
         specs += specs_from_manifest(manifest, arch_text)
     for name in spec_names or ():
-        spec = DecodeSpec.from_name(name)
+        spec = spec_from_name(name)
         if arch_text:  # --arch retargets named specs too (one name, a fleet of archs)
             specs += [spec.replace(arch=arch) for arch in resolve_archs(parse_arch_list(arch_text))]
         else:
@@ -35,26 +35,36 @@ def collect_specs(manifest, spec_names, arch_text) -> list:
 def hf_specs(args) -> list:
     """The specs of every --hf-config (a config.json or its folder); says what it derived on stderr."""
     from .hf_config import manifest_from_hf_config, read_hf_config
+    from .hf_mla import DEFAULT_TPS, is_mla_config, read_mla_config
     from .manifest import parse_arch_list
 
     configs = getattr(args, "hf_config", None) or ()
+    tp_text = getattr(args, "tp", None)
     if not configs:
-        if args.page_size or args.dtype or args.kv_dtype or args.max_q_len:
-            raise UsageError("--page-size, --dtype, --kv-dtype and --max-q-len apply to --hf-config only")
+        if args.page_size or args.dtype or args.kv_dtype or args.max_q_len or tp_text:
+            raise UsageError("--page-size, --dtype, --kv-dtype, --max-q-len and --tp apply to --hf-config only")
         return []
     ints = lambda text, default: [int(v) for v in parse_arch_list(text)] if text else default  # noqa: E731
     try:
-        page_sizes, max_q_lens = ints(args.page_size, [16]), ints(args.max_q_len, [1])
+        page_sizes, max_q_lens, tps = ints(args.page_size, None), ints(args.max_q_len, [1]), ints(tp_text, DEFAULT_TPS)
     except ValueError:
-        raise UsageError(f"--page-size {args.page_size} / --max-q-len {args.max_q_len}: expected "
+        raise UsageError(f"--page-size {args.page_size} / --max-q-len {args.max_q_len} / --tp {tp_text}: expected "
                          "comma-separated integers such as 16,32") from None
     specs = []
     for config in configs:
+        if is_mla_config(config):  # latent attention: MLA kernels at each TP size
+            mla = read_mla_config(config, dtype=args.dtype)
+            print(f"flashjit: {mla.path}: {mla.summary()}", file=sys.stderr)
+            for note in mla.notes:
+                print(f"flashjit: note: {note}", file=sys.stderr)
+            specs += mla.specs(args.arch, tps, page_sizes or [64], args.kv_dtype, max_q_lens)
+            continue
         model = read_hf_config(config, dtype=args.dtype)
         print(f"flashjit: {model.path}: {model.summary()}", file=sys.stderr)
         for note in model.notes:
             print(f"flashjit: note: {note}", file=sys.stderr)
-        specs += manifest_from_hf_config(config, page_sizes, args.dtype, args.kv_dtype, max_q_lens).specs(args.arch)
+        specs += manifest_from_hf_config(config, page_sizes or [16], args.dtype, args.kv_dtype,
+                                         max_q_lens).specs(args.arch)
     return specs
 
 
@@ -124,10 +134,10 @@ def host_planner_status(engine) -> str:
 # ---- show -------------------------------------------------------------------------------------
 
 def cmd_show(args) -> int:
+    from ..jit.families import spec_from_name
     from ..jit.render import render
-    from ..jit.spec import DecodeSpec
 
-    sys.stdout.write(render(DecodeSpec.from_name(args.spec_name)))
+    sys.stdout.write(render(spec_from_name(args.spec_name)))
     return 0
 
 

@@ -59,3 +59,23 @@ def dequantize_kv(cache, scale, *, kv_layout: str = "NHD"):
     if not torch.is_tensor(scale):
         scale = torch.tensor([float(scale)], device=cache.device)
     return cache.float() * _broadcastable(scale.float(), axis)
+
+
+def quantize_latent(cache, kv_dtype="float8_e4m3fn"):
+    """(fp8 cache, scale) of an MLA latent cache ([pages, page_size, 512], [pages, page_size, 64] or
+    one 576-wide cache), one scale per tensor: cache ~= fp8.float() * scale. Quantize c_kv and k_pe
+    apart for a scale each; pass them to BatchDecodeMLA.run() as ckv_scale and kpe_scale."""
+    import torch
+
+    name = normalize_dtype(kv_dtype, "kv_dtype", FP8_DTYPES)
+    validation.tensor("cache", cache, ndim=3)
+    if not cache.dtype.is_floating_point:
+        validation.fail("cache", "a floating-point tensor", cache.dtype)
+    amax = cache.abs().amax().float().reshape(1)
+    if not bool(torch.isfinite(amax).all()):
+        validation.fail("cache", "finite values", "inf or nan")
+    scale = torch.where(amax > 0, amax / FP8_MAX[name], torch.ones_like(amax))
+    out = torch.empty(cache.shape, dtype=getattr(torch, name), device=cache.device)
+    for source, target in zip(cache.split(_PAGES_PER_STEP), out.split(_PAGES_PER_STEP)):
+        target.copy_((source.float() / scale).clamp_(-FP8_MAX[name], FP8_MAX[name]))
+    return out, scale

@@ -1,0 +1,346 @@
+"""BatchDecodeMLA: multi-head latent attention decode (DeepSeek-V3/R1, Kimi-K2). plan() once per batch
+composition, run() once per layer.
+
+The cache is FlashInfer's paged layout with one latent head: CSR `indptr` [B+1] into `indices`
+(page ids), `last_page_len` [B], and per token a c_kv row (512) and a k_pe row (64), as
+ckv [pages, page_size, 512] and kpe [pages, page_size, 64], or one [pages, page_size, 576] cache.
+Queries are q_nope [tokens, heads, 512] (already absorbed into the latent space) and
+q_pe [tokens, heads, 64]; the output is [tokens, heads, 512]. Several query tokens per request
+(multi-token prediction, speculative decoding) attend causally.
+
+The planning is BatchDecode's: the same host planner (page-table checks, split-KV chunk search,
+work records), work-list buffers, CUDA-graph limits and fused split merge; only the kernel family
+(MLASpec) and its arguments (abi.MLAArgs) differ.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import typing
+
+from .. import validation
+from ..jit.abi import MLAArgs
+from ..jit.engine import Engine
+from ..jit.host_library import load as load_host_library
+from ..jit.kernel import Kernel, LoadedKernel, PreparedLaunch
+from ..jit.mla_spec import MLASpec
+from ..small_arrays import largest
+from .batch_decode import default_engine
+from .buffers import Capacity, PageIdRange, PlanBuffers
+from .graph_mode import graph_limits
+from .host_planner import HostPlanner
+from .plan_setup import LOG2E
+from .streams import stream_getter
+
+LATENT_DIM, ROPE_DIM = 512, 64
+
+
+class MLASetup(typing.NamedTuple):
+    """What plan()'s scalars decide: the spec, its kernel (built or found, and loaded), the scale."""
+
+    spec: MLASpec
+    kernel: Kernel
+    loaded: LoadedKernel
+    sm_scale_log2: float
+    num_heads: int
+    page_size: int
+    q_dtype: object  # torch dtypes of the queries/output and of the cache
+    kv_dtype: object
+
+
+class MLAPlan(typing.NamedTuple):
+    """What one plan() produced; replaced whole by the next."""
+
+    setup: MLASetup
+    tables: object
+    buffers: PlanBuffers
+    page_ids: object
+    max_page: int
+    batch_size: int
+    num_tokens: int
+    max_rows: int  # q/out rows run() accepts: the tokens, or the CUDA-graph capacity
+    args: MLAArgs
+    launch: PreparedLaunch
+
+    @property
+    def spec(self) -> MLASpec:
+        return self.setup.spec
+
+    @property
+    def work(self):
+        return self.tables.work_plan(self.buffers.host, self.buffers.starts)
+
+
+class BatchDecodeMLA:
+    """MLA decode attention for a batch of requests.
+
+    >>> decoder = BatchDecodeMLA(device="cuda")
+    >>> decoder.plan(indptr, indices, last_page_len, num_heads=16, page_size=64, sm_scale=192 ** -0.5)
+    >>> out = decoder.run(q_nope, q_pe, ckv_cache, kpe_cache)
+    """
+
+    def __init__(self, engine: Engine | None = None, device="cuda", *, use_cuda_graph: bool = False,
+                 max_batch_size: int | None = None, max_num_pages: int | None = None, max_tokens: int | None = None,
+                 max_q_len: int | None = None, page_ids_buffer=None, arch: str | None = None, load_kernel=None,
+                 current_stream=None, host_planner: HostPlanner | None = None,
+                 page_id_range: PageIdRange | None = None):
+        """The keywords are BatchDecode's (use_cuda_graph with max_batch_size and max_num_pages fixes
+        the buffers and the kernel at the first plan, so a captured run() replays correctly after later
+        plans; arch, load_kernel, current_stream, host_planner and page_id_range let tests plan without
+        a GPU)."""
+        import torch
+
+        self.engine = engine or default_engine()
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and (arch is None or self.device.type != "cpu"):
+            validation.fail("device", "a CUDA device", self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._arch = arch if arch is not None else "sm_%d%d" % torch.cuda.get_device_capability(self.device)
+        self._load_kernel = load_kernel or Kernel.loaded
+        self._current_stream = current_stream or stream_getter()
+        self.use_cuda_graph = use_cuda_graph
+        self._graph = graph_limits(use_cuda_graph, self.device, max_batch_size, max_num_pages, max_tokens, max_q_len,
+                                   page_ids_buffer)
+        self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
+        if host_planner is None:
+            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
+        self._host_planner = host_planner
+        self._plan: MLAPlan | None = None
+        self._setups: dict = {}
+
+    # ---- plan -------------------------------------------------------------------------------
+
+    def plan(self, indptr, indices, last_page_len, num_heads: int, page_size: int, *, sm_scale: float,
+             qo_indptr=None, q_len: int | None = None, q_dtype="bfloat16", kv_dtype=None,
+             chunk_tokens: int | None = None, disable_split_kv: bool = False,
+             check_page_ids: bool = True) -> "BatchDecodeMLA":
+        """Plans a batch for every layer's run().
+
+        num_heads: query heads (per GPU) of the one latent head; sm_scale: the softmax scale (for
+        DeepSeek-V3, qk_head_dim ** -0.5 times the YaRN mscale squared); qo_indptr or q_len: query
+        tokens per request (1-4, causal); kv_dtype: the cache's dtype (default q_dtype; fp8 "e4m3"
+        or "e5m2" with scales given to run()). chunk_tokens forces the split-KV chunk;
+        disable_split_kv reads each request in one work item. check_page_ids as BatchDecode's.
+        """
+        import torch
+
+        for name, value in (("num_heads", num_heads), ("page_size", page_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                validation.fail(name, "a positive int", value)
+        scale = validation.positive_float32("sm_scale", sm_scale, LOG2E)
+        if not isinstance(check_page_ids, bool):
+            validation.fail("check_page_ids", "True or False", check_page_ids)
+        graph, previous = self._graph, self._plan
+        tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len,
+                                         keep=None if previous is None else previous.tables)
+        num_page_ids = tables.num_page_ids
+        validation.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
+        if indices.shape[0] < num_page_ids:
+            validation.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
+        if num_page_ids > 1 and indices.stride(0) != 1:
+            validation.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
+        if graph is not None:
+            graph.check_page_id_count(num_page_ids)
+        page_range = self._page_id_range
+        page_range.start(indices, num_page_ids if check_page_ids else 0)
+        try:
+            kernel_q_len = tables.max_q_len if graph is None else graph.kernel_q_len(tables.max_q_len, previous)
+            setup = self._setup(num_heads, page_size, scale, q_dtype, kv_dtype, kernel_q_len)
+            if graph is not None:
+                graph.check_kernel(setup, previous)
+            work, capacity = self._split(setup, tables, chunk_tokens, disable_split_kv, previous)
+        finally:
+            landed, max_page = page_range.wait(), -1
+            if landed:
+                max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
+        buffers = self._buffers_for(capacity, setup, previous)
+
+        # Every argument is valid: from here on the new plan replaces the previous one.
+        buffers.write(tables, synced_stream=page_range.copies.marked_stream if landed else None)
+        tiling = setup.kernel.tiling
+        args = self._args_for(buffers, previous)
+        page_ids = indices if graph is None else graph.hold_page_ids(indices, int(num_page_ids))
+        args.page_indices = page_ids.data_ptr()
+        args.num_heads, args.sm_scale_log2 = num_heads, setup.sm_scale_log2
+        grid = tiling.grid(capacity.work if graph is not None else work.num_work)
+        params = (ctypes.c_void_p * 1)(ctypes.addressof(args)) if previous is None or previous.args is not args \
+            else previous.launch.params
+        launch = PreparedLaunch.update(None if previous is None else previous.launch, setup.loaded.decode, grid,
+                                       tiling.block, params, tiling.smem_bytes)
+        rows = work.num_tokens if graph is None else capacity.tokens
+        self._plan = MLAPlan(setup, tables, buffers, page_ids, max_page, tables.batch, work.num_tokens, rows, args,
+                             launch)
+        return self
+
+    def _setup(self, num_heads, page_size, scale, q_dtype, kv_dtype, kernel_q_len) -> MLASetup:
+        key = (num_heads, page_size, scale, str(q_dtype), str(kv_dtype), kernel_q_len)
+        found = self._setups.get(key)
+        if found is not None:
+            return found
+        spec = MLASpec(num_heads=num_heads, dtype=str(q_dtype).removeprefix("torch."),
+                       kv_dtype=None if kv_dtype is None else str(kv_dtype).removeprefix("torch."),
+                       page_size=page_size, max_q_len=kernel_q_len, arch=self._arch)
+        kernel = self.engine.get_kernel(spec)
+        loaded = self._load_kernel(kernel, self.device.index)
+        import torch
+
+        setup = MLASetup(spec, kernel, loaded, scale * LOG2E, num_heads, page_size, getattr(torch, spec.dtype),
+                         getattr(torch, spec.kv_dtype))
+        if len(self._setups) >= 64:
+            self._setups.clear()
+        self._setups[key] = setup
+        return setup
+
+    def _split(self, setup: MLASetup, tables, chunk_tokens, disable_split_kv: bool, previous):
+        if chunk_tokens is not None and (type(chunk_tokens) is not int or not 1 <= chunk_tokens <= validation.INT32_MAX):
+            validation.fail("chunk_tokens", f"a positive int up to {validation.INT32_MAX}", repr(chunk_tokens))
+        if disable_split_kv:
+            chunk_tokens = max(1, largest(tables.kv_lens, 1))
+        tiling, loaded, graph = setup.kernel.tiling, setup.loaded, self._graph
+        ctas_per_item, max_ctas = tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
+        capacity = None if graph is None else graph.capacity(setup.spec, tables.batch, tables.num_tokens,
+                                                             max(tables.batch, max_ctas // ctas_per_item), previous)
+        work = tables.plan(None, None, ctas_per_item=ctas_per_item, max_ctas=max_ctas, granularity=tiling.tile_tokens,
+                           chunk_tokens=chunk_tokens, max_items=capacity.work if capacity else None)
+        if capacity is None:
+            capacity = Capacity(tables.batch, work.num_tokens, work.num_work)
+        elif work.num_work > capacity.work:
+            validation.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
+                            f"{work.num_work} items of {work.chunk_tokens} tokens")
+        return work, capacity
+
+    def _buffers_for(self, capacity: Capacity, setup: MLASetup, previous) -> PlanBuffers:
+        partial_rows = capacity.work * setup.spec.max_q_len * setup.num_heads
+        merge_groups = capacity.batch * setup.kernel.tiling.row_tiles
+        current = None if previous is None else previous.buffers
+        if current is not None and current.fits(capacity, partial_rows * LATENT_DIM, merge_groups):
+            return current
+        if current is not None and self._graph is not None:
+            self._graph.refuse_new_buffers()
+        return PlanBuffers(capacity, partial_rows, LATENT_DIM, merge_groups, self.device)
+
+    def _args_for(self, buffers: PlanBuffers, previous) -> MLAArgs:
+        """The launch arguments over these buffers: the previous plan's where the buffers are the same
+        (a captured graph holds their address), else new ones."""
+        if previous is not None and previous.buffers is buffers:
+            return previous.args
+        a = MLAArgs()
+        p = buffers.pointers
+        a.work_items, a.req_work_indptr = p["work_items"], p["req_work_indptr"]
+        a.tmp_o, a.tmp_lse = buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr()
+        a.merge_counters, a.tile_counters = buffers.merge_counters.data_ptr(), buffers.tile_counters.data_ptr()
+        a.ckv_scale = a.kpe_scale = 1.0
+        return a
+
+    # ---- what the current plan decided ------------------------------------------------------
+
+    @property
+    def current_plan(self) -> MLAPlan | None:
+        return self._plan
+
+    @property
+    def spec(self) -> MLASpec:
+        return self._current().setup.spec
+
+    @property
+    def kernel(self) -> Kernel:
+        return self._current().setup.kernel
+
+    @property
+    def work(self):
+        return None if self._plan is None else self._plan.work
+
+    @property
+    def graph_page_ids(self):
+        return None if self._graph is None else self._graph.page_ids
+
+    def _current(self) -> MLAPlan:
+        if self._plan is None:
+            raise RuntimeError("BatchDecodeMLA has no plan yet: call plan() first")
+        return self._plan
+
+    # ---- run --------------------------------------------------------------------------------
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache=None, *, out=None, lse=None, return_lse: bool = False,
+            ckv_scale=None, kpe_scale=None):
+        """MLA attention of the queries over the planned cache; returns out (and lse, natural log).
+
+        q_nope [tokens, heads, 512], q_pe [tokens, heads, 64]; ckv_cache [pages, page_size, 512] and
+        kpe_cache [pages, page_size, 64], or kpe_cache None and one [pages, page_size, 576] cache;
+        out [tokens, heads, 512] (heads packed). fp8 caches need ckv_scale (the cache holds
+        c_kv / ckv_scale), and kpe_scale where k_pe has its own (default ckv_scale): each a positive
+        float or a float32 tensor of one value on the device, read at launch (so CUDA-graph
+        replays see its current value). In CUDA-graph mode q/out may have up to the capacity's rows.
+        """
+        import torch
+
+        plan = self._current()
+        a, setup = plan.args, plan.setup
+        heads, low, high = setup.num_heads, plan.num_tokens, plan.max_rows
+        for name, t, width in (("q_nope", q_nope, LATENT_DIM), ("q_pe", q_pe, ROPE_DIM)):
+            rows = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() == 3 and low <= t.shape[0] <= high else low
+            validation.tensor(name, t, dtype=setup.q_dtype, device=self.device, shape=(rows, heads, width))
+            validation.rows_16b_aligned(name, t, width)
+        if q_pe.shape[0] != q_nope.shape[0]:
+            validation.fail("q_pe", f"{q_nope.shape[0]} rows, as q_nope", q_pe.shape[0])
+        a.q_nope, a.q_nope_stride, a.q_nope_head_stride = q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1)
+        a.q_pe, a.q_pe_stride, a.q_pe_head_stride = q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1)
+        self._point_at_cache(a, plan, ckv_cache, kpe_cache)
+        self._point_at_scales(a, setup, ckv_scale, kpe_scale)
+        if out is None:
+            out = q_nope.new_empty((q_nope.shape[0], heads, LATENT_DIM))
+        validation.tensor("out", out, dtype=setup.q_dtype, device=self.device, shape=(q_nope.shape[0], heads, LATENT_DIM))
+        validation.rows_16b_aligned("out", out, LATENT_DIM)
+        if out.stride(1) != LATENT_DIM:
+            validation.fail("out", f"heads packed densely (stride(1) == {LATENT_DIM})", f"strides {out.stride()}")
+        a.out, a.out_stride = out.data_ptr(), out.stride(0)
+        if return_lse and lse is None:
+            lse = torch.empty(out.shape[:2], dtype=torch.float32, device=out.device)
+        if lse is not None:
+            validation.tensor("lse", lse, dtype=torch.float32, device=self.device, shape=tuple(out.shape[:2]))
+            if not lse.is_contiguous():
+                validation.fail("lse", "a contiguous tensor", f"strides {lse.stride()}")
+        a.lse = 0 if lse is None else lse.data_ptr()
+        if high:
+            plan.launch(self._current_stream(self.device.index))
+        return (out, lse) if return_lse else out
+
+    def _point_at_cache(self, a, plan: MLAPlan, ckv_cache, kpe_cache):
+        setup = plan.setup
+        one = kpe_cache is None
+        ckv_width = LATENT_DIM + ROPE_DIM if one else LATENT_DIM
+        checked = [("ckv_cache" if not one else "kv_cache", ckv_cache, ckv_width)]
+        if not one:
+            checked.append(("kpe_cache", kpe_cache, ROPE_DIM))
+        for name, t, width in checked:
+            validation.tensor(name, t, dtype=setup.kv_dtype, device=self.device, ndim=3)
+            if tuple(t.shape[1:]) != (setup.page_size, width):
+                validation.fail(name, f"shape [pages, {setup.page_size}, {width}]", f"shape {tuple(t.shape)}")
+            if t.shape[0] <= plan.max_page:
+                validation.fail(name, f"more than {plan.max_page} pages (indices refer to page {plan.max_page})",
+                                f"{t.shape[0]} pages")
+            validation.rows_16b_aligned(name, t, width)
+            validation.strides_fit_int32(name, (t.stride(0), t.stride(1)))
+        a.ckv, a.ckv_page_stride, a.ckv_slot_stride = ckv_cache.data_ptr(), ckv_cache.stride(0), ckv_cache.stride(1)
+        if one:
+            a.kpe = ckv_cache.data_ptr() + LATENT_DIM * ckv_cache.element_size()
+            a.kpe_page_stride, a.kpe_slot_stride = a.ckv_page_stride, a.ckv_slot_stride
+        else:
+            a.kpe, a.kpe_page_stride, a.kpe_slot_stride = kpe_cache.data_ptr(), kpe_cache.stride(0), kpe_cache.stride(1)
+
+    def _point_at_scales(self, a, setup: MLASetup, ckv_scale, kpe_scale):
+        import torch
+
+        fp8 = setup.spec.kv_is_fp8
+        if kpe_scale is None:
+            kpe_scale = ckv_scale
+        for name, value in (("ckv_scale", ckv_scale), ("kpe_scale", kpe_scale)):
+            if not fp8 and value is not None:
+                validation.fail(name, f"None for a {setup.spec.kv_dtype} cache (scales are for fp8 caches)", value)
+            host, pointer, _ = validation.kv_scale(name, value, num_kv_heads=1, device=self.device, required=fp8)
+            if pointer and not torch.cuda.is_current_stream_capturing():
+                validation.tensor_scale_values(name, value)
+            setattr(a, name, host)
+            setattr(a, name + "_ptr", pointer)
+
