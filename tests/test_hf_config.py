@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from flashjit.deploy.hf_config import manifest_from_hf_config, read_hf_config
+from flashjit.deploy.hf_mla import is_mla_config, read_mla_config
 from flashjit.deploy.manifest import ManifestError
 
 from test_cli import run
@@ -54,8 +55,17 @@ def test_shipped_examples_flashjit_cannot_serve(folder, field, feature):
     assert "masks none, causal and sliding_window" in str(info.value)  # what is supported
 
 
+@pytest.mark.parametrize("folder, heads", [("deepseek-v3", 128), ("kimi-k2", 64)])
+def test_shipped_latent_attention_examples(folder, heads):
+    """Latent attention: refused by the decode kernels' reader, served as MLA specs (tests/test_mla.py)."""
+    with pytest.raises(ManifestError, match="multi-head latent attention"):
+        read_hf_config(EXAMPLES / folder)
+    assert is_mla_config(EXAMPLES / folder) and read_mla_config(EXAMPLES / folder).num_heads == heads
+
+
 def test_every_shipped_example_is_tested():
-    tested = {row[0] for mark in (test_shipped_examples, test_shipped_examples_flashjit_cannot_serve)
+    tested = {row[0] for mark in (test_shipped_examples, test_shipped_examples_flashjit_cannot_serve,
+                                  test_shipped_latent_attention_examples)
               for row in mark.pytestmark[0].args[1]}
     assert tested == {path.parent.name for path in EXAMPLES.glob("*/config.json")}
 
@@ -65,7 +75,8 @@ def test_prewarm_every_shipped_example(path, cache_dir, fake_nvrtc):
     """`flashjit prewarm --hf-config examples/hf/<model> --arch sm_90`: the kernels, or exit 2 naming the field."""
     code, out, err = run("prewarm", "--hf-config", path.parent, "--arch", "sm_90", "--cache-dir", cache_dir)
     try:
-        specs = manifest_from_hf_config(path).specs(["sm_90"])
+        specs = (read_mla_config(path).specs(["sm_90"]) if is_mla_config(path)
+                 else manifest_from_hf_config(path).specs(["sm_90"]))
     except ManifestError as refused:
         assert code == 2 and f"field {refused.field!r}" in err and not fake_nvrtc
         return
