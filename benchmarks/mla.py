@@ -1,0 +1,179 @@
+"""MLA decode benchmark: flashjit's BatchDecodeMLA against FlashInfer's MLA wrapper
+(flashinfer.mla.BatchMLAPagedAttentionWrapper) and FlashMLA (flash_mla), where they import.
+
+    python -m benchmarks.mla [--rows PATTERN] [--iters N] [--json out.json]
+
+Method as benchmarks/decode.py: random inputs, shuffled pages (page size 64, the size FlashMLA
+requires), the L2 flushed before every timed call, CUDA events around the call alone, the median of
+--iters calls; every implementation's output is checked against flashjit.serving.mla_reference
+before it is timed (a wrong one is reported, not timed). Each row reports its time, GB/s over the
+latent bytes attended plus q and out, the read floor (a streaming read of those bytes, timed the same
+way: benchmarks/read_floor.py) and TFLOP/s (2 x 1088 flops per query row and key: the 576-wide score
+and the 512-wide output). At 16 heads a step is memory-bound (compare with the floor); at 128 heads
+compute-bound (compare TFLOP/s with the ~790 a large bf16 GEMM reaches on an H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+
+PAGE_SIZE = 64
+SM_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # DeepSeek-V3's, with YaRN
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    batch: int
+    kv_len: int
+    heads: int
+    q_len: int = 1
+    kv: str = "bf16"
+
+    @property
+    def attended_bytes(self) -> int:
+        latent = self.batch * self.kv_len * 576 * (1 if self.kv == "e4m3" else 2)
+        return latent + self.batch * self.q_len * self.heads * (576 + 512) * 2
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.q_len * self.heads * self.kv_len * (576 + 512)
+
+
+ROWS = (Row("b64 L8192 h16", 64, 8192, 16), Row("b16 L8192 h128", 16, 8192, 128),
+        Row("b64 L8192 h16 e4m3", 64, 8192, 16, kv="e4m3"), Row("b16 L8192 h128 e4m3", 16, 8192, 128, kv="e4m3"),
+        Row("b64 L4096 h16 q2", 64, 4096, 16, q_len=2), Row("b128 L2048 h128", 128, 2048, 128))
+
+
+def build(torch, row: Row, seed: int = 0) -> dict:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    pages_per = -(-row.kv_len // PAGE_SIZE)
+    total = row.batch * pages_per
+    perm = torch.randperm(total, generator=gen).to(torch.int32)
+    cache = (torch.randn(total, PAGE_SIZE, 576, generator=gen) * 0.5).to(torch.bfloat16).cuda()
+    tokens = row.batch * row.q_len
+    q = (torch.randn(tokens, row.heads, 576, generator=gen) * 0.5).to(torch.bfloat16).cuda()
+    inputs = dict(cache=cache, q_nope=q[..., :512].contiguous(), q_pe=q[..., 512:].contiguous(),
+                  indptr=torch.arange(row.batch + 1, dtype=torch.int32) * pages_per, indices=perm.cuda(),
+                  last=torch.full((row.batch,), row.kv_len - (pages_per - 1) * PAGE_SIZE, dtype=torch.int32),
+                  qo=torch.arange(row.batch + 1, dtype=torch.int32) * row.q_len, scale=None)
+    if row.kv == "e4m3":
+        from flashjit.serving.quantize import quantize_latent
+
+        inputs["cache"], inputs["scale"] = quantize_latent(cache, "e4m3")
+    return inputs
+
+
+def reference(torch, row: Row, x: dict):
+    from flashjit.serving.mla_reference import mla_reference
+
+    cache = x["cache"].float() * (1.0 if x["scale"] is None else x["scale"])
+    return mla_reference(x["q_nope"], x["q_pe"], cache, None, x["indptr"], x["indices"], x["last"],
+                         qo_indptr=x["qo"], sm_scale=SM_SCALE)[0]
+
+
+def flashjit_call(torch, row: Row, x: dict):
+    from flashjit.serving.batch_mla import BatchDecodeMLA
+
+    decoder = BatchDecodeMLA()
+    decoder.plan(x["indptr"], x["indices"], x["last"], row.heads, PAGE_SIZE, qo_indptr=x["qo"], sm_scale=SM_SCALE,
+                 kv_dtype=None if row.kv == "bf16" else "e4m3")
+    out = torch.empty(x["q_nope"].shape, dtype=torch.bfloat16, device="cuda")
+    scale = None if x["scale"] is None else x["scale"].item()
+    return lambda: decoder.run(x["q_nope"], x["q_pe"], x["cache"], out=out, ckv_scale=scale)
+
+
+def flashinfer_call(torch, row: Row, x: dict):
+    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+    if row.kv != "bf16":
+        raise RuntimeError("FlashInfer's MLA wrapper takes 16-bit caches here")
+    workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    wrapper = BatchMLAPagedAttentionWrapper(workspace)
+    kv_lens = torch.full((row.batch,), row.kv_len, dtype=torch.int32, device="cuda")
+    wrapper.plan(x["qo"].cuda(), x["indptr"].cuda(), x["indices"], kv_lens, row.heads, 512, 64, PAGE_SIZE,
+                 row.q_len > 1, SM_SCALE, torch.bfloat16, torch.bfloat16)
+    ckv, kpe = x["cache"][..., :512], x["cache"][..., 512:]
+    return lambda: wrapper.run(x["q_nope"], x["q_pe"], ckv, kpe)
+
+
+def flashmla_call(torch, row: Row, x: dict):
+    from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    if row.kv != "bf16":
+        raise RuntimeError("FlashMLA's dense path takes bf16 caches")
+    seqlens = torch.full((row.batch,), row.kv_len, dtype=torch.int32, device="cuda")
+    metadata, splits = get_mla_metadata(seqlens, row.q_len * row.heads, 1)
+    table = x["indices"].view(row.batch, -1)
+    q = torch.cat([x["q_nope"], x["q_pe"]], dim=-1).view(row.batch, row.q_len, row.heads, 576)
+    cache = x["cache"].view(-1, PAGE_SIZE, 1, 576)
+
+    def call():
+        out, _ = flash_mla_with_kvcache(q, cache, table, seqlens, 512, metadata, splits, softmax_scale=SM_SCALE,
+                                        causal=row.q_len > 1)
+        return out.view(-1, row.heads, 512)
+    return call
+
+
+IMPLEMENTATIONS = {"flashjit": flashjit_call, "flashinfer": flashinfer_call, "flashmla": flashmla_call}
+
+
+def measure(torch, rows, iters: int) -> list[dict]:
+    from benchmarks.read_floor import ReadFloor
+    from benchmarks.timing import Timer
+
+    timer, floor = Timer(torch, iters), ReadFloor(torch)
+    results = []
+    for row in rows:
+        x = build(torch, row)
+        ref = reference(torch, row, x)
+        entry = {"row": row.name, "bytes": row.attended_bytes, "flops": row.flops,
+                 "floor_us": floor.us(timer, row.attended_bytes), "impls": {}}
+        for name, make in IMPLEMENTATIONS.items():
+            try:
+                call = make(torch, row, x)
+                out = call()
+                torch.cuda.synchronize()
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                if not err < 3e-2:
+                    entry["impls"][name] = {"error": f"wrong output: relative error {err:.3g}"}
+                    continue
+                us = timer.median_us(call)
+                entry["impls"][name] = {"us": us, "gbs": row.attended_bytes / us / 1e3,
+                                        "tflops": row.flops / us / 1e6, "rel_err": err}
+            except Exception as exc:  # a peer that does not import or refuses the row is a note, not a failure
+                entry["impls"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
+        results.append(entry)
+        print(format_row(entry), flush=True)
+    return results
+
+
+def format_row(entry: dict) -> str:
+    parts = [f"{entry['row']:<22} floor {entry['floor_us']:8.1f} us"]
+    for name, r in entry["impls"].items():
+        parts.append(f"{name} {r['us']:8.1f} us {r['gbs']:6.0f} GB/s {r['tflops']:6.1f} TFLOP/s "
+                     f"({entry['floor_us'] / r['us']:.0%} of floor)" if "us" in r else f"{name}: {r['error']}")
+    return " | ".join(parts)
+
+
+def main(argv=None):
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default=".", help="regex over row names (default: all)")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    rows = [row for row in ROWS if re.search(args.rows, row.name)]
+    results = measure(torch, rows, args.iters)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

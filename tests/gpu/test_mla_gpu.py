@@ -1,0 +1,194 @@
+"""MLA decode on the GPU against the float32 reference (flashjit.serving.mla_reference).
+
+A sparse grid over heads per latent head {16, 32, 64, 128} (and 8, 4: TP 16), query tokens
+{1, 2, 4}, latents {bf16, e4m3}, page sizes {1, 16, 64} and split / no split: every value of every
+axis appears, in combinations chosen to cross the kernel's shapes (16, 32 and 64 rows per CTA, one
+and several row tiles). Then the one 576-wide cache, tensor scales, the LSE, empty and too-short
+requests (rows that see no key), and a CUDA-graph replay after a re-plan. No output may be NaN.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import flashjit
+from flashjit.jit.mla_spec import MLASpec
+from flashjit.serving.batch_mla import BatchDecodeMLA
+from flashjit.serving.mla_reference import mla_reference
+from flashjit.serving.quantize import quantize_latent
+
+SM_SCALE = 192 ** -0.5
+TOLERANCE = {"bf16": 1.5e-2, "e4m3": 3e-2}
+#        heads q_len kv      page split
+CASES = [(16,   1,    "bf16", 64,  False),
+         (16,   1,    "bf16", 16,  True),
+         (16,   2,    "e4m3", 1,   True),
+         (16,   4,    "bf16", 64,  True),
+         (32,   1,    "e4m3", 16,  False),
+         (32,   2,    "bf16", 1,   False),
+         (32,   4,    "e4m3", 64,  True),
+         (64,   1,    "bf16", 1,   True),
+         (64,   2,    "e4m3", 64,  False),
+         (64,   4,    "bf16", 16,  False),
+         (128,  1,    "bf16", 64,  True),
+         (128,  1,    "e4m3", 64,  True),
+         (128,  2,    "bf16", 16,  True),
+         (128,  4,    "e4m3", 1,   False),
+         (8,    1,    "bf16", 64,  True),
+         (4,    2,    "e4m3", 16,  True)]
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def arch() -> str:
+    return "sm_%d%d" % torch.cuda.get_device_capability()
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory):
+    engine = flashjit.Engine(cache_dir=tmp_path_factory.mktemp("mla-kernels"))
+    specs = {MLASpec(num_heads=h, kv_dtype=kv, page_size=p, max_q_len=q, arch=arch()) for h, q, kv, p, _ in CASES}
+    specs.add(MLASpec(num_heads=16, page_size=16, max_q_len=2, arch=arch()))
+    engine.prewarm(sorted(specs, key=lambda s: s.name), jobs=16)
+    return engine
+
+
+def make_batch(kv_lens, q_lens, heads, page_size, seed):
+    """Shuffled pages of a 576-wide latent cache, queries of the magnitude absorbed MLA queries have."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in kv_lens]
+    total = sum(pages) + 3
+    perm = torch.randperm(total, generator=gen).to(torch.int32)
+    indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(pages, dtype=torch.int32), 0)
+    last = torch.tensor([n - (p - 1) * page_size if p else 0 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+    qo = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)
+    qo[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
+    cache = torch.randn(total, page_size, 576, generator=gen)
+    tokens = int(qo[-1])
+    q_nope = torch.randn(tokens, heads, 512, generator=gen) * 0.5
+    q_pe = torch.randn(tokens, heads, 64, generator=gen) * 2.0
+    cuda = lambda t: t.to(torch.bfloat16).cuda()  # noqa: E731
+    return dict(cache=cuda(cache), q_nope=cuda(q_nope), q_pe=cuda(q_pe), indptr=indptr,
+                indices=perm[:int(indptr[-1])].cuda(), last=last, qo=qo)
+
+
+def latent_caches(batch, kv: str):
+    """(ckv, kpe) as the kernel reads them, their scales, and (ckv, kpe) in float32 for the reference."""
+    ckv, kpe = batch["cache"][..., :512].contiguous(), batch["cache"][..., 512:].contiguous()
+    if kv == "bf16":
+        return (ckv, kpe), (None, None), (ckv.float(), kpe.float())
+    ckv8, ckv_scale = quantize_latent(ckv, "e4m3")
+    kpe8, kpe_scale = quantize_latent(kpe * 3.0, "e4m3")  # another range: a scale of its own
+    return (ckv8, kpe8), (ckv_scale.item(), kpe_scale.item()), (ckv8.float() * ckv_scale, kpe8.float() * kpe_scale)
+
+
+def check(out, lse, ref_out, ref_lse, tolerance):
+    assert not out.isnan().any() and not lse.isnan().any()
+    err = ((out.float() - ref_out).norm() / ref_out.norm().clamp_min(1e-6)).item()
+    assert err < tolerance, f"relative error {err:.3g}"
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse[seen], ref_lse[seen], atol=2e-2, rtol=2e-3)
+    assert not out[~seen].float().any()  # rows that see no key are 0
+
+
+def plan_and_run(engine, batch, heads, page_size, kv, split, caches, scales, **run_options):
+    decoder = BatchDecodeMLA(engine)
+    options = dict(chunk_tokens=128) if split else dict(disable_split_kv=True)
+    decoder.plan(batch["indptr"], batch["indices"], batch["last"], heads, page_size, qo_indptr=batch["qo"],
+                 sm_scale=SM_SCALE, kv_dtype=None if kv == "bf16" else "e4m3", **options)
+    out, lse = decoder.run(batch["q_nope"], batch["q_pe"], *caches, return_lse=True, ckv_scale=scales[0],
+                           kpe_scale=scales[1], **run_options)
+    return decoder, out, lse
+
+
+@pytest.mark.parametrize("heads, q_len, kv, page_size, split", CASES)
+def test_against_reference(engine, heads, q_len, kv, page_size, split):
+    kv_lens = [700, 1, 0, 333, 129, 1024] if split else [700, 1, 0, 333, 64]
+    batch = make_batch(kv_lens, [q_len] * len(kv_lens), heads, page_size, seed_of(heads, q_len, kv, page_size, split))
+    caches, scales, reference_caches = latent_caches(batch, kv)
+    decoder, out, lse = plan_and_run(engine, batch, heads, page_size, kv, split, caches, scales)
+    assert decoder.work.needs_merge == split
+    ref_out, ref_lse = mla_reference(batch["q_nope"], batch["q_pe"], *reference_caches, batch["indptr"],
+                                     batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
+    check(out, lse, ref_out, ref_lse, TOLERANCE[kv])
+
+
+def test_split_equals_one_pass(engine):
+    batch = make_batch([2000, 513, 96], [2, 2, 2], 16, 16, 7)
+    caches, scales, _ = latent_caches(batch, "bf16")
+    _, whole, whole_lse = plan_and_run(engine, batch, 16, 16, "bf16", False, caches, scales)
+    _, split, split_lse = plan_and_run(engine, batch, 16, 16, "bf16", True, caches, scales)
+    torch.testing.assert_close(split.float(), whole.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(split_lse, whole_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_one_576_wide_cache_and_tensor_scales(engine):
+    batch = make_batch([300, 45], [1, 1], 128, 64, 11)
+    ref_out, ref_lse = mla_reference(batch["q_nope"], batch["q_pe"], batch["cache"].float(), None, batch["indptr"],
+                                     batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
+    decoder = BatchDecodeMLA(engine)
+    decoder.plan(batch["indptr"], batch["indices"], batch["last"], 128, 64, sm_scale=SM_SCALE)
+    out, lse = decoder.run(batch["q_nope"], batch["q_pe"], batch["cache"], return_lse=True)
+    check(out, lse, ref_out, ref_lse, TOLERANCE["bf16"])
+
+    cache8, scale = quantize_latent(batch["cache"], "e4m3")
+    ref_out, ref_lse = mla_reference(batch["q_nope"], batch["q_pe"], cache8.float() * scale, None, batch["indptr"],
+                                     batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
+    decoder.plan(batch["indptr"], batch["indices"], batch["last"], 128, 64, sm_scale=SM_SCALE, kv_dtype="e4m3",
+                 chunk_tokens=128)
+    out, lse = decoder.run(batch["q_nope"], batch["q_pe"], cache8, return_lse=True, ckv_scale=scale)
+    check(out, lse, ref_out, ref_lse, TOLERANCE["e4m3"])
+
+
+def test_cuda_graph_replay_after_replan(engine):
+    heads, page_size = 16, 16
+    decoder = BatchDecodeMLA(engine, use_cuda_graph=True, max_batch_size=4, max_num_pages=512, max_q_len=2)
+    first = make_batch([400, 900], [2, 2], heads, page_size, 21)
+    second = make_batch([1500, 3, 77, 640], [1, 2, 2, 1], heads, page_size, 22)
+    pages = max(first["cache"].shape[0], second["cache"].shape[0])
+    cache = torch.zeros(pages, page_size, 576, dtype=torch.bfloat16, device="cuda")
+    q_nope = torch.zeros(8, heads, 512, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.zeros(8, heads, 64, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(8, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(8, heads, dtype=torch.float32, device="cuda")
+
+    def load(batch):
+        cache.zero_()
+        cache[:batch["cache"].shape[0]].copy_(batch["cache"])
+        tokens = batch["q_nope"].shape[0]
+        q_nope[:tokens].copy_(batch["q_nope"])
+        q_pe[:tokens].copy_(batch["q_pe"])
+        decoder.plan(batch["indptr"], batch["indices"], batch["last"], heads, page_size, qo_indptr=batch["qo"],
+                     sm_scale=SM_SCALE)
+        return tokens
+
+    load(first)
+    decoder.run(q_nope, q_pe, cache, out=out, lse=lse)  # loads the module before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.run(q_nope, q_pe, cache, out=out, lse=lse)
+    for batch in (second, first):
+        tokens = load(batch)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = mla_reference(batch["q_nope"], batch["q_pe"], cache.float(), None, batch["indptr"],
+                                         batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
+        check(out[:tokens], lse[:tokens], ref_out, ref_lse, TOLERANCE["bf16"])
+
+
+def test_empty_batch_returns_without_launch(engine):
+    decoder = BatchDecodeMLA(engine)
+    empty = torch.zeros(1, dtype=torch.int32)
+    decoder.plan(empty, torch.zeros(0, dtype=torch.int32, device="cuda"), torch.zeros(0, dtype=torch.int32), 16, 64,
+                 sm_scale=SM_SCALE)
+    q_nope = torch.zeros(0, 16, 512, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.zeros(0, 16, 64, dtype=torch.bfloat16, device="cuda")
+    cache = torch.zeros(1, 64, 576, dtype=torch.bfloat16, device="cuda")
+    assert decoder.run(q_nope, q_pe, cache).shape == (0, 16, 512)
