@@ -3,22 +3,24 @@
 from ._version import __version__  # noqa: F401 (flashjit.__version__)
 
 from .serving.batch_decode import BatchDecode, decode, default_engine
+from .serving.batch_mla import BatchDecodeMLA
 from .jit.engine import Engine, PrewarmResult
-from .serving.quantize import dequantize_kv, quantize_kv
+from .serving.quantize import dequantize_kv, quantize_kv, quantize_latent
 from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError
 from .masks.registry import register_mask
 from .masks.sink_window import sink_window_params
 from .jit.spec import DecodeSpec
+from .jit.mla_spec import MLASpec
 from .masks.tree import pack_tree_mask
 
 
-def get_kernel(spec: DecodeSpec):
+def get_kernel(spec: DecodeSpec | MLASpec):
     """engine.get_kernel on the process-wide default engine."""
     return default_engine().get_kernel(spec)
 
 
 __all__ = [
-    "BatchDecode", "CacheError", "CompileError", "DecodeSpec", "Engine", "FlashJITError", "KernelNotPrewarmed",
-    "PrewarmResult", "SpecError", "TemplateError", "decode", "default_engine", "get_kernel", "pack_tree_mask",
-    "quantize_kv", "dequantize_kv", "register_mask", "sink_window_params",
+    "BatchDecode", "BatchDecodeMLA", "CacheError", "CompileError", "DecodeSpec", "Engine", "FlashJITError", "KernelNotPrewarmed",
+    "MLASpec", "PrewarmResult", "SpecError", "TemplateError", "decode", "default_engine", "get_kernel", "pack_tree_mask",
+    "quantize_kv", "quantize_latent", "dequantize_kv", "register_mask", "sink_window_params",
 ]

@@ -18,7 +18,8 @@ by default (Gemma 3's head_dim, heads and window pattern, which Hub configs omit
 same way. The window's size, like sm_scale (Gemma's query_pre_attn_scalar), is a runtime
 BatchDecode.plan argument, not part of a kernel.
 A config whose attention flashjit kernels cannot compute (soft-capped logits, learned sinks,
-ALiBi, chunked or linear attention layers, latent attention) is refused, never approximated.
+ALiBi, chunked or linear attention layers) is refused, never approximated; latent attention
+(kv_lora_rank) is refused here and read by hf_mla.py, which derives MLA kernels instead.
 Every problem raises ManifestError naming the file, the model and the config field.
 """
 

@@ -46,7 +46,11 @@ class DecodeTiling:
     merge_chunk: int    # partials the fused merge loads at once (tensor-core kernels)
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
-    entry: str = "flashjit_decode"  # the kernel's entry point (kernel.Kernel loads it by this name)
+
+    @property
+    def entry(self) -> str:
+        """The decode kernel's entry point, which kernel.Kernel loads (the MLA family has its own)."""
+        return "flashjit_decode"
 
     @property
     def merge_threads(self) -> int:
