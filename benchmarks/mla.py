@@ -2,6 +2,7 @@
 (flashinfer.mla.BatchMLAPagedAttentionWrapper) and FlashMLA (flash_mla), where they import.
 
     python -m benchmarks.mla [--rows PATTERN] [--iters N] [--json out.json]
+    python -m benchmarks.mla --sweep [--rows PATTERN]   # flashjit under other MLA tilings (warps, tile, stages)
 
 Method as benchmarks/decode.py: random inputs, shuffled pages (page size 64, the size FlashMLA
 requires), the L2 flushed before every timed call, CUDA events around the call alone, the median of
@@ -76,10 +77,10 @@ def reference(torch, row: Row, x: dict):
                          qo_indptr=x["qo"], sm_scale=SM_SCALE)[0]
 
 
-def flashjit_call(torch, row: Row, x: dict):
+def flashjit_call(torch, row: Row, x: dict, engine=None):
     from flashjit.serving.batch_mla import BatchDecodeMLA
 
-    decoder = BatchDecodeMLA()
+    decoder = BatchDecodeMLA(engine)
     decoder.plan(x["indptr"], x["indices"], x["last"], row.heads, PAGE_SIZE, qo_indptr=x["qo"], sm_scale=SM_SCALE,
                  kv_dtype=None if row.kv == "bf16" else "e4m3")
     out = torch.empty(x["q_nope"].shape, dtype=torch.bfloat16, device="cuda")
@@ -160,6 +161,64 @@ def format_row(entry: dict) -> str:
     return " | ".join(parts)
 
 
+SMEM_LIMIT = 232448 - 1664  # one CTA's shared memory on sm_90, less the kernel's static arrays (<= 1552 bytes)
+# (warps, tile, stages, min CTAs per SM) per (fp8, rows per CTA); the table's own row is timed first
+SWEEP = {(False, 16): [(4, 64, 2, 1), (8, 64, 2, 1), (4, 32, 3, 1)],   # 16 warps at 64 rows spill (128 registers)
+         (False, 64): [(8, 64, 2, 1), (8, 32, 2, 1)],
+         (True, 16): [(4, 32, 2, 2), (4, 64, 2, 1), (8, 64, 3, 1)],
+         (True, 64): [(8, 64, 2, 1), (8, 32, 3, 1)]}
+
+
+def tuned_engine(table):
+    """An Engine whose MLA kernels take their tiling from table: compiled on first use, kept in memory."""
+    import tempfile
+
+    import flashjit
+    from flashjit.jit.compile import compile_source
+    from flashjit.jit.kernel import Kernel
+    from flashjit.jit.mla_tiling import mla_tiling
+    from flashjit.jit.render import render
+    from flashjit.masks.registry import masks
+
+    class TunedEngine(flashjit.Engine):
+        def get_kernel(self, spec):
+            tiling, mask = mla_tiling(spec, table), masks.get(spec.mask)
+            cubin = compile_source(render(spec, mask, tiling), spec.arch, spec.name).cubin
+            return Kernel(spec, tiling, mask, cubin, f"{spec.name}+tuned")
+
+    return TunedEngine(cache_dir=tempfile.mkdtemp())
+
+
+def sweep(torch, rows, iters: int):
+    from benchmarks.timing import Timer
+    from flashjit.jit.mla_spec import MLASpec
+    from flashjit.jit.mla_tiling import MLA_TUNING, cta_rows, mla_tiling
+
+    timer = Timer(torch, iters)
+    for row in rows:
+        x, fp8, rows_per_cta = build(torch, row), row.kv == "e4m3", cta_rows(row.heads * row.q_len)
+        ref = reference(torch, row, x)
+        current = MLA_TUNING.row(fp8, rows_per_cta)
+        variants = [(current.warps, current.tile_tokens, current.stages, current.min_ctas)] + SWEEP.get(
+            (fp8, rows_per_cta), [])
+        cells = []
+        for warps, tile, stages, min_ctas in dict.fromkeys(variants):
+            table = MLA_TUNING.with_rows(fp8=fp8, rows=rows_per_cta, warps=warps, tile_tokens=tile, stages=stages,
+                                         min_ctas=min_ctas)
+            spec = MLASpec(num_heads=row.heads, kv_dtype=row.kv, page_size=PAGE_SIZE, max_q_len=row.q_len)
+            label = f"w{warps}t{tile}s{stages}m{min_ctas}"
+            if mla_tiling(spec, table).smem_bytes > SMEM_LIMIT:
+                cells.append(f"{label} (no fit)")
+                continue
+            try:
+                call = flashjit_call(torch, row, x, tuned_engine(table))
+                err = ((call().float() - ref).norm() / ref.norm()).item()
+                cells.append(f"{label} {timer.median_us(call):7.1f}" if err < 3e-2 else f"{label} wrong ({err:.2g})")
+            except Exception as exc:  # a variant the kernel refuses (static_assert) is a note
+                cells.append(f"{label} {type(exc).__name__}")
+        print(f"{row.name:22s} " + "  ".join(cells), flush=True)
+
+
 def main(argv=None):
     import torch
 
@@ -167,8 +226,11 @@ def main(argv=None):
     parser.add_argument("--rows", default=".", help="regex over row names (default: all)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--sweep", action="store_true", help="time flashjit under other MLA tilings instead")
     args = parser.parse_args(argv)
     rows = [row for row in ROWS if re.search(args.rows, row.name)]
+    if args.sweep:
+        return sweep(torch, rows, args.iters)
     results = measure(torch, rows, args.iters)
     if args.json:
         with open(args.json, "w") as f:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from flashjit.jit.mla_spec import MLASpec
-from flashjit.jit.mla_tiling import mla_tiling
+from flashjit.jit.mla_tiling import MLA_TUNING, mla_tiling
 
 QK, LATENT, ROW_ELEMS = 576, 512, 576  # a 16-bit row: 576 values, 72 chunks of 8
 
@@ -77,11 +77,13 @@ def mma(acc, a, b0, b1):
 
 SHAPES = [MLASpec(num_heads=h, max_q_len=q, kv_dtype=kv, arch="sm_90")
           for h, q, kv in ((16, 1, "bf16"), (32, 1, "bf16"), (128, 1, "bf16"), (16, 1, "e4m3"), (64, 1, "e4m3"))]
+WIDE = MLA_TUNING.with_rows(tile_tokens=64, stages=2)  # benchmarks/mla.py --sweep's 64-key stages
+TILINGS = [mla_tiling(spec) for spec in SHAPES] + [mla_tiling(SHAPES[0], WIDE), mla_tiling(SHAPES[2], WIDE),
+                                                   mla_tiling(SHAPES[0], WIDE.with_rows(rows=16, warps=8))]
 
 
-@pytest.mark.parametrize("spec", SHAPES, ids=lambda s: s.name)
-def test_scores_and_outputs_match_numpy(spec):
-    t = mla_tiling(spec)
+@pytest.mark.parametrize("t", TILINGS, ids=lambda t: f"rows{t.rows}_w{t.warps}_t{t.tile_tokens}")
+def test_scores_and_outputs_match_numpy(t):
     M, MT, W, TILE = t.rows, t.m_tiles, t.warps, t.tile_tokens
     KS, KW = W // MT, TILE // (W // MT)
     NTQ, CW = KW // 8, LATENT // W
