@@ -350,3 +350,29 @@ def test_cli_prewarm_hf_config_of_an_mla_model(cache_dir, fake_nvrtc):
     assert code == 0, err
     assert "total: 4 kernels" in out and "mla_c512_r64_h8_bf16_kvbf16_p64_q2_sm90" in out
     assert "sm_scale=" in err
+
+
+# ---- the benchmark's pure parts --------------------------------------------------------------
+
+def test_benchmark_rows_and_sweep_variants():
+    from benchmarks import mla as bench
+
+    row = bench.Row("b2 L100 h16", 2, 100, 16)
+    assert row.attended_bytes == 2 * 100 * 576 * 2 + 2 * 16 * 1088 * 2
+    assert bench.Row("x", 2, 100, 16, kv="e4m3").attended_bytes == 2 * 100 * 576 + 2 * 16 * 1088 * 2
+    assert row.flops == 2 * 2 * 16 * 100 * 1088
+    assert {r.name for r in bench.ROWS} >= {"b64 L8192 h16", "b16 L8192 h128"}
+    for (fp8, rows), variants in bench.SWEEP.items():
+        for warps, tile, stages, min_ctas in variants:
+            table = MLA_TUNING.with_rows(fp8=fp8, rows=rows, warps=warps, tile_tokens=tile, stages=stages,
+                                         min_ctas=min_ctas)
+            spec = MLASpec(num_heads={16: 16, 32: 32, 64: 128}[rows], kv_dtype="e4m3" if fp8 else "bf16",
+                           arch="sm_90")
+            t = mla_tiling(spec, table)
+            assert (t.rows, t.warps, t.tile_tokens) == (rows, warps, tile)
+            assert t.warps % t.m_tiles == 0 and (t.tile_tokens // t.key_slices) % 8 == 0
+            assert t.smem_bytes <= bench.SMEM_LIMIT
+    entry = {"row": "b2 L100 h16", "floor_us": 10.0,
+             "impls": {"flashjit": {"us": 12.5, "gbs": 1.0, "tflops": 2.0}, "flashinfer": {"error": "ImportError: x"}}}
+    text = bench.format_row(entry)
+    assert "flashjit     12.5 us" in text and "80% of floor" in text and "flashinfer: ImportError: x" in text
