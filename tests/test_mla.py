@@ -376,3 +376,65 @@ def test_benchmark_rows_and_sweep_variants():
              "impls": {"flashjit": {"us": 12.5, "gbs": 1.0, "tflops": 2.0}, "flashinfer": {"error": "ImportError: x"}}}
     text = bench.format_row(entry)
     assert "flashjit     12.5 us" in text and "80% of floor" in text and "flashinfer: ImportError: x" in text
+
+
+# ---- run()'s checks on the CPU ---------------------------------------------------------------
+
+def planned_cpu_mla(engine, kv_dtype=None):
+    """A CPU decoder planned for 2 requests of 4 pages (64 tokens each), 16 heads; run() launches nothing."""
+    decoder = cpu_mla(engine, current_stream=lambda index: 0)
+    indptr, last = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([64, 64], dtype=torch.int32)
+    decoder.plan(indptr, torch.arange(8, dtype=torch.int32), last, 16, 64, sm_scale=0.1, kv_dtype=kv_dtype)
+    launches = []
+    decoder._plan = decoder.current_plan._replace(launch=launches.append)
+    return decoder, launches
+
+
+def mla_tensors(kv=torch.bfloat16, pages=8):
+    return (torch.zeros(2, 16, 512, dtype=torch.bfloat16), torch.zeros(2, 16, 64, dtype=torch.bfloat16),
+            torch.zeros(pages, 64, 576, dtype=kv))
+
+
+def test_run_points_the_arguments_at_the_tensors(engine, fake_nvrtc):
+    decoder, launches = planned_cpu_mla(engine)
+    q_nope, q_pe, cache = mla_tensors()
+    out, lse = decoder.run(q_nope, q_pe, cache, return_lse=True)
+    a = decoder.current_plan.args
+    assert (a.q_nope, a.q_pe, a.ckv, a.out, a.lse) == (q_nope.data_ptr(), q_pe.data_ptr(), cache.data_ptr(),
+                                                       out.data_ptr(), lse.data_ptr())
+    assert a.kpe == cache.data_ptr() + 1024 and (a.ckv_page_stride, a.ckv_slot_stride) == (64 * 576, 576)
+    assert (a.kpe_page_stride, a.q_nope_stride, a.q_nope_head_stride) == (64 * 576, 16 * 512, 512)
+    assert out.shape == (2, 16, 512) and lse.shape == (2, 16) and launches == [0]
+    ckv, kpe = cache[..., :512].contiguous(), cache[..., 512:].contiguous()
+    decoder.run(q_nope, q_pe, ckv, kpe, out=out)
+    assert (a.ckv, a.kpe, a.kpe_slot_stride) == (ckv.data_ptr(), kpe.data_ptr(), 64) and not a.lse
+    assert len(launches) == 2
+
+
+def test_run_refusals_name_the_tensor(engine, fake_nvrtc):
+    decoder, launches = planned_cpu_mla(engine)
+    q_nope, q_pe, cache = mla_tensors()
+    cases = [
+        (dict(q_nope=q_nope.float()), "q_nope"), (dict(q_pe=q_pe[:, :8]), "q_pe"),
+        (dict(cache=cache[:5]), "more than 7 pages"), (dict(cache=cache[:, :32]), "kv_cache"),
+        (dict(cache=cache.to(torch.float16)), "kv_cache"), (dict(ckv_scale=2.0), "ckv_scale"),
+        (dict(out=torch.zeros(2, 512, 16, dtype=torch.bfloat16).transpose(1, 2)), "out"),
+        (dict(lse=torch.zeros(2, 8)), "lse"),
+    ]
+    for change, message in cases:
+        args = {**dict(q_nope=q_nope, q_pe=q_pe, cache=cache), **change}
+        with pytest.raises(ValueError, match=message):
+            decoder.run(args.pop("q_nope"), args.pop("q_pe"), args.pop("cache"), **args)
+    assert launches == []
+
+
+def test_fp8_runs_need_a_scale_and_fold_both(engine, fake_nvrtc):
+    decoder, launches = planned_cpu_mla(engine, kv_dtype="e4m3")
+    q_nope, q_pe, cache = mla_tensors(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="ckv_scale"):
+        decoder.run(q_nope, q_pe, cache)
+    decoder.run(q_nope, q_pe, cache, ckv_scale=0.5)
+    a = decoder.current_plan.args
+    assert (a.ckv_scale, a.kpe_scale) == (0.5, 0.5) and not a.ckv_scale_ptr
+    decoder.run(q_nope, q_pe, cache[..., :512], cache[..., 512:], ckv_scale=0.5, kpe_scale=0.25)
+    assert (a.ckv_scale, a.kpe_scale) == (0.5, 0.25) and len(launches) == 2

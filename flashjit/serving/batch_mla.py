@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import typing
+import weakref
 
 from .. import validation
 from ..jit.abi import MLAArgs
@@ -30,6 +31,8 @@ from .buffers import Capacity, PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_planner import HostPlanner
 from .plan_setup import LOG2E
+from . import run_checks
+from .run_checks import MAX_VALIDATED_CACHES, scale_key
 from .streams import stream_getter
 
 LATENT_DIM, ROPE_DIM = 512, 64
@@ -106,8 +109,15 @@ class BatchDecodeMLA:
         if host_planner is None:
             host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
         self._host_planner = host_planner
+        self._device_index = self.device.index
+        self._lse_dtype = torch.float32
         self._plan: MLAPlan | None = None
         self._setups: dict = {}
+        # (id(tensor), width) -> (weakref, data_ptr, dtype, shape, strides): each layer's cache is
+        # validated once a plan (its page count against the plan's page ids).
+        self._validated_caches: dict = {}
+        # (scale_key(ckv_scale), scale_key(kpe_scale)) the arguments hold (None: none yet)
+        self._scales_pointed_at = None
 
     # ---- plan -------------------------------------------------------------------------------
 
@@ -157,6 +167,8 @@ class BatchDecodeMLA:
         buffers = self._buffers_for(capacity, setup, previous)
 
         # Every argument is valid: from here on the new plan replaces the previous one.
+        self._validated_caches.clear()
+        self._scales_pointed_at = None  # a new plan may have new arguments or another cache dtype
         buffers.write(tables, synced_stream=page_range.copies.marked_stream if landed else None)
         tiling = setup.kernel.tiling
         args = self._args_for(buffers, previous)
@@ -272,62 +284,95 @@ class BatchDecodeMLA:
         c_kv / ckv_scale), and kpe_scale where k_pe has its own (default ckv_scale): each a positive
         float or a float32 tensor of one value on the device, read at launch (so CUDA-graph
         replays see its current value). In CUDA-graph mode q/out may have up to the capacity's rows.
+        Allocates only out/lse when they are not given; never synchronizes (except once to check the
+        values of a scale tensor it has not seen).
         """
-        import torch
-
         plan = self._current()
-        a, setup = plan.args, plan.setup
-        heads, low, high = setup.num_heads, plan.num_tokens, plan.max_rows
-        for name, t, width in (("q_nope", q_nope, LATENT_DIM), ("q_pe", q_pe, ROPE_DIM)):
-            rows = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() == 3 and low <= t.shape[0] <= high else low
-            validation.tensor(name, t, dtype=setup.q_dtype, device=self.device, shape=(rows, heads, width))
-            validation.rows_16b_aligned(name, t, width)
+        a = plan.args
+        a.q_nope, a.q_nope_stride, a.q_nope_head_stride = self._rows("q_nope", q_nope, LATENT_DIM, plan)
+        a.q_pe, a.q_pe_stride, a.q_pe_head_stride = self._rows("q_pe", q_pe, ROPE_DIM, plan)
         if q_pe.shape[0] != q_nope.shape[0]:
             validation.fail("q_pe", f"{q_nope.shape[0]} rows, as q_nope", q_pe.shape[0])
-        a.q_nope, a.q_nope_stride, a.q_nope_head_stride = q_nope.data_ptr(), q_nope.stride(0), q_nope.stride(1)
-        a.q_pe, a.q_pe_stride, a.q_pe_head_stride = q_pe.data_ptr(), q_pe.stride(0), q_pe.stride(1)
         self._point_at_cache(a, plan, ckv_cache, kpe_cache)
-        self._point_at_scales(a, setup, ckv_scale, kpe_scale)
+        scales = (scale_key(ckv_scale), scale_key(kpe_scale))
+        if scales != self._scales_pointed_at:
+            self._scales_pointed_at = None  # a kpe_scale refused after ckv_scale was set leaves no stale match
+            self._point_at_scales(a, plan.setup, ckv_scale, kpe_scale)
+            self._scales_pointed_at = scales
         if out is None:
-            out = q_nope.new_empty((q_nope.shape[0], heads, LATENT_DIM))
-        validation.tensor("out", out, dtype=setup.q_dtype, device=self.device, shape=(q_nope.shape[0], heads, LATENT_DIM))
-        validation.rows_16b_aligned("out", out, LATENT_DIM)
-        if out.stride(1) != LATENT_DIM:
+            out = q_nope.new_empty((q_nope.shape[0], plan.setup.num_heads, LATENT_DIM))
+        a.out, a.out_stride, head_stride = self._rows("out", out, LATENT_DIM, plan)
+        if head_stride != LATENT_DIM or out.shape[0] != q_nope.shape[0]:
+            validation.tensor("out", out, shape=(q_nope.shape[0], plan.setup.num_heads, LATENT_DIM))
             validation.fail("out", f"heads packed densely (stride(1) == {LATENT_DIM})", f"strides {out.stride()}")
-        a.out, a.out_stride = out.data_ptr(), out.stride(0)
         if return_lse and lse is None:
-            lse = torch.empty(out.shape[:2], dtype=torch.float32, device=out.device)
-        if lse is not None:
-            validation.tensor("lse", lse, dtype=torch.float32, device=self.device, shape=tuple(out.shape[:2]))
-            if not lse.is_contiguous():
-                validation.fail("lse", "a contiguous tensor", f"strides {lse.stride()}")
-        a.lse = 0 if lse is None else lse.data_ptr()
-        if high:
-            plan.launch(self._current_stream(self.device.index))
+            lse = out.new_empty(out.shape[:2], dtype=self._lse_dtype)
+        a.lse = 0 if lse is None else self._lse_pointer(lse, out)
+        if plan.max_rows:  # a plan without query tokens launches nothing (outside CUDA-graph mode)
+            plan.launch(self._current_stream(self._device_index))
         return (out, lse) if return_lse else out
 
-    def _point_at_cache(self, a, plan: MLAPlan, ckv_cache, kpe_cache):
+    def _rows(self, name: str, t, width: int, plan: MLAPlan) -> tuple[int, int, int]:
+        """(data_ptr, token stride, head stride) of q_nope, q_pe or out: [rows, heads, width] of the
+        plan's dtype, rows 16-byte aligned. The common valid case costs one read of each attribute."""
         setup = plan.setup
+        try:
+            pointer, (rows, heads, dim), (row_stride, head_stride, unit) = t.data_ptr(), t.shape, t.stride()
+            if (t.dtype is setup.q_dtype and t.get_device() == self._device_index and heads == setup.num_heads
+                    and dim == width and plan.num_tokens <= rows <= plan.max_rows and unit == 1
+                    and row_stride % 8 == 0 and head_stride % 8 == 0 and pointer % 16 == 0):
+                return pointer, row_stride, head_stride
+        except (AttributeError, TypeError, ValueError):  # not a 3-d tensor: the checks say what it is
+            pass
+        import torch
+
+        low, high = plan.num_tokens, plan.max_rows
+        rows = t.shape[0] if isinstance(t, torch.Tensor) and t.dim() == 3 and low <= t.shape[0] <= high else low
+        validation.tensor(name, t, dtype=setup.q_dtype, device=self.device, shape=(rows, setup.num_heads, width))
+        validation.rows_16b_aligned(name, t, width)
+        return t.data_ptr(), t.stride(0), t.stride(1)
+
+    def _lse_pointer(self, lse, out) -> int:
+        try:
+            if (lse.dtype is self._lse_dtype and lse.get_device() == self._device_index and lse.shape == out.shape[:2]
+                    and lse.is_contiguous()):
+                return lse.data_ptr()
+        except AttributeError:
+            pass
+        return run_checks.lse_pointer(lse, out, self._lse_dtype, self.device)
+
+    def _point_at_cache(self, a, plan: MLAPlan, ckv_cache, kpe_cache):
+        """Point the arguments at the latent cache; tensors validated against this plan are recognised."""
         one = kpe_cache is None
-        ckv_width = LATENT_DIM + ROPE_DIM if one else LATENT_DIM
-        checked = [("ckv_cache" if not one else "kv_cache", ckv_cache, ckv_width)]
-        if not one:
-            checked.append(("kpe_cache", kpe_cache, ROPE_DIM))
-        for name, t, width in checked:
-            validation.tensor(name, t, dtype=setup.kv_dtype, device=self.device, ndim=3)
-            if tuple(t.shape[1:]) != (setup.page_size, width):
-                validation.fail(name, f"shape [pages, {setup.page_size}, {width}]", f"shape {tuple(t.shape)}")
-            if t.shape[0] <= plan.max_page:
-                validation.fail(name, f"more than {plan.max_page} pages (indices refer to page {plan.max_page})",
-                                f"{t.shape[0]} pages")
-            validation.rows_16b_aligned(name, t, width)
-            validation.strides_fit_int32(name, (t.stride(0), t.stride(1)))
-        a.ckv, a.ckv_page_stride, a.ckv_slot_stride = ckv_cache.data_ptr(), ckv_cache.stride(0), ckv_cache.stride(1)
+        a.ckv, a.ckv_page_stride, a.ckv_slot_stride = self._cache("kv_cache" if one else "ckv_cache", ckv_cache,
+                                                                  LATENT_DIM + ROPE_DIM if one else LATENT_DIM, plan)
         if one:
-            a.kpe = ckv_cache.data_ptr() + LATENT_DIM * ckv_cache.element_size()
+            a.kpe = a.ckv + LATENT_DIM * ckv_cache.element_size()
             a.kpe_page_stride, a.kpe_slot_stride = a.ckv_page_stride, a.ckv_slot_stride
         else:
-            a.kpe, a.kpe_page_stride, a.kpe_slot_stride = kpe_cache.data_ptr(), kpe_cache.stride(0), kpe_cache.stride(1)
+            a.kpe, a.kpe_page_stride, a.kpe_slot_stride = self._cache("kpe_cache", kpe_cache, ROPE_DIM, plan)
+
+    def _cache(self, name: str, t, width: int, plan: MLAPlan) -> tuple[int, int, int]:
+        """(data_ptr, page stride, slot stride) of a validated latent cache tensor."""
+        seen = self._validated_caches.get((id(t), width))
+        if seen is not None and seen[0]() is t:
+            pointer = t.data_ptr()
+            if pointer == seen[1] and t.dtype is seen[2] and t.shape == seen[3]:  # not re-pointed by .set_()
+                return pointer, *seen[4]
+        setup = plan.setup
+        validation.tensor(name, t, dtype=setup.kv_dtype, device=self.device, ndim=3)
+        if tuple(t.shape[1:]) != (setup.page_size, width):
+            validation.fail(name, f"shape [pages, {setup.page_size}, {width}]", f"shape {tuple(t.shape)}")
+        if t.shape[0] <= plan.max_page:
+            validation.fail(name, f"more than {plan.max_page} pages (indices refer to page {plan.max_page})",
+                            f"{t.shape[0]} pages")
+        validation.rows_16b_aligned(name, t, width)
+        strides = (t.stride(0), t.stride(1))
+        validation.strides_fit_int32(name, strides)
+        if len(self._validated_caches) > MAX_VALIDATED_CACHES:
+            self._validated_caches.clear()
+        self._validated_caches[(id(t), width)] = (weakref.ref(t), t.data_ptr(), t.dtype, t.shape, strides)
+        return t.data_ptr(), *strides
 
     def _point_at_scales(self, a, setup: MLASetup, ckv_scale, kpe_scale):
         import torch

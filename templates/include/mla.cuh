@@ -255,9 +255,13 @@ FJ_INLINE void attend(const Args& a) {
     const int tile_v0 = item.v_begin + t * TILE;
 
     // S = Q K^T over this warp's KW keys: s[n][0..1] row quad, s[n][2..3] row quad + 8, keys 8n + pair (+1).
-    float s[NTQ][4];
+    // With one n-tile per warp the odd k-steps accumulate apart (CHAINS = 2), halving the chain of
+    // dependent MMAs; with more, the n-tiles' chains interleave already.
+    constexpr int CHAINS = NTQ == 1 ? 2 : 1;
+    float s[NTQ][4], s_odd[CHAINS == 2 ? NTQ : 1][4];
 #pragma unroll
     for (int n = 0; n < NTQ; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    s_odd[0][0] = s_odd[0][1] = s_odd[0][2] = s_odd[0][3] = 0.f;
 #pragma unroll
     for (int kp = 0; kp < QK / 32; ++kp) {  // two k-steps (32 dims) per round
       u32 qa0[4], qa1[4];
@@ -269,8 +273,12 @@ FJ_INLINE void attend(const Args& a) {
         u32 kb[4];  // dims 32kp + 0..7, 8..15 (k-step 2kp), 16..23, 24..31 (k-step 2kp + 1)
         decode::ldmatrix_x4(kb, kv + key * ROW_BYTES + swizzled(key, 4 * kp + k_sub) * 16);
         Mma<mma_t>::run(s[n], qa0, kb[0], kb[1]);
-        Mma<mma_t>::run(s[n], qa1, kb[2], kb[3]);
+        Mma<mma_t>::run(CHAINS == 2 ? s_odd[0] : s[n], qa1, kb[2], kb[3]);
       }
+    }
+    if constexpr (CHAINS == 2) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][e] += s_odd[0][e];
     }
     // Scale and mask; each row's maximum over the stage, agreed by the m-tile's KS warps.
     float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
