@@ -107,6 +107,7 @@ def test_render_has_constants_abi_checks_and_entry():
     assert "typedef fj::e4m3_t kv_t;" in source and "flashjit_mla(mla::Args args)" in source
     assert f'sizeof(mla::Args) == {ctypes.sizeof(abi.MLAArgs)}' in source
     assert source.count("static_assert(FJ_OFFSETOF(mla::Args,") == len(abi.MLAArgs._fields_)
+    assert source.count("static_assert(FJ_OFFSETOF(plan::Args,") == len(abi.PlanArgs._fields_)
     assert "void __launch_bounds__(128) flashjit_merge" not in source and "merge::" not in source  # fused
     assert render(spec) == source  # deterministic
 
@@ -122,6 +123,7 @@ def test_nvrtc_compiles_without_spills(spec):
     compiled = compile_source(render(spec), spec.arch, spec.name, extra_options=("--ptxas-options=-v",))
     seconds = time.perf_counter() - start
     assert compiled.cubin[:4] == b"\x7fELF" and b"flashjit_mla" in compiled.cubin
+    assert b"flashjit_plan" in compiled.cubin  # every module carries the GPU planner (kernel.Kernel loads it)
     assert "0 bytes spill stores" in compiled.log
     assert seconds < 6  # ~1 s on two cores; generous for loaded CI hosts (the target is <= 2 s)
 

@@ -126,7 +126,7 @@ def render(spec: DecodeSpec | MLASpec, mask: MaskDef | None = None,
         entry, tiling = ENTRY_TEMPLATE, tiling or decode_tiling(spec)
         checks = abi.source_checks(mask.params, merge=not tiling.fused_merge)
     context = dict(spec=spec, tiling=tiling, mask=mask, ctype=STORAGE_TYPES, version=__version__,
-                   item_ints=abi.ITEM_INTS, abi_checks=checks)
+                   item_ints=abi.ITEM_INTS, split_candidates=abi.SPLIT_CANDIDATES, abi_checks=checks)
     try:
         return environment().get_template(entry).render(**context)
     except OutsideTemplateRoots as exc:
