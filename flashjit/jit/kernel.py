@@ -18,6 +18,7 @@ import threading
 
 from ..errors import KernelNotPrewarmed
 from ..masks.registry import MaskDef
+from .abi import PLAN_MAX_SMEM_BYTES
 from .spec import DecodeSpec
 from .tiling import DecodeTiling
 
@@ -117,6 +118,8 @@ class Kernel:
                 decode = module.get_function(DECODE_ENTRY).ptr
                 merge = None if self.tiling.fused_merge else module.get_function(MERGE_ENTRY).ptr
                 plan = module.get_function(PLAN_ENTRY).ptr
+                check(driver().cuFuncSetAttribute(plan, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                  PLAN_MAX_SMEM_BYTES), "cuFuncSetAttribute")
                 smem = self.tiling.smem_bytes
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
                     check(driver().cuFuncSetAttribute(decode, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),

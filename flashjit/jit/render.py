@@ -118,6 +118,7 @@ def render(spec: DecodeSpec, mask: MaskDef | None = None, tiling: DecodeTiling |
     tiling = tiling or decode_tiling(spec)
     context = dict(spec=spec, tiling=tiling, mask=mask, ctype=STORAGE_TYPES, version=__version__,
                    item_ints=abi.ITEM_INTS, split_candidates=abi.SPLIT_CANDIDATES,
+                   plan_smem_ints=abi.PLAN_SMEM_INTS,
                    abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge))
     try:
         return environment().get_template(ENTRY_TEMPLATE).render(**context)

@@ -16,16 +16,14 @@ import typing
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, PlanArgs
+from ..jit.abi import ITEM_INTS, PLAN_MAX_BATCH, PLAN_SMEM_INTS, PlanArgs
 from ..jit.kernel import PreparedLaunch
 from .buffers import PlanBuffers
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, WorkPlan
 from .streams import HOST_TO_DEVICE, StreamCopies
 
-PLAN_THREADS = 512  # plan::THREADS
-# The planner keeps two offsets per request in 48 KB of static-size shared memory; a larger
-# max_batch_size plans on the host.
-MAX_DEVICE_PLAN_BATCH = 6000
+PLAN_THREADS = 1024  # plan::THREADS
+MAX_DEVICE_PLAN_BATCH = PLAN_MAX_BATCH  # a larger max_batch_size plans on the host
 HEADER_INTS = 4  # batch (read), then the planner's chunk and work-item count (written), one spare
 
 
@@ -97,7 +95,7 @@ class DevicePlanner:
         a.item_overhead, a.merge_cost = ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS
         params = buffers.params_with(a)
         self.launch = PreparedLaunch.update(self.launch, loaded.plan, (1, 1, 1), (PLAN_THREADS, 1, 1), params,
-                                            8 * (cap.batch + 1))
+                                            4 * PLAN_SMEM_INTS * (cap.batch + 1))
 
     def __call__(self, stream: int):
         self.launch(stream)

@@ -75,7 +75,10 @@ def test_gpu_planner_writes_the_host_planners_work_list(engine, heads, kv_heads,
     options = dict(use_cuda_graph=True, max_batch_size=700, max_num_pages=8_000_000, max_q_len=max_q)
     on_gpu = flashjit.BatchDecode(engine, **options)
     on_host = flashjit.BatchDecode(engine, load_kernel=host_planned, **options)
-    for batch, split in itertools.product([1, 37, 700], [{}, {"chunk_tokens": 300}, {"disable_split_kv": True}]):
+    for batch, split in itertools.product([1, 37, 700], ["auto", "forced", "none"]):
+        # a forced chunk that fits the capacity: a few items per request at 37, one at 700
+        split = {"auto": {}, "forced": {"chunk_tokens": 4096 if batch < 100 else 65536},
+                 "none": {"disable_split_kv": True}}[split]
         kv_lens = skewed_lengths(rng, batch, page_size)
         q_lens = [rng.randint(1, max_q) for _ in kv_lens]
         kv_lens = [max(n, q) for n, q in zip(kv_lens, q_lens)]
