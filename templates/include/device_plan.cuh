@@ -30,6 +30,7 @@ struct Args {
   int batch_capacity, work_capacity, token_capacity;
   int ctas_per_item, max_ctas, granularity, min_chunk;
   int chunk_tokens;                       // > 0 forces the chunk, 0 plans it, -1 one item per request
+  int fixed_split;                        // 1: each item its own tile-sharing group (WorkItem), 0: its request
   int item_overhead, merge_cost;
 };
 
@@ -198,11 +199,11 @@ __device__ void build(const Args& a, const MaskParams& params) {
     }
     const int b = last_at_most(work_at, batch + 1, w), i = w - work_at[b];
     const Request r(a, params, b);
-    const int first = r.begin + i * chunk;
-    records[3 * w] = make_int4(b, first, (int)min((i64)first + chunk, (i64)r.end), r.kv_len);
-    records[3 * w + 1] = make_int4(__ldg(a.indptr + b), tokens_at[b], tokens_at[b + 1] - tokens_at[b],
-                                   work_at[b + 1] - work_at[b]);
-    records[3 * w + 2] = make_int4(i, r.begin, r.end, 0);
+    const int first = r.begin + i * chunk, last = (int)min((i64)first + chunk, (i64)r.end);
+    const int items = work_at[b + 1] - work_at[b];
+    records[3 * w] = make_int4(b, first, last, r.kv_len);
+    records[3 * w + 1] = make_int4(__ldg(a.indptr + b), tokens_at[b], tokens_at[b + 1] - tokens_at[b], items);
+    records[3 * w + 2] = a.fixed_split ? make_int4(0, first, last, 1) : make_int4(i, r.begin, r.end, items);
   }
   for (int b = threadIdx.x; b <= batch; b += THREADS) {
     a.req_work_indptr[b] = work_at[b];
