@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import flashjit
+from flashjit.jit.abi import WORK_ITEM_FIELDS
 from flashjit.serving.reference import decode_reference
 
 from .batches import rel_error
@@ -37,6 +38,7 @@ CASES = [(d, kv, m, q, 4) for d, kv, m, q in itertools.product(
 CASES += [(128, "bfloat16", "causal", 1, 1), (64, "float8_e4m3fn", "sliding_window", 1, 1),
           (256, "bfloat16", "none", 1, 1)]
 TRIALS = 4  # batches with others per case
+FIELD = {name: i for i, name in enumerate(WORK_ITEM_FIELDS)}
 
 
 def spec_of(arch, head_dim, kv, mask, q_len, group):
@@ -231,3 +233,35 @@ def test_a_fixed_split_over_the_gpu_planners_capacity_is_refused(engine):
     with pytest.raises(ValueError, match="^fixed_split_tokens: expected at most"):
         decoder.plan(*args, mask="causal", fixed_split_tokens=16)
     assert decoder.current_plan is planned
+
+
+def device_records(decoder) -> torch.Tensor:
+    """The work-item records the current plan wrote to the device."""
+    plan = decoder.current_plan
+    values, at = plan.buffers.device_buffer.cpu(), plan.buffers.offsets
+    num_work = int(values[at["req_work_indptr"] + plan.batch_size])
+    return values[at["work_items"]:at["num_tokens"]].view(-1, len(WORK_ITEM_FIELDS))[:num_work]
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window"])
+def test_the_gpu_planner_writes_the_host_planners_fixed_split_records(engine, head_dim, mask):
+    rng = random.Random(head_dim + len(mask))
+    options = dict(use_cuda_graph=True, max_batch_size=64, max_num_pages=20000)
+    on_gpu = flashjit.BatchDecode(engine, **options)
+    on_host = flashjit.BatchDecode(engine, load_kernel=lambda kernel, index: dataclasses.replace(
+        kernel.loaded(index), plan=None), **options)  # without its planner entry: plans on the host
+    for batch in (64, 1, 23, 64):
+        kv_lens = [0 if rng.random() < 0.1 else rng.randint(1, 4800) for _ in range(batch)]
+        pages = [-(-n // PAGE) for n in kv_lens]
+        indptr = torch.tensor([0] + list(itertools.accumulate(pages)), dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * PAGE if p else 0 for n, p in zip(kv_lens, pages)], dtype=torch.int32)
+        ids = torch.randperm(20000, dtype=torch.int32)[: sum(pages)].cuda()
+        for decoder in (on_gpu, on_host):
+            decoder.plan(indptr, ids, last, 8, NUM_KV_HEADS, head_dim, PAGE, mask=mask,
+                         window_left=WINDOW if mask == "sliding_window" else None, fixed_split_tokens=512)
+        assert on_gpu.graph_page_table is not None and on_host.graph_page_table is None
+        gpu, host = device_records(on_gpu), device_records(on_host)
+        assert torch.equal(gpu, host), f"{batch} requests"
+        assert (gpu[:, FIELD["sharers"]] == 1).all()
+        assert torch.equal(gpu[:, FIELD["share_begin"]], gpu[:, FIELD["v_begin"]])
