@@ -22,9 +22,11 @@ import ctypes
 from ..masks.params import MASK_PARAM_CTYPES
 
 # The int32 fields of one work-item record, in order: the item's span and its request's geometry
-# (request -1: CUDA-graph padding), then its index among the request's items and the request's span.
+# (request -1: CUDA-graph padding), then its tile-sharing group: the item's index in it, the span its
+# CTAs share and how many items share it. The group is the request's items, or for a fixed split
+# (plan(fixed_split_tokens=...)) the item alone, which then reads exactly its own span.
 WORK_ITEM_FIELDS = ("request", "v_begin", "v_end", "kv_len", "page_begin", "q_begin", "q_len", "splits",
-                    "split", "span_begin", "span_end", "unused")
+                    "share", "share_begin", "share_end", "sharers")
 ITEM_INTS = len(WORK_ITEM_FIELDS)
 
 # The GPU planner's shared memory: PLAN_SMEM_INTS int32 per request (plus one), for at most
@@ -78,7 +80,7 @@ class PlanArgs(ctypes.Structure):
         "batch", "indptr", "last_page_len", "qo_indptr", "work_items", "num_tokens", "req_qo_indptr",
         "req_work_indptr", "token_request", "chunk_out", "num_work_out")] + [(name, ctypes.c_int) for name in (
             "page_size", "batch_capacity", "work_capacity", "token_capacity", "ctas_per_item", "max_ctas",
-            "granularity", "min_chunk", "chunk_tokens", "item_overhead", "merge_cost")]
+            "granularity", "min_chunk", "chunk_tokens", "fixed_split", "item_overhead", "merge_cost")]
 
 
 # What a ctypes field type is on the CUDA side: fj_abi::kind<T>::value of the C type.

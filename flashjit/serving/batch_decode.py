@@ -28,7 +28,7 @@ from .graph_mode import graph_limits
 from .host_planner import HostPlanner
 from .plan_setup import MAX_SETUPS, Setup, make_setup
 from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
-from .plan_state import Plan, checked_chunk_tokens, graph_capacity, prepare_launches, split_work
+from .plan_state import Plan, fixed_split_items, graph_capacity, prepare_launches, split_rule, split_work
 from .run_checks import NO_CACHE, scale_key
 from .split_plan import WorkPlan
 from .streams import stream_getter
@@ -127,7 +127,8 @@ class BatchDecode:
              window_left: int | None = None, mask_params: dict | None = None, q_dtype="bfloat16",
              kv_dtype=None, kv_layout: str = "NHD", sm_scale: float | None = None,
              chunk_tokens: int | None = None, disable_split_kv: bool = False,
-             tensor_cores: bool | None = None, check_page_ids: bool = True) -> "BatchDecode":
+             fixed_split_tokens: int | None = None, tensor_cores: bool | None = None,
+             check_page_ids: bool = True) -> "BatchDecode":
         """Plans a batch for every layer's run(); see docs/api.md for the arguments.
 
         check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
@@ -135,8 +136,14 @@ class BatchDecode:
         on the current stream. False skips it (no synchronization: plan() can overlap the GPU's
         previous step); the caller then guarantees 0 <= id < the cache's page count, as FlashInfer's
         plan() assumes.
+
+        fixed_split_tokens: cut every request into work items of this many span positions, each
+        read by its own CTAs alone, so a request's output is bitwise the same in any batch planned
+        with the same kernel (docs/api.md, batch invariance).
         """
         import torch
+
+        rule = split_rule(chunk_tokens, fixed_split_tokens, disable_split_kv)
 
         # Types are part of the setup memo's key, as 128.0 == 128 yet only the int is valid;
         # mask_params may hold tensors, so plans given them build their setup each time.
@@ -183,10 +190,15 @@ class BatchDecode:
                 graph.check_kernel(setup, previous)
                 device_planner = graph.device_planner(setup)
             if device_planner is None:
-                work, capacity = split_work(setup, tables, chunk_tokens, disable_split_kv, graph, previous)
+                work, capacity = split_work(setup, tables, rule, graph, previous)
             else:  # the work list is made on the GPU, from the page table copied below
-                checked_chunk_tokens(chunk_tokens)
-                work, capacity = None, graph_capacity(setup, tables, graph, previous)
+                work, capacity = None, graph_capacity(setup, tables, graph, previous, rule)
+                if rule.fixed_split and fixed_split_items(tables.kv_lens, rule.chunk_tokens) > capacity.work:
+                    # the GPU planner would fall back to one item per request
+                    validation.fail("fixed_split_tokens", f"at most {capacity.work} work items (CUDA-graph capacity; "
+                                    "a first plan with fixed_split_tokens sizes it for any batch)",
+                                    f"up to {fixed_split_items(tables.kv_lens, rule.chunk_tokens)} items of "
+                                    f"{rule.chunk_tokens} tokens")
         finally:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
@@ -214,7 +226,7 @@ class BatchDecode:
         decode_launch, merge_prepared, merge_launch = prepare_launches(setup, buffers, work, decode_params,
                                                                        graph is not None, previous)
         if device_planner is not None:
-            device_planner.prepare(setup, buffers, chunk_tokens, disable_split_kv)
+            device_planner.prepare(setup, buffers, rule)
             device_planner(self._current_stream(self._device_index))
         num_tokens = tables.num_tokens
         query_form = (num_tokens, num_tokens if graph is None else capacity.tokens, setup.q_dtype, setup.num_qo_heads,

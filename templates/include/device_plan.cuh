@@ -30,6 +30,7 @@ struct Args {
   int batch_capacity, work_capacity, token_capacity;
   int ctas_per_item, max_ctas, granularity, min_chunk;
   int chunk_tokens;                       // > 0 forces the chunk, 0 plans it, -1 one item per request
+  int fixed_split;                        // 1: each item its own tile-sharing group (WorkItem), 0: its request
   int item_overhead, merge_cost;
 };
 
@@ -201,9 +202,10 @@ __device__ void build(const Args& a, const MaskParams& params) {
     }
     const int b = last_at_most(r.work_at, batch + 1, w), i = w - r.work_at[b];
     const int begin = r.begin[b], end = begin + r.len[b], first = begin + i * chunk;
-    records[3 * w] = make_int4(b, first, (int)min((i64)first + chunk, (i64)end), r.kv_len[b]);
-    records[3 * w + 1] = make_int4(__ldg(a.indptr + b), r.tokens_at[b], r.q_len[b], r.work_at[b + 1] - r.work_at[b]);
-    records[3 * w + 2] = make_int4(i, begin, end, 0);
+    const int last = (int)min((i64)first + chunk, (i64)end), items = r.work_at[b + 1] - r.work_at[b];
+    records[3 * w] = make_int4(b, first, last, r.kv_len[b]);
+    records[3 * w + 1] = make_int4(__ldg(a.indptr + b), r.tokens_at[b], r.q_len[b], items);
+    records[3 * w + 2] = a.fixed_split ? make_int4(0, first, last, 1) : make_int4(i, begin, end, items);
   }
   for (int b = threadIdx.x; b <= batch; b += THREADS) {
     a.req_work_indptr[b] = r.work_at[b];
