@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import ctypes
 
-import torch
-
 from ..jit.abi import MergeStatesArgs
 from ..jit.engine import Engine
 from ..jit.kernel import PreparedLaunch
@@ -30,9 +28,12 @@ from ..jit.merge_spec import MergeSpec, head_dims_accepted
 from ..validation import fail
 from .streams import current_stream
 
-STATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+STATE_DTYPES = ("float16", "bfloat16", "float32")  # torch dtype names; torch loads on the first merge
 _ACCEPTED_DTYPES = "torch.float16, torch.bfloat16 or torch.float32"
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def merge_states(o, lse, *, out=None, out_lse=None, engine: Engine | None = None):
@@ -43,6 +44,8 @@ def merge_states(o, lse, *, out=None, out_lse=None, engine: Engine | None = None
     the GPU path, which then is safe to capture in a CUDA graph (after a first call has loaded the
     kernel). engine: where the kernel is compiled and cached (default the process-wide engine).
     """
+    import torch
+
     _check_states("o", o, "lse", lse, stacked=True)
     out, out_lse = _outputs(o, out, out_lse, o.shape[1:])
     if o.device.type != "cuda":
@@ -56,6 +59,8 @@ def merge_states(o, lse, *, out=None, out_lse=None, engine: Engine | None = None
 def merge_state(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None, engine: Engine | None = None):
     """Merge two states: o_a, o_b [tokens, heads, head_dim], lse_a, lse_b [tokens, heads] float32 ->
     (o, lse) of the same shapes. The same rules and keywords as merge_states."""
+    import torch
+
     _check_states("o_a", o_a, "lse_a", lse_a, stacked=False)
     _check_states("o_b", o_b, "lse_b", lse_b, stacked=False)
     if o_b.dtype != o_a.dtype or o_b.shape != o_a.shape or o_b.device != o_a.device:
@@ -80,6 +85,8 @@ def merge_states_torch(o, lse):
     """The merge in torch, in float32: o [n, tokens, heads, d], lse [n, tokens, heads] ->
     (o [tokens, heads, d] of o's dtype, lse [tokens, heads] float32). No checks: the CPU path of
     merge_states and the reference of its kernel."""
+    import torch
+
     lse = lse.float()
     m = lse.amax(0) if lse.shape[0] else torch.full(lse.shape[1:], float("-inf"), device=lse.device)
     m_ref = torch.where(m == float("-inf"), torch.zeros_like(m), m)  # all -inf: every weight is 0, not NaN
@@ -97,11 +104,13 @@ def merge_states_torch(o, lse):
 # ---- checks -------------------------------------------------------------------------------------
 
 def _check_states(o_name: str, o, lse_name: str, lse, *, stacked: bool):
+    import torch
+
     o_dims, lse_dims = ("[n, tokens, heads, head_dim]", "[n, tokens, heads]") if stacked else (
         "[tokens, heads, head_dim]", "[tokens, heads]")
     if not isinstance(o, torch.Tensor) or o.dim() != len(o_dims.split(",")):
         fail(o_name, f"a {len(o_dims.split(','))}-d tensor {o_dims}", _describe(o))
-    if o.dtype not in STATE_DTYPES:
+    if _dtype_name(o.dtype) not in STATE_DTYPES:
         fail(o_name, f"dtype {_ACCEPTED_DTYPES}", o.dtype)
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(o.shape[:-1]):
         fail(lse_name, f"a tensor {lse_dims} = {tuple(o.shape[:-1])} (the shape of {o_name} without head_dim)",
@@ -111,13 +120,15 @@ def _check_states(o_name: str, o, lse_name: str, lse, *, stacked: bool):
     if lse.device != o.device:
         fail(lse_name, f"a tensor on {o_name}'s device {o.device}", lse.device)
     if o.device.type == "cuda":
-        accepted = head_dims_accepted(_DTYPE_NAMES[o.dtype], int(o.shape[-1]))
+        accepted = head_dims_accepted(_dtype_name(o.dtype), int(o.shape[-1]))
         if accepted is not None:
             fail(f"{o_name} head_dim", f"{accepted} (the GPU kernel's vectors)", int(o.shape[-1]))
 
 
 def _outputs(o, out, out_lse, shape):
     """(out, out_lse): the given ones, checked, or new ones of the merged shapes."""
+    import torch
+
     if out is None:
         out = torch.empty(shape, dtype=o.dtype, device=o.device)
     elif not isinstance(out, torch.Tensor) or out.shape != shape or out.dtype != o.dtype or out.device != o.device:
@@ -134,7 +145,7 @@ def _outputs(o, out, out_lse, shape):
 
 
 def _describe(value) -> str:
-    if isinstance(value, torch.Tensor):
+    if hasattr(value, "dtype") and hasattr(value, "device"):
         return f"a tensor of shape {tuple(value.shape)}, {value.dtype}, on {value.device}"
     return repr(value) if not hasattr(value, "shape") else f"{type(value).__name__} of shape {value.shape}"
 
@@ -147,6 +158,8 @@ def _rows_aligned(t) -> bool:
 
 
 def _aligned(o):
+    import torch
+
     return o if _rows_aligned(o) else o.clone(memory_format=torch.contiguous_format)
 
 
@@ -155,6 +168,8 @@ def _aligned(o):
 def _launch(engine, o, o_state: int, lse, lse_state: int, num_states: int, out, out_lse):
     """Launch merge_states over o/lse (their dims 1..: tokens, heads[, head_dim]) stepping o_state and
     lse_state elements from one state to the next, on torch's current stream."""
+    import torch
+
     _, tokens, heads, head_dim = o.shape
     if tokens == 0 or heads == 0:
         return
@@ -163,7 +178,7 @@ def _launch(engine, o, o_state: int, lse, lse_state: int, num_states: int, out, 
 
         engine = default_engine()
     device = o.device.index if o.device.index is not None else torch.cuda.current_device()
-    spec = MergeSpec(_DTYPE_NAMES[o.dtype], "sm_%d%d" % torch.cuda.get_device_capability(device))
+    spec = MergeSpec(_dtype_name(o.dtype), "sm_%d%d" % torch.cuda.get_device_capability(device))
     kernel = engine.get_kernel(spec)
     threads, rows_per_block = kernel.block_shape(head_dim)
     args = MergeStatesArgs(
