@@ -168,7 +168,7 @@ class ContextParallelDecode:
             send, recv = self._slots(1, tokens, heads, dim, q), self._slots(world, tokens, heads, dim, q, recv=True)
             self._shard.run(q, kv_cache, send.o()[0], send.lse()[0], k_scale, v_scale)
             if tokens:
-                dist.all_gather_into_tensor(recv.buffer.view(-1), send.buffer.view(-1), group=self.group)
+                _all_gather(recv.buffer.view(-1), send.buffer.view(-1), group=self.group)
         else:
             part = heads // world
             send, recv = self._slots(world, tokens, part, dim, q), self._slots(world, tokens, part, dim, q, recv=True)
@@ -242,6 +242,14 @@ class SequentialContextParallelDecode:
             shard.run(q, cache, o[r], lse[r], k_scale, v_scale)
         out, out_lse = merge_states(o, lse, engine=self.engine)
         return (out, out_lse) if return_lse else out
+
+
+def _all_gather(output, input, group):
+    """torch.distributed's all-gather into one tensor, by its current name (all_gather_single from 2.13)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
 
 
 def _make_decoder(factory, engine, device):
