@@ -97,3 +97,34 @@ def gloo_worker(rank: int, world: int, init_file: str):
             assert_matches(out, lse, ref, ref_lse, what=what)
     finally:
         dist.destroy_process_group()
+
+
+def nccl_worker(rank: int, world: int, init_file: str, output: str):
+    """One rank of an NCCL group on GPU `rank`: BatchDecode on its shard against single-GPU decode."""
+    import torch.distributed as dist
+
+    import flashjit
+    from flashjit.parallel import ContextParallelDecode, Shard
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        b = batch(device="cuda", dtype=torch.bfloat16, kv_lens=[0, 1, 17, 300, 2048, 5000], q_lens=2, page_size=16,
+                  heads=8, kv_heads=2, head_dim=128)
+        for layout, (mask, window_left) in itertools.product(
+                [Layout("contiguous", uneven=True), Layout("interleaved", block_pages=2)],
+                [("none", None), ("causal", None), ("sliding_window", 100)]):
+            single = flashjit.BatchDecode()
+            single.plan(b.indptr, b.indices, b.last_page_len, 8, 2, 128, 16, qo_indptr=b.qo_indptr, mask=mask,
+                        window_left=window_left)
+            want, want_lse = single.run(b.q, (b.k_cache, b.v_cache), return_lse=True)
+            decoder = ContextParallelDecode(output=output)
+            decoder.plan(Shard.from_split(splits(b, world, layout)[rank], "cuda"), b.kv_lens, 8, 2, 128, 16,
+                         qo_indptr=b.qo_indptr, mask=mask, window_left=window_left)
+            out, lse = decoder.run(b.q, (b.k_cache, b.v_cache), return_lse=True)
+            if output == "heads":
+                part = 8 // world
+                want, want_lse = want[:, rank * part:(rank + 1) * part], want_lse[:, rank * part:(rank + 1) * part]
+            assert_matches(out, lse, want.float(), want_lse, atol=2e-2, what=f"rank {rank} {layout} {mask} {output}")
+    finally:
+        dist.destroy_process_group()
