@@ -62,8 +62,7 @@ def test_interleaved_counts_match_the_positions_the_split_deals_out(world, block
         layout.check(local, global_lens, page_size)
         owner.update({int(p): r for p in s["indices"]})
         for b, n in enumerate(global_lens):  # count_below against a count over the positions themselves
-            positions = np.array([g for g in range(n) if (g // page_size - indptr[b] + indptr[b]) >= 0
-                                  and ((g // page_size) // block_pages) % world == r])
+            positions = np.array([g for g in range(n) if ((g // page_size) // block_pages) % world == r])
             xs = np.arange(-2, n + 2)
             got = layout.count_below(xs, np.full(len(xs), b), local, page_size)
             want = np.array([(positions < x).sum() for x in xs])
@@ -175,13 +174,13 @@ def test_key_range_hooks_pass_the_host_replay():
     assert result.requests > 20 and not result.skipped and result.passed, "\n".join(result.failures)
 
 
-def test_key_range_compiles(warm):
-    from flashjit import DecodeSpec
+def test_key_range_compiles(tmp_path):
+    from flashjit import DecodeSpec, Engine
 
+    engine = Engine(cache_dir=tmp_path)
     for tc in (False, True):
         spec = DecodeSpec(128, mask="key_range", group_size=4, max_q_len=4, arch="sm_90", tensor_cores=tc)
-        source = warm.engine.source(spec)
-        assert "__ldg(params.range_begin + t)" in source
+        assert "__ldg(params.range_begin + t)" in engine.source(spec)
     # one compile is enough here: the GPU tests run both kernels
-    assert warm.engine.get_kernel(spec).cubin[:4] == b"\x7fELF"
+    assert engine.get_kernel(spec).cubin[:4] == b"\x7fELF"
 

@@ -48,16 +48,17 @@ class Shard:
 
 
 class _ShardDecode:
-    """The decode of one shard: the global mask turned local, then the decoder's plan and run."""
+    """The decode of one shard: the global mask turned local (prepare: checks only), then the
+    decoder's plan and run."""
 
     def __init__(self, decoder):
         self.decoder = decoder
         self.mask = None
 
-    def plan(self, shard: Shard, global_lens: np.ndarray, qo_indptr: np.ndarray, num_qo_heads: int, num_kv_heads: int,
-             head_dim: int, page_size: int, mask: str, window_left, options: dict, device):
-        import torch
-
+    @staticmethod
+    def prepare(shard: Shard, global_lens: np.ndarray, qo_indptr: np.ndarray, page_size: int, mask: str,
+                window_left):
+        """(the shard's local key counts, its ShardMask); raises on a shard that does not fit."""
         indptr = validation.host_int_array("shard indptr", shard.indptr)
         last = validation.host_int_array("shard last_page_len", shard.last_page_len)
         if len(indptr) != len(global_lens) + 1 or len(last) != len(global_lens):
@@ -65,14 +66,19 @@ class _ShardDecode:
                             f"indptr of {len(indptr)} and last_page_len of {len(last)} values")
         local_lens = shard_local_lens(indptr, last, page_size)
         shard.layout.check(local_lens, global_lens, page_size)
-        local = shard_mask(shard.layout, local_lens, global_lens, qo_indptr, page_size, mask, window_left)
+        return local_lens, shard_mask(shard.layout, local_lens, global_lens, qo_indptr, page_size, mask, window_left)
+
+    def plan(self, shard: Shard, local, qo_indptr: np.ndarray, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+             page_size: int, options: dict, device):
+        import torch
+
+        self.mask = None
         params = (None if local.mask == "none" else
                   key_range_params(local.qo_indptr, local.begin, local.end, device=device))
         self.decoder.plan(shard.indptr, shard.indices, shard.last_page_len, num_qo_heads, num_kv_heads, head_dim,
                           page_size, qo_indptr=torch.from_numpy(qo_indptr.astype(np.int32)), mask=local.mask,
                           mask_params=params, **options)
         self.mask = local
-        return local_lens
 
     def run(self, q, kv_cache, out, lse, k_scale, v_scale):
         self.decoder.run(q, kv_cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
@@ -149,8 +155,10 @@ class ContextParallelDecode:
         if self.output == "heads" and num_qo_heads % self.world:
             validation.fail("num_qo_heads", f"a multiple of the group's {self.world} ranks with output='heads'",
                             num_qo_heads)
-        local_lens = self._shard.plan(shard, global_lens, qo, num_qo_heads, num_kv_heads, head_dim, page_size, mask,
-                                      window_left, decode_options, self.device)
+        local_lens, local = self._shard.prepare(shard, global_lens, qo, page_size, mask, window_left)
+        self._planned = None  # a decoder refusing its plan leaves no plan to run
+        self._shard.plan(shard, local, qo, num_qo_heads, num_kv_heads, head_dim, page_size, decode_options,
+                         self.device)
         self._planned = _Planned(int(qo[-1]), num_qo_heads, head_dim, global_lens, local_lens)
         return self
 
@@ -218,11 +226,14 @@ class SequentialContextParallelDecode:
         if len(shards) != self.world:
             validation.fail("shards", f"{self.world} shards (one per rank)", len(shards))
         global_lens, qo = _batch_args(global_kv_lens, qo_indptr, q_len, mask, window_left)
-        local = [s.plan(shard, global_lens, qo, num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left,
-                        decode_options, self.device) for s, shard in zip(self._shards, shards)]
-        if not np.array_equal(np.sum(local, axis=0), global_lens):
-            validation.fail("shards", "local key counts that add up to global_kv_lens", np.sum(local, axis=0)[:8].tolist())
-        self._planned = _Planned(int(qo[-1]), num_qo_heads, head_dim, global_lens, local)
+        prepared = [_ShardDecode.prepare(shard, global_lens, qo, page_size, mask, window_left) for shard in shards]
+        counts = np.sum([local_lens for local_lens, _ in prepared], axis=0)
+        if not np.array_equal(counts, global_lens):
+            validation.fail("shards", "local key counts that add up to global_kv_lens", counts[:8].tolist())
+        self._planned = None  # a decoder refusing its plan leaves no plan to run
+        for decode, shard, (_, local) in zip(self._shards, shards, prepared):
+            decode.plan(shard, local, qo, num_qo_heads, num_kv_heads, head_dim, page_size, decode_options, self.device)
+        self._planned = _Planned(int(qo[-1]), num_qo_heads, head_dim, global_lens, [n for n, _ in prepared])
         return self
 
     def run(self, q, kv_caches, *, k_scale=None, v_scale=None, return_lse: bool = False):
