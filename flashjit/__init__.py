@@ -5,6 +5,8 @@ from ._version import __version__  # noqa: F401 (flashjit.__version__)
 from .serving.batch_decode import BatchDecode, decode, default_engine
 from .jit.engine import Engine, PrewarmResult
 from .serving.quantize import dequantize_kv, quantize_kv
+from .serving.merge_states import merge_state, merge_states
+from .jit.merge_spec import MergeSpec
 from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError
 from .masks.registry import register_mask
 from .masks.sink_window import sink_window_params
@@ -12,7 +14,7 @@ from .jit.spec import DecodeSpec
 from .masks.tree import pack_tree_mask
 
 
-def get_kernel(spec: DecodeSpec):
+def get_kernel(spec: "DecodeSpec | MergeSpec"):
     """engine.get_kernel on the process-wide default engine."""
     return default_engine().get_kernel(spec)
 
@@ -21,4 +23,5 @@ __all__ = [
     "BatchDecode", "CacheError", "CompileError", "DecodeSpec", "Engine", "FlashJITError", "KernelNotPrewarmed",
     "PrewarmResult", "SpecError", "TemplateError", "decode", "default_engine", "get_kernel", "pack_tree_mask",
     "quantize_kv", "dequantize_kv", "register_mask", "sink_window_params",
+    "MergeSpec", "merge_state", "merge_states",
 ]

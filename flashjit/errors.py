@@ -8,11 +8,11 @@ class FlashJITError(Exception):
 
 
 class SpecError(FlashJITError, ValueError):
-    """A DecodeSpec field holds a value flashjit cannot generate code for."""
+    """A spec field (DecodeSpec's unless owner names another) holds a value flashjit cannot generate code for."""
 
-    def __init__(self, field: str, value, accepted: str):
+    def __init__(self, field: str, value, accepted: str, owner: str = "DecodeSpec"):
         self.field, self.value, self.accepted = field, value, accepted
-        super().__init__(f"DecodeSpec.{field}={value!r} is not supported; accepted: {accepted}")
+        super().__init__(f"{owner}.{field}={value!r} is not supported; accepted: {accepted}")
 
 
 class TemplateError(FlashJITError):

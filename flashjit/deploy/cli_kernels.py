@@ -18,18 +18,25 @@ ORIGIN = {"memory": "hit (memory)", "disk": "hit (disk)", "compiled": "compiled"
 def collect_specs(manifest, spec_names, arch_text) -> list:
     """The specs of a manifest and of --spec names (retargeted to every --arch when given), once each."""
     from .manifest import parse_arch_list, resolve_archs, specs_from_manifest
-    from ..jit.spec import DecodeSpec
 
     specs = []
     if manifest:
         specs += specs_from_manifest(manifest, arch_text)
     for name in spec_names or ():
-        spec = DecodeSpec.from_name(name)
+        spec = spec_from_name(name)
         if arch_text:  # --arch retargets named specs too (one name, a fleet of archs)
             specs += [spec.replace(arch=arch) for arch in resolve_archs(parse_arch_list(arch_text))]
         else:
             specs.append(spec)
     return list(dict.fromkeys(specs))
+
+
+def spec_from_name(name: str):
+    """The DecodeSpec or MergeSpec (names starting merge_states_) a kernel name spells."""
+    from ..jit.merge_spec import MergeSpec
+    from ..jit.spec import DecodeSpec
+
+    return (MergeSpec if name.strip().startswith("merge_states_") else DecodeSpec).from_name(name)
 
 
 def hf_specs(args) -> list:
@@ -124,10 +131,11 @@ def host_planner_status(engine) -> str:
 # ---- show -------------------------------------------------------------------------------------
 
 def cmd_show(args) -> int:
-    from ..jit.render import render
-    from ..jit.spec import DecodeSpec
+    from ..jit.merge_spec import MergeSpec
+    from ..jit.render import render, render_merge_states
 
-    sys.stdout.write(render(DecodeSpec.from_name(args.spec_name)))
+    spec = spec_from_name(args.spec_name)
+    sys.stdout.write(render_merge_states(spec) if isinstance(spec, MergeSpec) else render(spec))
     return 0
 
 

@@ -1,8 +1,9 @@
 """The one source of the Python<->CUDA ABI: the kernels' argument structs and the work-item record.
 
-The host fills DecodeArgs, MergeArgs and PlanArgs and hands their addresses to cuLaunchKernel as
-the kernels' `decode::Args`, `merge::Args` and `plan::Args` parameters (templates/include/
-decode_common.cuh, merge.cuh and device_plan.cuh); the planners (host and GPU) write ITEM_INTS
+The host fills DecodeArgs, MergeArgs and PlanArgs (MergeStatesArgs: the merge_states kernel's)
+and hands their addresses to cuLaunchKernel as the kernels' `decode::Args`, `merge::Args` and
+`plan::Args` parameters (templates/include/decode_common.cuh, merge.cuh and device_plan.cuh;
+merge_states.cuh); the planners (host and GPU) write ITEM_INTS
 int32 per work item, which decode::WorkItem reads, and price the same SPLIT_CANDIDATES. The CUDA
 side is written by hand, and these checks tie it to the definitions here:
 
@@ -83,6 +84,21 @@ class PlanArgs(ctypes.Structure):
             "granularity", "min_chunk", "chunk_tokens", "fixed_split", "item_overhead", "merge_cost")]
 
 
+class MergeStatesArgs(ctypes.Structure):
+    """merge_states::Args, flashjit_merge_states's parameter (templates/include/merge_states.cuh)."""
+
+    _c_name_ = "merge_states::Args"
+    _fields_ = [
+        ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p), ("out", ctypes.c_void_p), ("out_lse", ctypes.c_void_p),
+        ("o_state", ctypes.c_int64), ("o_token", ctypes.c_int64), ("o_head", ctypes.c_int64),
+        ("lse_state", ctypes.c_int64), ("lse_token", ctypes.c_int64), ("lse_head", ctypes.c_int64),
+        ("out_token", ctypes.c_int64), ("out_head", ctypes.c_int64),
+        ("out_lse_token", ctypes.c_int64), ("out_lse_head", ctypes.c_int64),
+        ("num_states", ctypes.c_int), ("num_tokens", ctypes.c_int), ("num_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+    ]
+
+
 # What a ctypes field type is on the CUDA side: fj_abi::kind<T>::value of the C type.
 _KINDS = {ctypes.c_void_p: ("p", "pointer"), ctypes.c_int: ("i", "integer"), ctypes.c_int64: ("i", "integer"),
           ctypes.c_float: ("f", "float")}
@@ -145,3 +161,9 @@ def source_checks(mask_params, merge: bool) -> str:
         checks.append(_field_assert("MaskParams", p.name, None, MASK_PARAM_CTYPES[p.kind],
                                     f"flashjit.masks.params.PARAM_KINDS['{p.kind}']"))
     return "\n".join(checks)
+
+
+def merge_states_checks() -> str:
+    """The ABI checks of the merge_states kernel source: merge_states::Args."""
+    return "\n".join(["// The host's argument layout (flashjit.jit.abi), checked field by field.", _PREAMBLE,
+                      *struct_asserts(MergeStatesArgs)])

@@ -1,5 +1,8 @@
 """Engine: the one place that composes spec -> render -> compile -> cache -> Kernel.
 
+Two kernel families share the lifecycle: a DecodeSpec gives a Kernel (rendered with its mask), a
+MergeSpec the MergeStatesKernel (no mask). _mask_of, _render and _make_kernel are where they differ.
+
 get_kernel looks in memory, then in the cache index (no render, no NVRTC), then renders the source
 and obtains its cubin through the artifact lifecycle (artifact.obtain: disk, else compile under a
 per-key file lock so concurrent processes compile once). Every compile logs one INFO line on the
@@ -27,7 +30,9 @@ from ..errors import KernelNotPrewarmed, SpecError
 from .keys import cache_key, index_key, portable_key
 from .kernel import Kernel
 from ..masks.registry import masks
-from .render import render, templates_digest
+from .merge_kernel import MergeStatesKernel
+from .merge_spec import MergeSpec
+from .render import render, render_merge_states, templates_digest
 from .spec import DecodeSpec
 from .tiling import decode_tiling
 
@@ -36,7 +41,7 @@ log = logging.getLogger("flashjit")
 
 @dataclasses.dataclass(frozen=True)
 class PrewarmResult:
-    spec: DecodeSpec
+    spec: DecodeSpec | MergeSpec
     source: str      # "memory", "disk" or "compiled"
     seconds: float
 
@@ -67,7 +72,8 @@ class Engine:
         self._key_locks: dict[DecodeSpec, threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def get_kernel(self, spec: DecodeSpec) -> Kernel:
+    def get_kernel(self, spec: DecodeSpec | MergeSpec) -> Kernel | MergeStatesKernel:
+        """The kernel of a DecodeSpec (a Kernel) or of a MergeSpec (the MergeStatesKernel)."""
         if self._mask_generation != masks.generation:
             self._forget_replaced_masks()
         kernel = self._kernels.get(spec)
@@ -80,6 +86,8 @@ class Engine:
         with self._lock:
             generation = masks.generation
             for spec, kernel in list(self._kernels.items()):
+                if kernel.mask is None:  # a kernel without a mask (merge_states) is never replaced
+                    continue
                 try:
                     current = masks.get(spec.mask)
                 except SpecError:  # no longer registered: drop it too
@@ -88,9 +96,9 @@ class Engine:
                     del self._kernels[spec]
             self._mask_generation = generation
 
-    def source(self, spec: DecodeSpec) -> str:
+    def source(self, spec: DecodeSpec | MergeSpec) -> str:
         """The rendered CUDA source of a spec (what `flashjit show` prints)."""
-        return render(spec)
+        return _render(spec, _mask_of(spec))
 
     def _resolve(self, spec: DecodeSpec) -> tuple[Kernel, str]:
         with self._lock:
@@ -99,21 +107,21 @@ class Engine:
             kernel = self._kernels.get(spec)
             if kernel is not None:
                 return kernel, "memory"
-            mask = masks.get(spec.mask)
+            mask = _mask_of(spec)
             spec_key = _spec_key(spec, mask)
             key, hit = self._indexed(spec, spec_key)
             if hit is not None:
                 cubin, origin = hit[0], "disk"
                 self.cache.touch(key)  # last use, for `flashjit cache prune`; memory hits never get here
             else:
-                wanted = _Cubin(self.cache, self.allow_compile, spec, render(spec, mask))
+                wanted = _Cubin(self.cache, self.allow_compile, spec, _render(spec, mask))
                 (key, cubin), built = obtain(wanted)
                 origin = "compiled" if built else "disk"
                 if key == wanted.key:  # another NVRTC's cubin is served but not indexed: a compiling host rebuilds it
                     self.cache.store_index(spec_key, key)
                     if not built:
                         self.cache.touch(key)
-            kernel = Kernel(spec, decode_tiling(spec), mask, cubin, key)
+            kernel = _make_kernel(spec, mask, cubin, key)
             self._kernels[spec] = kernel
             return kernel, origin
 
@@ -132,11 +140,11 @@ class Engine:
         Never compiles; renders (and loads NVRTC) only when the index does not know the spec.
         `flashjit cache export --manifest` uses it to pick a manifest's entries.
         """
-        mask = masks.get(spec.mask)
+        mask = _mask_of(spec)
         spec_key = _spec_key(spec, mask)
         key, hit = self._indexed(spec, spec_key)
         if hit is None:
-            key = _entry_key(spec, render(spec, mask))
+            key = _entry_key(spec, _render(spec, mask))
             if self.cache.load(key) is None:
                 return None
         return spec_key, key
@@ -161,7 +169,22 @@ class Engine:
             return list(pool.map(one, specs))
 
 
-def _spec_key(spec: DecodeSpec, mask) -> str:
+def _mask_of(spec):
+    """The MaskDef a spec renders with; None for a MergeSpec, which has none."""
+    return None if isinstance(spec, MergeSpec) else masks.get(spec.mask)
+
+
+def _render(spec, mask) -> str:
+    return render_merge_states(spec) if isinstance(spec, MergeSpec) else render(spec, mask)
+
+
+def _make_kernel(spec, mask, cubin: bytes, key: str):
+    if isinstance(spec, MergeSpec):
+        return MergeStatesKernel(spec, cubin, key)
+    return Kernel(spec, decode_tiling(spec), mask, cubin, key)
+
+
+def _spec_key(spec, mask) -> str:
     """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC."""
     return index_key(spec, mask, templates_digest(mask), __version__, compile_options(spec.arch),
                      compiler_fingerprint())
@@ -240,7 +263,9 @@ class _Cubin:
         return self.key, built[0].cubin
 
 
-def _registered_in_python(spec: DecodeSpec) -> str:
+def _registered_in_python(spec) -> str:
+    if isinstance(spec, MergeSpec):
+        return ""
     template = Path(masks.get(spec.mask).template)
     if template.is_absolute() and template.name != f"{spec.mask}.cuh.j2":
         return (f" (mask {spec.mask!r} is registered from Python with {template}: run the prewarm where it is "
@@ -255,6 +280,8 @@ def prewarm_command(spec: DecodeSpec, cache_dir) -> str:
     in the command's environment too; a built-in mask needs nothing.
     """
     command = f"flashjit prewarm --spec {shlex.quote(spec.name)} --cache-dir {shlex.quote(str(cache_dir))}"
+    if isinstance(spec, MergeSpec):
+        return command
     template = Path(masks.get(spec.mask).template)
     if template.is_absolute() and template.name == f"{spec.mask}.cuh.j2":  # what a template-folder scan finds
         command = f"FLASHJIT_TEMPLATE_PATH={shlex.quote(str(template.parent))} {command}"

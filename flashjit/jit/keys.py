@@ -23,9 +23,11 @@ cache_key(source, arch, options, nvrtc_version, flashjit_version): a cache entry
 
 index_key(spec, mask, templates_digest, flashjit_version, options, compiler_fingerprint):
 the spec -> entry key shortcut, which finds an entry without rendering or loading NVRTC.
-  * spec (its repr): every field shapes the source.
+  * spec (its repr): every field shapes the source; the class name in the repr keeps a DecodeSpec
+    and a MergeSpec apart.
   * mask.name, mask.template, mask.params: which template renders the hooks and with which
-    runtime parameters; a mask registered anew under the same name differs here.
+    runtime parameters; a mask registered anew under the same name differs here. A spec without
+    a mask (MergeSpec, mask None) has no such ingredients.
   * templates_digest: the contents of every template file the source is rendered from, standing in
     for the source itself, so an edited template misses.
   * flashjit_version and options: as for the portable key.
@@ -66,8 +68,8 @@ def cache_key(source: str, arch: str, options, nvrtc_version, flashjit_version: 
 
 
 def index_key(spec, mask, templates_digest: str, flashjit_version: str, options, compiler_fingerprint: str) -> str:
-    text = repr((spec, mask.name, mask.template, mask.params, templates_digest, flashjit_version,
-                 tuple(options), compiler_fingerprint))
+    mask_parts = () if mask is None else (mask.name, mask.template, mask.params)
+    text = repr((spec, *mask_parts, templates_digest, flashjit_version, tuple(options), compiler_fingerprint))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -25,10 +25,13 @@ from .._version import __version__
 from ..errors import TemplateError
 from ..masks.registry import MaskDef, masks
 from . import abi
+from .merge_spec import MAX_LANES, MergeSpec
 from .spec import DecodeSpec
 from .tiling import DecodeTiling, decode_tiling
 
 ENTRY_TEMPLATE = "decode/paged.cu.j2"
+MERGE_STATES_TEMPLATE = "merge/merge_states.cu.j2"
+MERGE_STATE_TYPES = {"float16": "fj::half_t", "bfloat16": "fj::bfloat16_t", "float32": "float"}
 STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float8_e4m3fn": "e4m3_t", "float8_e5m2": "e5m2_t"}
 
 
@@ -96,8 +99,9 @@ def _file_digest(path: Path) -> str:
     return _file_digests[memo]
 
 
-def templates_digest(mask: MaskDef) -> str:
-    """Digest of every template file a spec can render from (package templates + a user mask file).
+def templates_digest(mask: MaskDef | None) -> str:
+    """Digest of every template file a spec can render from (package templates + a user mask file;
+    mask None: a spec without a mask, such as MergeSpec).
 
     Lets the cache find a compiled kernel without rendering; any template edit changes it.
     """
@@ -106,7 +110,7 @@ def templates_digest(mask: MaskDef) -> str:
     for path in sorted(root.rglob("*")):
         if path.is_file() and path.suffix in (".j2", ".cuh", ".cu"):
             h.update(str(path.relative_to(root)).encode() + b"\0" + _file_digest(path).encode())
-    if os.path.isabs(mask.template):
+    if mask is not None and os.path.isabs(mask.template):
         h.update(b"mask\0" + _file_digest(Path(mask.template)).encode())
     return h.hexdigest()
 
@@ -131,3 +135,14 @@ def render(spec: DecodeSpec, mask: MaskDef | None = None, tiling: DecodeTiling |
                             f"uses {mask.template!r})") from exc
     except jinja2.TemplateError as exc:
         raise TemplateError(f"{_template_location(exc)}: {exc.message or exc} (rendering {spec.name})") from exc
+
+
+def render_merge_states(spec: MergeSpec) -> str:
+    """The CUDA source of the merge_states kernel of one state dtype, with its ABI checks."""
+    context = dict(spec=spec, state_type=MERGE_STATE_TYPES[spec.dtype], max_threads=max(128, MAX_LANES),
+                   version=__version__, abi_checks=abi.merge_states_checks())
+    try:
+        return environment().get_template(MERGE_STATES_TEMPLATE).render(**context)
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"{_template_location(exc)}: {getattr(exc, 'message', None) or exc} "
+                            f"(rendering {spec.name})") from exc

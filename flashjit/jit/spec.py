@@ -29,8 +29,9 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float8_e4m3fn": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn",
     "float8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2", "fp8_e5m2": "float8_e5m2",
+    "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",  # merge_states states only
 }
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32"}
 _NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)"
                            r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?")
 
