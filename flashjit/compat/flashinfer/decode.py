@@ -77,6 +77,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._paged_kv_indptr_buf = paged_kv_indptr_buffer
         self._paged_kv_indices_buf = paged_kv_indices_buffer
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
+        self._scales_in_use = None
         self._planned = None  # the last plan's (q dtype, cache dtype, plan options): what run() and forward() check
 
     @property
@@ -173,6 +174,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
                             window_left)
         kv_cache = arguments.cache_for_run(paged_kv_cache, self._kv_layout)
         k_scale, v_scale = arguments.run_scales(q_scale, k_scale, v_scale)
+        # A k_scale tensor times q_scale is a new tensor the kernel reads when it runs: kept alive until the next run().
+        self._scales_in_use = (k_scale, v_scale)
         if not return_lse and lse is None:
             return self._decoder.run(q, kv_cache, out=out, k_scale=k_scale, v_scale=v_scale)
         out, lse = self._decoder.run(q, kv_cache, out=out, lse=lse, return_lse=True, k_scale=k_scale,
