@@ -119,6 +119,10 @@ class CountingReference(ReferenceDecode):
         return super().plan(indptr, indices, last_page_len, *args, qo_indptr=qo_indptr, **options)
 
 
+class HandMadeCache(SimpleNamespace):
+    """The PagedAttentionCache attributes the adapter reads (a subclass, so it takes weak references)."""
+
+
 def hand_made_step(kv_lens, q_lens, *, layers=2, heads=(4, 2), head_dim=64, bs=16, seed=0):
     """A full-attention cache with random past keys and the kwargs transformers would pass."""
     g = torch.Generator().manual_seed(seed)
@@ -130,7 +134,7 @@ def hand_made_step(kv_lens, q_lens, *, layers=2, heads=(4, 2), head_dim=64, bs=1
         tables_of.append(order[at:at + n])
         at += n
     shape = (num_blocks * bs, heads[1], head_dim)
-    cache = SimpleNamespace(layer_index_to_group_indices={i: (0, i) for i in range(layers)},
+    cache = HandMadeCache(layer_index_to_group_indices={i: (0, i) for i in range(layers)},
                             sliding_windows={i: 1 for i in range(layers)}, block_size=bs, sentinel_index=-1,
                             key_cache=[torch.randn(shape, generator=g) for _ in range(layers)],
                             value_cache=[torch.randn(shape, generator=g) for _ in range(layers)])
@@ -182,6 +186,19 @@ def test_the_next_step_plans_again_even_in_a_layer_past_the_first():
     assert attention.plans == 2
     attention(SimpleNamespace(layer_idx=0), *qkv[0], None, scaling=0.125, **fresh)
     assert attention.plans == 3  # the group's first layer always plans
+
+
+def test_the_attention_function_does_not_keep_a_finished_managers_cache_alive():
+    import gc
+    import weakref
+
+    cache, kwargs, qkv, _ = hand_made_step([5, 9], [1, 1], layers=1)
+    attention = PagedAttention(ReferenceDecode)
+    attention(SimpleNamespace(layer_idx=0), *qkv[0], None, **kwargs)
+    alive = weakref.ref(cache)
+    del cache, kwargs["cache"]
+    gc.collect()
+    assert alive() is None
 
 
 def test_a_step_mixing_decodes_and_a_long_chunk_matches_dense_attention():

@@ -85,6 +85,10 @@ def test_forked_requests_give_paged_sdpa_tokens():
     assert_same_tokens(got, expected)
 
 
+class HandMadeCache(SimpleNamespace):
+    """The PagedAttentionCache attributes the adapter reads (a subclass, so it takes weak references)."""
+
+
 def one_step(kv_lens, q_lens, bs=16, heads=(32, 8), head_dim=128, dtype=torch.bfloat16):
     """A full-attention cache of random keys, shuffled blocks, and the kwargs transformers passes."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -100,7 +104,7 @@ def one_step(kv_lens, q_lens, bs=16, heads=(32, 8), head_dim=128, dtype=torch.bf
         cu_k.append(cu_k[-1] + kv)
         cu_q.append(cu_q[-1] + q)
     shape = (num_blocks * bs, heads[1], head_dim)
-    cache = SimpleNamespace(layer_index_to_group_indices={0: (0, 0)}, sliding_windows={0: 1}, block_size=bs,
+    cache = HandMadeCache(layer_index_to_group_indices={0: (0, 0)}, sliding_windows={0: 1}, block_size=bs,
                             sentinel_index=-1,
                             key_cache=[torch.randn(shape, device="cuda", generator=g).to(dtype)],
                             value_cache=[torch.randn(shape, device="cuda", generator=g).to(dtype)])

@@ -18,6 +18,7 @@ over their gathered keys (gathered.py); a step may mix both.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,7 +69,9 @@ class PagedAttention:
         self.check_page_ids = check_page_ids
         self._backends: dict = {}  # (id(cache), layer group) -> backend: one plan per group per step
         self._steps: dict = {}  # (id(cache), layer group) -> GroupStep
-        self._cache_of = None  # the PagedAttentionCache those belong to
+        # The PagedAttentionCache those belong to, held weakly: a finished manager's cache (most of
+        # the GPU's memory) is freed with the manager, not kept by the registered function.
+        self._cache_of = lambda: None
         self.plans = 0  # steps planned (all groups), for tests and logs
 
     # transformers' signature; torch.compile leaves it alone (it reads lengths on the host)
@@ -140,10 +143,10 @@ class PagedAttention:
     def _step(self, cache, group: int, first_in_group: bool, sources: tuple, form: tuple, ring: int | None,
               device) -> GroupStep:
         """The group's plan for this step: made by its first layer, or by any layer that sees other tensors."""
-        if self._cache_of is not cache:  # a new manager: its groups and pages are new
+        if self._cache_of() is not cache:  # a new manager: its groups and pages are new
             self._backends.clear()
             self._steps.clear()
-            self._cache_of = cache
+            self._cache_of = weakref.ref(cache)
         key = (id(cache), group)
         known = self._steps.get(key)
         if (not first_in_group and known is not None and known.form == form
