@@ -12,7 +12,7 @@ every request is decoding. Before a row is timed, each implementation runs a sho
 sized for the row (num_blocks, max_batch_tokens given), so no implementation is limited by
 transformers' memory estimate; rows whose cache would not fit are skipped with a note.
 
-Implementations: flashjit ("paged|flashjit", eager: transformers 5.17 cannot capture it, see
+Implementations: flashjit ("paged|fjit", eager: transformers 5.17 cannot capture it, see
 docs/integrations.md), sdpa ("paged|sdpa", eager: transformers' default for it), sdpa_graph
 ("paged|sdpa" with use_cuda_graph=True, which transformers allows when asked; its warm-up captures
 the largest shapes and costs a minute), flash ("paged|flash_attention_2", when flash-attn imports;
@@ -59,7 +59,7 @@ def implementations(names, torch):
     table, notes = {}, []
     for name in names:
         if name == "flashjit":
-            table[name] = (register("flashjit"), False)
+            table[name] = (register(), False)
         elif name == "sdpa":
             table[name] = ("paged|sdpa", False)
         elif name == "sdpa_graph":

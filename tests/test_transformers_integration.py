@@ -233,11 +233,17 @@ def test_head_dims_and_groups_the_kernels_lack_are_refused():
         PagedAttention(ReferenceDecode)(SimpleNamespace(layer_idx=0), *qkv[0], None, **kwargs)
 
 
+def test_the_default_name_is_one_transformers_serves_as_registered():
+    name = register()
+    assert name == "paged|fjit" and "flash" not in name
+    assert isinstance(transformers.AttentionInterface._global_mapping[name], PagedAttention)
+
+
 def test_a_call_without_a_paged_cache_and_bad_names_are_refused():
     q = torch.zeros(1, 4, 1, 64)
     with pytest.raises(ValueError, match="without `cache`"):
         PagedAttention(ReferenceDecode)(SimpleNamespace(layer_idx=0), q, q[:, :2], q[:, :2], None)
-    for name in ("flashjit_attention", "my_flash", "", "a|b", 3):
+    for name in ("flashjit", "my_Flash", "", "a|b", "org/kernel", 3):
         with pytest.raises(ValueError, match="name"):
             register(name)
     with pytest.raises(ValueError, match="max_decode_q_len"):

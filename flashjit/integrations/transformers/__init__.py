@@ -2,7 +2,7 @@
 `flashjit[transformers]`).
 
     from flashjit.integrations.transformers import register
-    model.set_attn_implementation(register())        # "paged|flashjit"
+    model.set_attn_implementation(register())        # "paged|fjit"
     outputs = model.generate_batch(prompts, generation_config=config)
 
 Decode steps and short multi-token steps (up to 16 query tokens per request) run on a BatchDecode,

@@ -29,15 +29,15 @@ def check_transformers_api():
     return transformers
 
 
-def register(name: str = "flashjit", **options) -> str:
+def register(name: str = "fjit", **options) -> str:
     """Registers a PagedAttention(**options) as "paged|NAME" and returns that name, for
     model.set_attn_implementation() or from_pretrained(attn_implementation=...).
 
     The name must not contain "flash": transformers reads such names as FlashAttention variants
-    (and looks for their kernels on the hub)."""
-    if not isinstance(name, str) or not name or "|" in name or "flash" in name.lower():
-        raise ValueError(f"name: expected a non-empty attention name without '|' or 'flash' (transformers treats "
-                         f"names containing 'flash' as FlashAttention), got {name!r}")
+    (and looks for their kernels on the hub); "org/name" reads as a hub kernel."""
+    if not isinstance(name, str) or not name or any(c in name for c in "|/:") or "flash" in name.lower():
+        raise ValueError(f"name: expected a non-empty attention name without '|', '/', ':' or 'flash' (transformers "
+                         f"reads names containing 'flash' as FlashAttention and 'org/name' as a hub kernel), got {name!r}")
     transformers = check_transformers_api()
     full_name = f"paged|{name}"
     transformers.AttentionInterface.register(full_name, PagedAttention(**options))
