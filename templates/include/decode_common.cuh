@@ -79,9 +79,10 @@ struct WorkItem {
     page_begin = geometry.x; q_begin = geometry.y; q_len = geometry.z; splits = geometry.w;
     direct = splits == 1;
     split = 0;
-    if constexpr (cfg::STATIC_SHARE < 100) {
+    if constexpr (cfg::STATIC_SHARE < 100 || VARIANT_SINK) {  // a sink joins the state of split 0 only
       const int4 shared = __ldg(a.work_items + RECORD_INT4S * w + 2);
-      split = shared.x; v_begin = shared.y; v_end = shared.z;
+      split = shared.x;
+      if constexpr (cfg::STATIC_SHARE < 100) { v_begin = shared.y; v_end = shared.z; }
     }
     tile_begin = v_begin - v_begin % cfg::PAGE_SIZE;
   }
@@ -89,6 +90,29 @@ struct WorkItem {
   FJ_INLINE bool in_span(int vpos) const { return vpos >= v_begin && vpos < v_end; }
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
+
+// A visible score in the kernels' base-2 units (q . k * sm_scale * log2 e) through the variant's
+// logits hook, which takes and returns natural units.
+FJ_INLINE float variant_logits2(const VariantParams& vparams, float score2, int q_pos, int kv_pos, int qo_head) {
+  return variant_logits(vparams, score2 * FJ_LN2, q_pos, kv_pos, qo_head) * FJ_LOG2E;
+}
+
+// The variant's sink logit joins one row's softmax: lse2 (base 2, -inf for a row without visible
+// keys) becomes log2(2^lse2 + 2^sink2) and the output's factor inv shrinks by 2^(lse2 - that).
+// Each row's sink enters once, in the state of its request's first work item (split 0): the other
+// partials and the merges are unchanged, and the merge of sink-and-partial-0 with the rest is the
+// softmax over every key and the sink. A row without keys gets o = 0 and lse = sink.
+FJ_INLINE void fold_sink(const VariantParams& vparams, const WorkItem& item, int qo_head, float& lse2, float& inv) {
+  if constexpr (VARIANT_SINK) {
+    if (item.split != 0) return;
+    const float sink2 = variant_sink(vparams, qo_head) * FJ_LOG2E;
+    const float top = fmaxf(lse2, sink2);
+    if (top == FJ_NEG_INF) return;
+    const float total = top + log2_approx(exp2_approx(lse2 - top) + exp2_approx(sink2 - top));
+    inv *= exp2_approx(lse2 - total);
+    lse2 = total;
+  }
+}
 
 // Index of the (request, KV head, row tile) group in merge_counters and tile_counters.
 FJ_INLINE i64 group_index(int num_qo_heads, int request, int kv_head, int row_tile, int row_tiles) {

@@ -41,7 +41,7 @@ static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit queries and K/V");
 static_assert(WARPS % COL_SPLIT == 0 && (COL_SPLIT == 1 || NTILES % 8 == 0), "whole 128-byte column blocks per warp");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the slices' reduction fits in the ring");
 
-FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
+FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
@@ -127,12 +127,15 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1, vpos = key0 + 8 * j + pair + (e & 1);
           bool visible = row_valid[h] && item.in_span(vpos);
+          int pos = 0;
           if (visible) {
-            const int pos = mask_kv_position(params, item.request, vpos);
+            pos = mask_kv_position(params, item.request, vpos);
             visible = pos >= 0 && pos < item.kv_len &&
                       mask_visible(params, item.request, row_tok[h], item.q_len, row_pos[h], pos, item.kv_len);
           }
-          s[j][e] = visible ? s[j][e] * scales.score : FJ_NEG_INF;
+          float score = s[j][e] * scales.score;
+          if constexpr (VARIANT_LOGITS) score = variant_logits2(vparams, score, row_pos[h], pos, row_head[h]);
+          s[j][e] = visible ? score : FJ_NEG_INF;
           tile_max[h] = fmaxf(tile_max[h], s[j][e]);
         }
       }
@@ -193,7 +196,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   }
   __syncthreads();
 
-  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, vparams);
 }
 
 }  // namespace decode

@@ -120,7 +120,7 @@ FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* val
   }
 }
 
-FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
+FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
@@ -137,12 +137,13 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
 
   // The query rows of this lane's S^T and O^T columns: 2t + c.
   constexpr int COLS = 2;
-  int col_tok[COLS], col_pos[COLS];
+  int col_tok[COLS], col_pos[COLS], col_head[COLS];
   bool col_valid[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
     const int row = cta.row_tile * M + 2 * t + c;
     col_tok[c] = row / cfg::GROUP_SIZE;
+    col_head[c] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     col_valid[c] = row < ROWS_TOTAL && col_tok[c] < item.q_len;
     col_pos[c] = item.kv_len - item.q_len + col_tok[c];
   }
@@ -187,12 +188,15 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
     for (int e = 0; e < 4; ++e) {
       const int c = e & 1, vpos = key0 + g + 8 * (e >> 1);
       bool visible = col_valid[c] && item.in_span(vpos);
+      int pos = 0;
       if (visible) {
-        const int pos = mask_kv_position(params, item.request, vpos);
+        pos = mask_kv_position(params, item.request, vpos);
         visible = pos >= 0 && pos < item.kv_len &&
                   mask_visible(params, item.request, col_tok[c], item.q_len, col_pos[c], pos, item.kv_len);
       }
-      s[e] = visible ? s[e] * scales.score : FJ_NEG_INF;
+      float score = s[e] * scales.score;
+      if constexpr (VARIANT_LOGITS) score = variant_logits2(vparams, score, col_pos[c], pos, col_head[c]);
+      s[e] = visible ? score : FJ_NEG_INF;
       tile_max[c] = fmaxf(tile_max[c], s[e]);
     }
     float m_ref[COLS], rescale[COLS];
@@ -240,7 +244,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   }
   __syncthreads();
 
-  finish_rows<M, WARPS>(a, item, scales, cta, red_o, red_m, red_d);
+  finish_rows<M, WARPS>(a, item, scales, cta, red_o, red_m, red_d, vparams);
 }
 
 }  // namespace decode
