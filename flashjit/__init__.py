@@ -10,6 +10,7 @@ from .masks.registry import register_mask
 from .masks.sink_window import sink_window_params
 from .jit.spec import DecodeSpec
 from .masks.tree import pack_tree_mask
+from .masks.variants import register_variant
 
 
 def get_kernel(spec: DecodeSpec):
@@ -21,4 +22,5 @@ __all__ = [
     "BatchDecode", "CacheError", "CompileError", "DecodeSpec", "Engine", "FlashJITError", "KernelNotPrewarmed",
     "PrewarmResult", "SpecError", "TemplateError", "decode", "default_engine", "get_kernel", "pack_tree_mask",
     "quantize_kv", "dequantize_kv", "register_mask", "sink_window_params",
+    "register_variant",
 ]

@@ -162,8 +162,10 @@ class Engine:
             return list(pool.map(one, specs))
 
 
-def _spec_key(spec: DecodeSpec, mask, variant) -> str:
-    """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC."""
+def _spec_key(spec: DecodeSpec, mask, variant=None) -> str:
+    """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC.
+    variant: the spec's VariantDef (default: the one registered under spec.variant)."""
+    variant = variants.get(spec.variant) if variant is None else variant
     return index_key(spec, mask, templates_digest(mask, variant), __version__, compile_options(spec.arch),
                      compiler_fingerprint(), variant)
 

@@ -133,9 +133,10 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
             visible = pos >= 0 && pos < item.kv_len &&
                       mask_visible(params, item.request, row_tok[h], item.q_len, row_pos[h], pos, item.kv_len);
           }
-          float score = s[j][e] * scales.score;
-          if constexpr (VARIANT_LOGITS) score = variant_logits2(vparams, score, row_pos[h], pos, row_head[h]);
-          s[j][e] = visible ? score : FJ_NEG_INF;
+          if constexpr (VARIANT_LOGITS)
+            s[j][e] = visible ? variant_logits2(vparams, s[j][e] * scales.score, row_pos[h], pos, row_head[h]) : FJ_NEG_INF;
+          else
+            s[j][e] = visible ? s[j][e] * scales.score : FJ_NEG_INF;
           tile_max[h] = fmaxf(tile_max[h], s[j][e]);
         }
       }

@@ -194,9 +194,10 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
         visible = pos >= 0 && pos < item.kv_len &&
                   mask_visible(params, item.request, col_tok[c], item.q_len, col_pos[c], pos, item.kv_len);
       }
-      float score = s[e] * scales.score;
-      if constexpr (VARIANT_LOGITS) score = variant_logits2(vparams, score, col_pos[c], pos, col_head[c]);
-      s[e] = visible ? score : FJ_NEG_INF;
+      if constexpr (VARIANT_LOGITS)
+        s[e] = visible ? variant_logits2(vparams, s[e] * scales.score, col_pos[c], pos, col_head[c]) : FJ_NEG_INF;
+      else
+        s[e] = visible ? s[e] * scales.score : FJ_NEG_INF;
       tile_max[c] = fmaxf(tile_max[c], s[e]);
     }
     float m_ref[COLS], rescale[COLS];
