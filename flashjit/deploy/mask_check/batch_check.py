@@ -44,8 +44,8 @@ def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *,
     decoder = BatchDecode(engine, device=q.device)
     decoder.plan(batch.indptr, batch.indices, batch.last_page_len, q.shape[1], num_kv_heads, q.shape[2],
                  batch.page_size, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, q_dtype=q.dtype,
-                 kv_layout=batch.kv_layout, tensor_cores=tensor_cores, variant=variant, variant_params=variant_params,
-                 **split_options(split, batch.kv_lens))
+                 kv_layout=batch.kv_layout, tensor_cores=tensor_cores, **split_options(split, batch.kv_lens),
+                 **({} if variant == "none" else {"variant": variant, "variant_params": variant_params}))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
     decoder.run(q, (batch.k_cache, batch.v_cache), out=out, lse=lse)
