@@ -208,3 +208,37 @@ def test_a_row_without_keys_has_the_sink_as_lse():
                                 torch.tensor([0, 2]), variant="sinks", variant_params={"sinks": sinks})
     assert torch.equal(lse[0], sinks) and torch.equal(out[0], torch.zeros(2, 8))  # request 0: no keys
     assert (lse[1] > sinks).all()  # logaddexp of the keys and the sink
+
+
+def test_benchmark_rows_of_the_variants():
+    """The gpt-oss rows come in pairs (with and without sinks) at b16-b64, window 128 and full; the
+    soft-cap and head_dim 512 rows exist; a sinks row plans with one sink per query head."""
+    from benchmarks.cases import CASES
+    from benchmarks.peers import fa3_skip, flashinfer_skip, plan_arguments, sdpa_skip
+
+    names = {c.name: c for c in CASES}
+    for b in (16, 32, 64):
+        for shape in (f"gpt-oss b{b} L8192 window 128", f"gpt-oss b{b} L8192"):
+            plain, sinks = names[shape], names[shape + " sinks"]
+            assert (plain.heads_qo, plain.heads_kv, plain.head_dim) == (64, 8, 64) and sinks.variant == "sinks"
+            assert dataclasses_replace_equal(plain, sinks)
+    assert names["gpt-oss b16 L8192 window 128"].window == 127
+    assert names["gemma-2 b16 L8192 d256 16/8 soft_cap"].variant == "soft_cap" and "b16 L8192 d512" in names
+
+    class Batch:  # what plan_arguments reads
+        indptr = indices = last_page_len = None
+        q = torch.zeros(1)
+
+    _, options = plan_arguments(Batch(), names["gpt-oss b32 L8192 sinks"])
+    assert options["variant"] == "sinks" and options["variant_params"]["sinks"].shape == (64,)
+    assert "variant" not in plan_arguments(Batch(), names["gpt-oss b32 L8192"])[1]
+    sinks_row = names["gpt-oss b16 L8192 sinks"]
+    assert sdpa_skip(sinks_row, [8192]) and flashinfer_skip(sinks_row) and fa3_skip(sinks_row)
+    assert fa3_skip(names["b16 L8192 d512"]) and not fa3_skip(names["b16 L8192 d128 soft_cap"])
+
+
+def dataclasses_replace_equal(plain, with_variant) -> bool:
+    """The two rows differ in their name and variant only."""
+    import dataclasses
+
+    return dataclasses.replace(with_variant, name=plain.name, variant=None) == plain
