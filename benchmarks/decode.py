@@ -90,6 +90,7 @@ class Bench:
     capture: Callable              # (step) -> (graph, the output each replay writes)
     release: Callable = lambda: None  # frees a row's cached memory
     device: str = "cuda"
+    planner_us: Callable | None = None  # () -> µs of the GPU planner at 256 requests; None: not timed
 
 
 def gpu_bench(args) -> tuple[Bench, dict]:
@@ -103,8 +104,12 @@ def gpu_bench(args) -> tuple[Bench, dict]:
     ceiling = copy_ceiling_gbs(torch)
     floor = ReadFloor(torch)
     read_ceiling = READ_CEILING_BYTES / floor.us(Timer(torch, 10), READ_CEILING_BYTES, flush=False) / 1e3
-    bench = Bench(torch, flashjit.Engine(cache_dir=args.cache_dir), timer, lambda nbytes: floor.us(timer, nbytes),
-                  ceiling, torch.cuda.synchronize, lambda step: capture(torch, step), torch.cuda.empty_cache)
+    from benchmarks.planner_cost import planner_us
+
+    engine = flashjit.Engine(cache_dir=args.cache_dir)
+    bench = Bench(torch, engine, timer, lambda nbytes: floor.us(timer, nbytes),
+                  ceiling, torch.cuda.synchronize, lambda step: capture(torch, step), torch.cuda.empty_cache,
+                  planner_us=lambda: planner_us(torch, engine, timer))
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_ceiling_gbs": ceiling,
               "read_ceiling_gbs": read_ceiling, "flush": args.flush, "graph": args.graph}
     return bench, header
@@ -147,6 +152,10 @@ def run_rows(bench: Bench, cases, args, result: dict) -> dict:
             replay = f"{fj['graph_host_us']:.1f} us" if "graph_host_us" in fj else "not measured"
             print(f"# host time, {case.name}: flashjit run() {fj['host_us']:.1f} us, graph replay {replay} "
                   f"(medians of {HOST_CALLS} calls, no sync between them)", flush=True)
+        if case is host_case and bench.planner_us is not None:
+            result["host"] = dict(result["host"] or {}, gpu_planner_us=(planned := bench.planner_us()))
+            print(f"# GPU planner (CUDA-graph mode, replan()): {planned:.2f} us of device time per step at 256 requests",
+                  flush=True)
         result["notes"] = sorted(notes)
         write_json(args.json, result)  # after every row: a run cut short keeps what it measured
         del batch, fp8, ref, factories

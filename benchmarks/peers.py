@@ -83,7 +83,8 @@ def flashjit_impl(torch, batch, case: Case, engine, fp8: Fp8Cache | None, tensor
 
 def flashjit_graph_step(torch, batch, case: Case, engine, fp8: Fp8Cache | None, tensor_cores=None) -> Step:
     """A graph-mode BatchDecode sized for the row (max_batch_size: its requests, max_num_pages: its
-    page ids), planned before the capture and again before the replays."""
+    page ids), planned before the capture and again before the replays; where it plans on the GPU,
+    the captured step starts with replan(), as a server's step whose page table is written in place."""
     import flashjit
 
     decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=case.batch,
@@ -92,8 +93,12 @@ def flashjit_graph_step(torch, batch, case: Case, engine, fp8: Fp8Cache | None, 
     decoder.plan(*args, **options)
     out = torch.empty_like(batch.q)
     cache, (k_scale, v_scale) = _cache_and_scales(batch, fp8)
-    return Step(lambda: decoder.run(batch.q, cache, out=out, k_scale=k_scale, v_scale=v_scale),
-                before_replay=lambda: decoder.plan(*args, **options), info=lambda: _work_info(decoder))
+    def step():  # a decoder planning on the GPU re-plans inside the graph, timed with the step
+        if decoder.graph_page_table is not None:
+            decoder.replan()
+        return decoder.run(batch.q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
+
+    return Step(step, before_replay=lambda: decoder.plan(*args, **options), info=lambda: _work_info(decoder))
 
 
 def flashjit_eager_and_graph(torch, batch, case, engine, fp8, tensor_cores=None) -> Impl:

@@ -532,7 +532,7 @@ def test_run_rows_times_prints_and_writes_every_row(stand_ins, monkeypatch, tmp_
     cases = [Case("tiny", 2, 40), Case("tiny e4m3", 2, 40, kv_dtype="float8_e4m3fn", base="tiny"),
              small(name="tiny mixed")]
     bench = decode.Bench(torch, None, FakeTimer(), lambda nbytes: 1.0, 4000.0, lambda: None, fake_capture,
-                         device="cpu")
+                         device="cpu", planner_us=lambda: 1.25)
     args = types.SimpleNamespace(host_row="^tiny$", cuda_cores=False, graph=True, json=str(tmp_path / "out.json"),
                                  plot=str(tmp_path / "out.png"))
     result = decode.run_rows(bench, cases, args, {"device": "cpu"})
@@ -546,6 +546,7 @@ def test_run_rows_times_prints_and_writes_every_row(stand_ins, monkeypatch, tmp_
     assert "fa3" not in rows["tiny e4m3"]["impls"] and "speedup_vs_bf16" in rows["tiny e4m3"]
     assert rows["tiny"]["impls"]["sdpa-cudnn"]["error"].startswith("RuntimeError")  # no cuDNN on the CPU
     assert result["host"]["case"] == "tiny" and result["host"]["run_us"] > 0 and result["host"]["replay_us"] > 0
+    assert result["host"]["gpu_planner_us"] == 1.25 and "# GPU planner (CUDA-graph mode, replan()): 1.25 us" in printed
     assert "# host time, tiny: flashjit run()" in printed and "# ERROR tiny: sdpa-cudnn: RuntimeError" in printed
     assert any("FA3 takes an fp8 cache only" in n for n in result["notes"])
     assert "| case | MB | floor µs | flashjit (eager / graph) |" in printed

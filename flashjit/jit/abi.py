@@ -1,8 +1,9 @@
 """The one source of the Python<->CUDA ABI: the kernels' argument structs and the work-item record.
 
-The host fills DecodeArgs and MergeArgs and hands their addresses to cuLaunchKernel as the
-kernels' `decode::Args` and `merge::Args` parameters (templates/include/decode_common.cuh and
-merge.cuh); plan() writes ITEM_INTS int32 per work item, which decode::WorkItem reads. The CUDA
+The host fills DecodeArgs, MergeArgs and PlanArgs and hands their addresses to cuLaunchKernel as
+the kernels' `decode::Args`, `merge::Args` and `plan::Args` parameters (templates/include/
+decode_common.cuh, merge.cuh and device_plan.cuh); the planners (host and GPU) write ITEM_INTS
+int32 per work item, which decode::WorkItem reads, and price the same SPLIT_CANDIDATES. The CUDA
 side is written by hand, and these checks tie it to the definitions here:
 
 * render() pastes source_checks() into every kernel source: static_asserts of each struct's size
@@ -25,6 +26,9 @@ from ..masks.params import MASK_PARAM_CTYPES
 WORK_ITEM_FIELDS = ("request", "v_begin", "v_end", "kv_len", "page_begin", "q_begin", "q_len", "splits",
                     "split", "span_begin", "span_end", "unused")
 ITEM_INTS = len(WORK_ITEM_FIELDS)
+
+# The split counts both planners try for the longest span (the render defines FJ_SPLIT_CANDIDATES).
+SPLIT_CANDIDATES = tuple(range(1, 25)) + (28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
 
 
 class DecodeArgs(ctypes.Structure):
@@ -59,6 +63,17 @@ class MergeArgs(ctypes.Structure):
         ("out", ctypes.c_void_p), ("out_stride", ctypes.c_int64),
         ("lse", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int),
     ]
+
+
+class PlanArgs(ctypes.Structure):
+    """plan::Args, flashjit_plan's first parameter (the GPU planner)."""
+
+    _c_name_ = "plan::Args"
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "batch", "indptr", "last_page_len", "qo_indptr", "work_items", "num_tokens", "req_qo_indptr",
+        "req_work_indptr", "token_request", "chunk_out", "num_work_out")] + [(name, ctypes.c_int) for name in (
+            "page_size", "batch_capacity", "work_capacity", "token_capacity", "ctas_per_item", "max_ctas",
+            "granularity", "min_chunk", "chunk_tokens", "item_overhead", "merge_cost")]
 
 
 # What a ctypes field type is on the CUDA side: fj_abi::kind<T>::value of the C type.
@@ -116,7 +131,7 @@ def source_checks(mask_params, merge: bool, variant_params=()) -> str:
     flashjit_merge (merge), and the mask's and the variant's runtime parameters (MaskParams and
     VariantParams fields, of the types of the kernel parameters that fill them)."""
     checks = ["// The host's argument layouts (flashjit.jit.abi), checked field by field.", _PREAMBLE,
-              *struct_asserts(DecodeArgs)]
+              *struct_asserts(DecodeArgs), *struct_asserts(PlanArgs)]
     if merge:
         checks += struct_asserts(MergeArgs)
     for p in mask_params:

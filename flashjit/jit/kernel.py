@@ -24,6 +24,7 @@ from .tiling import DecodeTiling
 
 DECODE_ENTRY = "flashjit_decode"
 MERGE_ENTRY = "flashjit_merge"
+PLAN_ENTRY = "flashjit_plan"
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 _driver = None
@@ -77,6 +78,7 @@ class LoadedKernel:
     merge: int | None  # None where the decode kernel merges split requests itself (tiling.fused_merge)
     ctas_per_sm: int
     num_sms: int
+    plan: int | None = None  # the GPU planner (CUDA-graph mode), in every module since the same render
 
 
 class Kernel:
@@ -117,6 +119,7 @@ class Kernel:
                 module.load(self.cubin)
                 decode = module.get_function(DECODE_ENTRY).ptr
                 merge = None if self.tiling.fused_merge else module.get_function(MERGE_ENTRY).ptr
+                plan = module.get_function(PLAN_ENTRY).ptr
                 smem = self.tiling.smem_bytes
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
                     check(driver().cuFuncSetAttribute(decode, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
@@ -125,7 +128,7 @@ class Kernel:
             check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 ctypes.byref(occupancy), decode, self.tiling.threads, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
             num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms)
+            loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms, plan)
             self._loaded[device_index] = loaded
             return loaded
 

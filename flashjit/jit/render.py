@@ -123,8 +123,9 @@ def render(spec: DecodeSpec, mask: MaskDef | None = None, tiling: DecodeTiling |
     variant = variant or variants.get(spec.variant)
     tiling = tiling or decode_tiling(spec)
     context = dict(spec=spec, tiling=tiling, mask=mask, variant=variant, ctype=STORAGE_TYPES, version=__version__,
-                   item_ints=abi.ITEM_INTS, abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge,
-                                                                         variant_params=variant.params))
+                   item_ints=abi.ITEM_INTS, split_candidates=abi.SPLIT_CANDIDATES,
+                   abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge,
+                                                variant_params=variant.params))
     try:
         return environment().get_template(ENTRY_TEMPLATE).render(**context)
     except OutsideTemplateRoots as exc:

@@ -71,6 +71,8 @@ class MaskDef:
         absolute path only the template files of registered masks (flashjit.jit.render).
     kv_span: (kv_lens, q_lens, params) -> (begin, end) numpy arrays of the positions worth reading
         per request; the planner cuts only that span into chunks. None means [0, kv_len).
+    device_span: the template's span_begin hook computes kv_span's begin on the GPU, and its end
+        is kv_len: CUDA-graph mode can then plan on the GPU (as it does for kv_span None).
     reference: (q_pos, kv_pos, request, params) -> bool tensor, the torch predicate used by
         flashjit.serving.reference and the tests; q_pos is the request's [q_len, 1] column of query
         positions (kv_len - q_len + i), kv_pos the [1, kv_len] row of keys. None means every key
@@ -86,6 +88,12 @@ class MaskDef:
     kv_span: Callable | None = None
     reference: Callable | None = None
     sample_params: Callable | None = None
+    device_span: bool = False
+
+    @property
+    def plans_on_device(self) -> bool:
+        """Whether the GPU planner computes this mask's spans (see device_span)."""
+        return self.kv_span is None or self.device_span
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -124,13 +132,13 @@ class MaskRegistry:
         self.generation = 0  # counts registrations: what was looked up before may have changed since
 
     def register(self, name: str, template, params=None, *, kv_span=None, reference=None,
-                 sample_params=None, replace: bool = False) -> MaskDef:
+                 sample_params=None, device_span: bool = False, replace: bool = False) -> MaskDef:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise SpecError("mask", name, "a C identifier such as 'my_mask'")
         template = str(template)
         if os.path.isabs(template) and not os.path.isfile(template):
             raise SpecError("mask template", template, "an existing template file")
-        mask = MaskDef(name, template, _parse_params(params), kv_span, reference, sample_params)
+        mask = MaskDef(name, template, _parse_params(params), kv_span, reference, sample_params, device_span)
         with self._lock:
             if name in self._masks and not replace and self._masks[name] != mask:
                 raise SpecError("mask", name, "a name not registered yet (pass replace=True to override)")
@@ -371,7 +379,7 @@ masks = MaskRegistry()
 masks.register("none", "masks/none.cuh.j2")
 masks.register("causal", "masks/causal.cuh.j2", reference=_causal_ref)
 masks.register("sliding_window", "masks/sliding_window.cuh.j2", {"window_left": "int"},
-               kv_span=_window_span, reference=_window_ref, sample_params=_window_sample)
+               kv_span=_window_span, reference=_window_ref, sample_params=_window_sample, device_span=True)
 masks.register("block_sparse", "masks/block_sparse.cuh.j2",
                {"block_size": "int", "block_indptr": "int_tensor", "block_indices": "int_tensor"},
                kv_span=block_sparse.kv_span, reference=_block_sparse_ref, sample_params=_block_sparse_sample)
@@ -391,12 +399,12 @@ _register_mask_modules()
 
 
 def register_mask(name: str, template_path=None, params=None, *, template=None, kv_span=None, reference=None,
-                  sample_params=None, replace: bool = False) -> MaskDef:
+                  sample_params=None, device_span: bool = False, replace: bool = False) -> MaskDef:
     """Add a mask type: a template file extending masks/base.cuh.j2, plus its runtime params.
 
     The template file is ``template=`` (or the second positional argument).
     ``params`` maps parameter names to kinds ('int', 'float', 'int_tensor'), or lists int names.
-    kv_span, reference and sample_params are described on MaskDef and in docs/masks.md.
+    kv_span, reference, sample_params and device_span are described on MaskDef and in docs/masks.md.
     """
     if template is not None and template_path is not None and Path(template) != Path(template_path):
         raise SpecError("template", str(template), f"one template (template_path={str(template_path)!r} differs)")
@@ -407,4 +415,4 @@ def register_mask(name: str, template_path=None, params=None, *, template=None, 
     if not path.is_file():
         raise SpecError(field, str(given), "an existing .cuh.j2 file")
     return masks.register(name, path, params, kv_span=kv_span, reference=reference, sample_params=sample_params,
-                          replace=replace)
+                          device_span=device_span, replace=replace)

@@ -28,7 +28,8 @@ from .buffers import PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_planner import HostPlanner
 from .plan_setup import MAX_SETUPS, Setup, make_setup
-from .plan_state import Plan, prepare_launches, split_work
+from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
+from .plan_state import Plan, checked_chunk_tokens, graph_capacity, prepare_launches, split_work
 from .run_checks import NO_CACHE, scale_key
 from .split_plan import WorkPlan
 from .streams import stream_getter
@@ -187,9 +188,15 @@ class BatchDecode:
                     if len(self._setup_for_scalars) >= MAX_SETUPS:
                         self._setup_for_scalars.clear()
                     self._setup_for_scalars.setdefault(key, {})[kernel_q_len] = setup
+            device_planner = None
             if graph is not None:
                 graph.check_kernel(setup, previous)
-            work, capacity = split_work(setup, tables, chunk_tokens, disable_split_kv, graph, previous)
+                device_planner = graph.device_planner(setup)
+            if device_planner is None:
+                work, capacity = split_work(setup, tables, chunk_tokens, disable_split_kv, graph, previous)
+            else:  # the work list is made on the GPU, from the page table copied below
+                checked_chunk_tokens(chunk_tokens)
+                work, capacity = None, graph_capacity(setup, tables, graph, previous)
         finally:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
@@ -202,7 +209,11 @@ class BatchDecode:
         self._cache_pointed_at = NO_CACHE
         # A page-id range that landed was copied after the previous plan's work list, on the same
         # stream if the copies say so: then the staging memory is free without a wait of its own.
-        buffers.write(tables, synced_stream=page_range.copies.marked_stream if landed else None)
+        if device_planner is None:
+            buffers.write(tables, synced_stream=page_range.copies.marked_stream if landed else None)
+        else:
+            device_planner.write_page_table(tables.batch, indptr, last_page_len, qo_indptr, q_len)
+            tables = DeviceTables(tables, device_planner, buffers)
         a = buffers.decode_args  # the work-list pointers are in already; the tensors' come with run()
         page_ids = indices if graph is None else graph.hold_page_ids(indices, int(num_page_ids))
         a.page_indices = page_ids.data_ptr()
@@ -212,7 +223,10 @@ class BatchDecode:
             decode_params = previous.decode_launch.params
         decode_launch, merge_prepared, merge_launch = prepare_launches(setup, buffers, work, decode_params,
                                                                        graph is not None, previous)
-        num_tokens = work.num_tokens
+        if device_planner is not None:
+            device_planner.prepare(setup, buffers, chunk_tokens, disable_split_kv)
+            device_planner(self._current_stream(self._device_index))
+        num_tokens = tables.num_tokens
         query_form = (num_tokens, num_tokens if graph is None else capacity.tokens, setup.q_dtype, setup.num_qo_heads,
                       setup.head_dim)
         self._plan = Plan(setup, tables, buffers, page_ids, max_page, tables.batch, num_tokens, query_form, a,
@@ -248,6 +262,26 @@ class BatchDecode:
         return buffers.decode_params(mask_params + variant_params, values)
 
     # ---- what the current plan decided ------------------------------------------------------
+
+    def replan(self):
+        """Queues the GPU planner on the current stream over the page table as graph_page_table
+        holds it now. Captured at the start of a CUDA-graph step (before the first run()), it makes
+        every replay plan for the lengths the caller wrote into graph_page_table in place, with no
+        plan() in between. plan() queues the planner itself: a step that calls plan() and replays a
+        graph of run()s alone plans once."""
+        plan = self._plan
+        if plan is None or not isinstance(plan.tables, DeviceTables):
+            raise RuntimeError("replan() needs a plan made on the GPU: use_cuda_graph=True, max_batch_size up to "
+                               f"{MAX_DEVICE_PLAN_BATCH} and a mask without host-side spans (none, causal, sliding_window); "
+                               f"the current plan is {'missing' if plan is None else 'made on the host'}")
+        self._graph.planner(self._current_stream(self._device_index))
+
+    @property
+    def graph_page_table(self):
+        """CUDA-graph mode planned on the GPU: the page-table buffer its planner reads (see
+        device_planner.PageTable and replan()); None otherwise."""
+        planner = None if self._graph is None else self._graph.planner
+        return None if planner is None else planner.page_table
 
     @property
     def graph_page_ids(self):

@@ -67,6 +67,7 @@ class PlanBuffers:
         # The mask parameters the decode params array is built for, its value slots, and the array:
         # kept while the parameters stay the same, so that plan() keeps its prepared launch too.
         self._params_array_for, self._mask_values, self._decode_params = None, [], None
+        self._plan_params = None  # (the struct, its mask slots, the array) of params_with
 
     def decode_params(self, mask_params: tuple, values: list) -> ctypes.Array:
         """The decode kernel's void*[]: the Args struct, then each mask parameter's value (written in place)."""
@@ -78,6 +79,16 @@ class PlanBuffers:
         for slot, value in zip(self._mask_values, values):
             slot.value = value
         return self._decode_params
+
+    def params_with(self, struct: ctypes.Structure) -> ctypes.Array:
+        """A void*[] of struct, then the mask parameters' value slots of decode_params: the GPU
+        planner's parameters, which read the values the decode launch does."""
+        found = self._plan_params
+        if found is None or found[0] is not struct or found[1] is not self._mask_values:
+            array = (ctypes.c_void_p * (1 + len(self._mask_values)))(
+                ctypes.addressof(struct), *(ctypes.addressof(v) for v in self._mask_values))
+            found = self._plan_params = (struct, self._mask_values, array)
+        return found[2]
 
     def fits(self, capacity: Capacity, partial_elems: int, merge_groups: int) -> bool:
         c = self.capacity

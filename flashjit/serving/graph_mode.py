@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from .. import validation
 from .buffers import Capacity
+from .device_planner import MAX_DEVICE_PLAN_BATCH, DevicePlanner
 
 _REFUSED = "plan() with use_cuda_graph=True"
+# Work items beyond one per request that the capacity holds: waves of split chunks for the long
+# requests of a skewed batch (the planner's makespan estimate rarely wants more than four).
+SPLIT_WAVES = 4
 
 
 def graph_limits(use_cuda_graph: bool, device, max_batch_size, max_num_pages, max_tokens,
@@ -48,6 +52,18 @@ class GraphLimits:
         # Every plan's page ids are here: one address for every replay.
         self.page_ids = (torch.zeros(max_num_pages, dtype=torch.int32, device=device) if page_ids_buffer is None
                          else page_ids_buffer)
+        self.device = device
+        self.planner: DevicePlanner | None = None  # made by the first plan the GPU planner serves
+
+    def device_planner(self, setup) -> DevicePlanner | None:
+        """The GPU planner, where it serves the setup's kernel (its module has the entry, the mask
+        computes its spans on the GPU, the batch fits its shared memory), else None: plan on the host."""
+        if (setup.loaded.plan is None or not setup.kernel.mask.plans_on_device
+                or self.max_batch_size > MAX_DEVICE_PLAN_BATCH):
+            return None
+        if self.planner is None:
+            self.planner = DevicePlanner(self.max_batch_size, self.device)
+        return self.planner
 
     def check_page_id_count(self, count: int):
         if count > self.page_ids.numel():
@@ -69,12 +85,13 @@ class GraphLimits:
             validation.fail(_REFUSED, f"the first plan's kernel {previous.setup.spec.name}", setup.spec.name)
 
     def capacity(self, spec, batch: int, tokens: int, one_wave_items: int, previous) -> Capacity:
-        """The buffer sizes, fixed at the first plan; a batch beyond them is refused."""
+        """The buffer sizes, fixed at the first plan: a work item per request and SPLIT_WAVES waves
+        of splits (one_wave_items: the work items one wave of CTAs holds). A batch beyond them is refused."""
         if previous is not None:
             cap = previous.buffers.capacity
         else:
             max_tokens = self.max_tokens or self.max_batch_size * spec.max_q_len
-            cap = Capacity(self.max_batch_size, max_tokens, max(self.max_batch_size, one_wave_items))
+            cap = Capacity(self.max_batch_size, max_tokens, self.max_batch_size + SPLIT_WAVES * one_wave_items)
         if batch > cap.batch or tokens > cap.tokens:
             validation.fail(_REFUSED, f"at most {cap.batch} requests and {cap.tokens} query tokens",
                             f"{batch} requests, {tokens} tokens")

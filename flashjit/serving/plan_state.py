@@ -58,6 +58,20 @@ class Plan(typing.NamedTuple):  # a NamedTuple: immutable, and built in a quarte
         return self.tables.work_plan(self.buffers.host, self.buffers.starts)
 
 
+def checked_chunk_tokens(chunk_tokens):
+    if chunk_tokens is not None and (type(chunk_tokens) is not int or not 1 <= chunk_tokens <= validation.INT32_MAX):
+        validation.fail("chunk_tokens", f"a positive int up to {validation.INT32_MAX} (a bool is not an int here)",
+                        repr(chunk_tokens))
+    return chunk_tokens
+
+
+def graph_capacity(setup: Setup, tables, graph, previous: Plan | None) -> Capacity:
+    """CUDA-graph mode's fixed capacity (graph: GraphLimits), which must hold this batch."""
+    loaded = setup.loaded
+    one_wave_items = max(1, loaded.num_sms * loaded.ctas_per_sm // (setup.num_kv_heads * setup.kernel.tiling.row_tiles))
+    return graph.capacity(setup.spec, tables.batch, tables.num_tokens, one_wave_items, previous)
+
+
 def split_work(setup: Setup, tables, chunk_tokens, disable_split_kv: bool, graph,
                previous: Plan | None) -> tuple[WorkPlan, Capacity]:
     """The work items over the span the mask reads, and the capacity they need: in CUDA-graph
@@ -71,17 +85,14 @@ def split_work(setup: Setup, tables, chunk_tokens, disable_split_kv: bool, graph
                 validation.fail(f"mask {kernel.mask.name!r}'s kv_span", f"{tables.batch} span {name}, one per request",
                                 f"shape {np.shape(span)}")
         span_end = np.minimum(span_end, np.iinfo(np.int32).max)
-    if chunk_tokens is not None and (type(chunk_tokens) is not int or not 1 <= chunk_tokens <= validation.INT32_MAX):
-        validation.fail("chunk_tokens", f"a positive int up to {validation.INT32_MAX} (a bool is not an int here)",
-                        repr(chunk_tokens))
+    checked_chunk_tokens(chunk_tokens)
     if disable_split_kv:
         span_lens = (tables.kv_lens if span_end is None else span_end if span_begin is None
                      else span_end - span_begin)
         chunk_tokens = max(1, largest(span_lens, 1))
     tiling, batch, loaded = kernel.tiling, tables.batch, setup.loaded
     ctas_per_item, max_ctas = setup.num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
-    capacity = None if graph is None else graph.capacity(setup.spec, batch, tables.num_tokens,
-                                                         max(batch, max_ctas // ctas_per_item), previous)
+    capacity = None if graph is None else graph_capacity(setup, tables, graph, previous)
     work = tables.plan(span_begin, span_end, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
                        granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens,
                        max_items=capacity.work if capacity else None)

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from ..jit import abi
 from ..small_arrays import largest
 
 MIN_CHUNK_TOKENS = 128  # below this a split costs more in merging than it gains in parallelism
@@ -46,8 +47,8 @@ class WorkPlan:
         return int(np.diff(self.req_work_indptr).max(initial=0))
 
 
-SPLIT_CANDIDATES = np.concatenate([np.arange(1, 25), [28, 32, 40, 48, 56, 64, 80, 96, 112, 128]])
-_PARTS = tuple(SPLIT_CANDIDATES.tolist())
+SPLIT_CANDIDATES = np.array(abi.SPLIT_CANDIDATES)  # the GPU planner prices the same ones
+_PARTS = abi.SPLIT_CANDIDATES
 
 
 def item_counts(span_lens: np.ndarray, chunks: list[int]) -> tuple[list[float], list[float], float]:

@@ -1,0 +1,215 @@
+// The split-KV planner on the GPU (flashjit_plan): the page table to the work list, in one CTA.
+//
+// CUDA-graph mode launches it at the start of a step, so that each replay re-plans for the lengths
+// the page table holds then, and the host computes nothing per step. It computes what the host
+// planner does (flashjit/serving/split_plan.py, serving/native/host_plan.c) and writes it in the
+// same layout (buffers.PlanBuffers.FIELDS): the chunk with the smallest estimated makespan, then one
+// WorkItem record per item and the merge's per-request arrays. The GPU tests compare the two
+// planners record for record. The makespan's doubles use the _rn intrinsics, which the compiler
+// never fuses into FMAs: every cost, so every comparison, comes out as on the host.
+//
+// The inputs come from the device's page-table buffer, where a host-side plan() copies them, or
+// where the caller wrote them in place; they are clamped rather than trusted (a negative page
+// count is an empty request, a last-page length outside the page is clamped to it).
+namespace plan {
+using namespace fj;
+
+struct Args {
+  const int* __restrict__ batch;          // [1] requests in this step (at most batch_capacity)
+  const int* __restrict__ indptr;         // [batch + 1] page-table CSR offsets
+  const int* __restrict__ last_page_len;  // [batch]
+  const int* __restrict__ qo_indptr;      // [batch + 1] query-token offsets
+  int* __restrict__ work_items;           // the work list: what the decode and merge kernels read
+  int* __restrict__ num_tokens;
+  int* __restrict__ req_qo_indptr;
+  int* __restrict__ req_work_indptr;
+  int* __restrict__ token_request;
+  int* __restrict__ chunk_out;            // [1] the chunk chosen, and [1] the work items made (for tests)
+  int* __restrict__ num_work_out;
+  int page_size;
+  int batch_capacity, work_capacity, token_capacity;
+  int ctas_per_item, max_ctas, granularity, min_chunk;
+  int chunk_tokens;                       // > 0 forces the chunk, 0 plans it, -1 one item per request
+  int item_overhead, merge_cost;
+};
+
+constexpr int THREADS = 512, WARPS = THREADS / 32;
+constexpr int PARTS[] = {FJ_SPLIT_CANDIDATES};  // split_plan.SPLIT_CANDIDATES
+constexpr int NUM_PARTS = sizeof(PARTS) / sizeof(PARTS[0]);
+static_assert(NUM_PARTS <= 64, "plan::choose_chunk keeps one cost per candidate in shared memory");
+
+FJ_INLINE i64 ceil_div64(i64 a, i64 b) { return (a + b - 1) / b; }
+
+// Request b as the planner sees it: its length, the span worth reading and its query tokens.
+struct Request {
+  int kv_len, begin, end, q_begin, q_end;
+  FJ_INLINE Request(const Args& a, const MaskParams& params, int b) {
+    const int first_page = __ldg(a.indptr + b);
+    const i64 pages = max(__ldg(a.indptr + b + 1) - first_page, 0);
+    const int last = min(max(__ldg(a.last_page_len + b), 1), a.page_size);
+    kv_len = (int)min(pages ? (pages - 1) * a.page_size + last : (i64)0, (i64)0x7fffffff);
+    q_begin = __ldg(a.qo_indptr + b);
+    q_end = max(__ldg(a.qo_indptr + b + 1), q_begin);
+    begin = mask_span_begin(params, kv_len, q_end - q_begin);
+    end = max(kv_len, begin);  // an inverted span is empty
+  }
+  FJ_INLINE int len() const { return end - begin; }
+};
+
+// A block-wide reduction or scan's per-warp values.
+__shared__ i64 warp_values[WARPS];
+
+FJ_INLINE i64 block_max(i64 x) {
+  for (int o = 16; o > 0; o >>= 1) x = max(x, (i64)__shfl_xor_sync(0xffffffffu, x, o));
+  if (threadIdx.x % 32 == 0) warp_values[threadIdx.x / 32] = x;
+  __syncthreads();
+  i64 m = 0;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) m = max(m, warp_values[w]);
+  __syncthreads();
+  return m;
+}
+
+// Inclusive prefix sum of x over the block's threads in order, and the block's total.
+FJ_INLINE int block_scan(int x, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_values[warp] = x;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    before += w < warp ? (int)warp_values[w] : 0;
+    total += (int)warp_values[w];
+  }
+  __syncthreads();
+  return x + before;
+}
+
+// split_plan.makespans for one chunk, reduced over the requests by one warp.
+__device__ double makespan(const Args& a, const MaskParams& params, int batch, int chunk) {
+  i64 items = 0, long_items = 0, total = 0;
+  for (int b = threadIdx.x % 32; b < batch; b += 32) {
+    const i64 len = Request(a, params, b).len();
+    items += len ? ceil_div64(len, chunk) : 1;
+    long_items += (2 * len + chunk) / (2 * (i64)chunk);  // floor(len / chunk + 1/2)
+    total += len;
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    items += __shfl_xor_sync(0xffffffffu, items, o);
+    long_items += __shfl_xor_sync(0xffffffffu, long_items, o);
+    total += __shfl_xor_sync(0xffffffffu, total, o);
+  }
+  if (items > a.work_capacity) return __longlong_as_double(0x7ff0000000000000ll);  // +inf
+  const double share = __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas);
+  const double fluid = __dmul_rn((double)(total + items * a.item_overhead), share);
+  const double waves = ceil(__ddiv_rn(__dmul_rn((double)long_items, (double)a.ctas_per_item), (double)a.max_ctas));
+  const double quantized = __dmul_rn(waves, (double)(chunk + a.item_overhead));
+  return __dadd_rn(fluid > quantized ? fluid : quantized, items > batch ? (double)a.merge_cost : 0.0);
+}
+
+// split_plan.choose_chunk: each warp prices some of the candidates, thread 0 takes the first minimum.
+__device__ int choose_chunk(const Args& a, const MaskParams& params, int batch, i64 longest) {
+  const i64 g = a.granularity;
+  if (longest <= a.min_chunk) return (int)(ceil_div64(max(longest, (i64)1), g) * g);
+  const i64 floor_chunk = max(ceil_div64(a.min_chunk, g) * g, g);
+  const int max_parts = max(1, a.max_ctas / a.ctas_per_item);
+  __shared__ double costs[NUM_PARTS];
+  __shared__ int chunks[NUM_PARTS];
+  for (int i = threadIdx.x / 32; i < NUM_PARTS; i += WARPS) {
+    const i64 chunk = max(ceil_div64(ceil_div64(longest, PARTS[i]), g) * g, floor_chunk);
+    const i64 previous = i ? max(ceil_div64(ceil_div64(longest, PARTS[i - 1]), g) * g, floor_chunk) : 0;
+    // The host's loop stops past max_parts and after the floor, and skips a repeated chunk.
+    const bool priced = PARTS[i] <= max_parts && (i == 0 || (previous != chunk && previous != floor_chunk));
+    const double cost = priced ? makespan(a, params, batch, (int)chunk) : 0.0;
+    if (threadIdx.x % 32 == 0) {
+      costs[i] = cost;
+      chunks[i] = priced ? (int)chunk : 0;
+    }
+  }
+  __syncthreads();
+  __shared__ int best;
+  if (threadIdx.x == 0) {
+    int found = 0;
+    double best_cost = 0.0;
+    for (int i = 0; i < NUM_PARTS; ++i)
+      if (chunks[i] && (!found || costs[i] < best_cost)) found = chunks[i], best_cost = costs[i];
+    best = found;
+  }
+  __syncthreads();
+  return best;
+}
+
+// The last index b in [0, n) with values[b] <= x (values increasing from values[0] <= x).
+FJ_INLINE int last_at_most(const int* values, int n, int x) {
+  int low = 0, high = n - 1;
+  while (low < high) {
+    const int mid = (low + high + 1) / 2;
+    if (values[mid] <= x) low = mid; else high = mid - 1;
+  }
+  return low;
+}
+
+// The whole plan. Dynamic shared memory: the request offsets of the work items and of the query
+// tokens, 2 x (batch_capacity + 1) ints.
+__device__ void build(const Args& a, const MaskParams& params) {
+  extern __shared__ int offsets[];
+  int* work_at = offsets;                          // [batch + 1] first work item of each request
+  int* tokens_at = offsets + a.batch_capacity + 1;  // [batch + 1] first query token of each request
+  const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
+
+  i64 longest = 0;
+  for (int b = threadIdx.x; b < batch; b += THREADS) longest = max(longest, (i64)Request(a, params, b).len());
+  longest = block_max(longest);
+  int chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? (int)max(longest, (i64)1)
+                                                                          : choose_chunk(a, params, batch, longest);
+  for (int pass = 0; pass < 2; ++pass) {  // a second pass only when a forced chunk overflows the capacity
+    int work_carry = 0, token_carry = 0, total;
+    for (int base = 0; base < batch; base += THREADS) {
+      const int b = base + threadIdx.x;
+      int items = 0, tokens = 0;
+      if (b < batch) {
+        const Request r(a, params, b);
+        items = max((int)ceil_div64(r.len(), chunk), 1);
+        tokens = r.q_end - r.q_begin;
+      }
+      const int work_end = work_carry + block_scan(items, total);
+      work_carry += total;
+      const int token_end = token_carry + block_scan(tokens, total);
+      token_carry += total;
+      if (b < batch) work_at[b + 1] = work_end, tokens_at[b + 1] = token_end;
+    }
+    if (work_carry <= a.work_capacity || pass) break;
+    chunk = (int)max(longest, (i64)1);  // one item per request: batch <= batch_capacity <= work_capacity
+  }
+  if (threadIdx.x == 0) work_at[0] = tokens_at[0] = 0;
+  __syncthreads();
+  const int num_work = work_at[batch], num_tokens = min(tokens_at[batch], a.token_capacity);
+
+  int4* records = reinterpret_cast<int4*>(a.work_items);
+  for (int w = threadIdx.x; w < a.work_capacity; w += THREADS) {
+    if (w >= num_work) {  // padding: a grid position past this plan's items
+      records[3 * w] = make_int4(-1, 0, 0, 0);
+      continue;
+    }
+    const int b = last_at_most(work_at, batch + 1, w), i = w - work_at[b];
+    const Request r(a, params, b);
+    const int first = r.begin + i * chunk;
+    records[3 * w] = make_int4(b, first, (int)min((i64)first + chunk, (i64)r.end), r.kv_len);
+    records[3 * w + 1] = make_int4(__ldg(a.indptr + b), tokens_at[b], tokens_at[b + 1] - tokens_at[b],
+                                   work_at[b + 1] - work_at[b]);
+    records[3 * w + 2] = make_int4(i, r.begin, r.end, 0);
+  }
+  for (int b = threadIdx.x; b <= batch; b += THREADS) {
+    a.req_work_indptr[b] = work_at[b];
+    a.req_qo_indptr[b] = tokens_at[b];
+  }
+  for (int t = threadIdx.x; t < num_tokens; t += THREADS) a.token_request[t] = last_at_most(tokens_at, batch + 1, t);
+  if (threadIdx.x == 0) *a.num_tokens = num_tokens, *a.chunk_out = chunk, *a.num_work_out = num_work;
+}
+
+}  // namespace plan
