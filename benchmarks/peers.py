@@ -17,7 +17,7 @@ import inspect
 from typing import Callable
 
 from benchmarks.cases import Case
-from benchmarks.inputs import Fp8Cache, mask_of
+from benchmarks.inputs import Fp8Cache, mask_of, variant_of
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_WORKSPACE = 256 * 2**20
@@ -58,7 +58,7 @@ def plan_arguments(batch, case: Case, tensor_cores=None) -> tuple[tuple, dict]:
     args = (batch.indptr, batch.indices, batch.last_page_len, case.heads_qo, case.heads_kv, case.head_dim,
             case.page_size)
     return args, {"mask": mask, "mask_params": params or None, "tensor_cores": tensor_cores,
-                  "kv_dtype": case.kv_dtype, "kv_layout": case.kv_layout}
+                  "kv_dtype": case.kv_dtype, "kv_layout": case.kv_layout, **variant_of(case, batch)}
 
 
 def _cache_and_scales(batch, fp8: Fp8Cache | None):
@@ -105,6 +105,8 @@ def flashjit_eager_and_graph(torch, batch, case, engine, fp8, tensor_cores=None)
 # ---- cuDNN SDPA -------------------------------------------------------------------------------
 
 def sdpa_skip(case: Case, kv_lens) -> str | None:
+    if case.variant:
+        return f"cuDNN SDPA takes no {case.variant} variant: variant rows leave it out"
     if len(set(kv_lens)) != 1:
         return "cuDNN SDPA runs on rows of one length only (a padded mixed batch needs a mask it does not take)"
     if case.kv_dtype:
@@ -147,6 +149,8 @@ def sdpa(torch, batch, case: Case, backend=None) -> Impl:
 # ---- FlashInfer -------------------------------------------------------------------------------
 
 def flashinfer_skip(case: Case) -> str | None:
+    if case.variant and "sinks" in case.variant:
+        return "FlashInfer's decode wrapper takes no learned sinks: sinks rows leave it out"
     if case.sinks is not None:
         return "FlashInfer's decode wrapper has no sinks + window mask (sink rows compare with SDPA only)"
     if case.head_dim not in FLASHINFER_HEAD_DIMS:
@@ -173,7 +177,8 @@ def flashinfer_step(torch, flashinfer, batch, case: Case, fp8: Fp8Cache | None, 
     def plan():
         wrapper.plan(indptr, batch.indices, last, case.heads_qo, case.heads_kv, case.head_dim, case.page_size,
                      q_data_type=torch.bfloat16, kv_data_type=getattr(torch, case.kv_dtype) if fp8 else torch.bfloat16,
-                     window_left=case.window if case.window else -1)
+                     window_left=case.window if case.window else -1,
+                     **({"logits_soft_cap": case.logits_soft_cap} if case.variant == "soft_cap" else {}))
 
     plan()
     out = torch.empty_like(batch.q)
@@ -190,6 +195,10 @@ def flashinfer_impl(torch, flashinfer, batch, case, fp8, tensor_cores: bool) -> 
 # ---- FlashAttention-3 -------------------------------------------------------------------------
 
 def fa3_skip(case: Case) -> str | None:
+    if case.variant and "sinks" in case.variant:
+        return "FA3's paged decode takes no learned sinks here: sinks rows leave it out"
+    if case.head_dim > 256:
+        return f"FA3 supports head_dim up to 256: the d{case.head_dim} rows leave it out"
     if case.kv_dtype:
         return "FA3 takes an fp8 cache only with fp8 queries: fp8 rows leave it out"
     if case.kv_layout != "NHD":
@@ -223,6 +232,8 @@ def fa3_step(torch, fa3, batch, case: Case, num_splits: int | None) -> Step:
     options = {} if num_splits is None else {"num_splits": num_splits}
     if case.window:
         options["window_size"] = (case.window, 0)
+    if case.variant == "soft_cap":
+        options["softcap"] = case.logits_soft_cap
 
     def call():
         out = fa3.flash_attn_with_kvcache(q, batch.k_cache, batch.v_cache, cache_seqlens=seqlens, page_table=table,

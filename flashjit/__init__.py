@@ -12,6 +12,7 @@ from .masks.registry import register_mask
 from .masks.sink_window import sink_window_params
 from .jit.spec import DecodeSpec
 from .masks.tree import pack_tree_mask
+from .masks.variants import register_variant
 
 
 def get_kernel(spec: "DecodeSpec | MergeSpec"):
@@ -23,5 +24,5 @@ __all__ = [
     "BatchDecode", "CacheError", "CompileError", "DecodeSpec", "Engine", "FlashJITError", "KernelNotPrewarmed",
     "PrewarmResult", "SpecError", "TemplateError", "decode", "default_engine", "get_kernel", "pack_tree_mask",
     "quantize_kv", "dequantize_kv", "register_mask", "sink_window_params",
-    "MergeSpec", "merge_state", "merge_states",
+    "MergeSpec", "merge_state", "merge_states", "register_variant",
 ]

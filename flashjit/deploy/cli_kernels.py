@@ -182,7 +182,7 @@ def cmd_check_mask(args) -> int:
     from ..jit.engine import Engine
 
     report = check_mask(args.mask, archs=args.arch, overrides=args.params, engine=Engine(args.cache_dir),
-                        seed=args.seed, jobs=args.jobs)
+                        seed=args.seed, jobs=args.jobs, variant=args.variant)
     for title, header, rows in report.tables():
         print(f"{title}\n{table(rows, header)}\n")
     for line in report.notes + report.failures():

@@ -149,16 +149,19 @@ def struct_asserts(struct: type[ctypes.Structure]) -> list[str]:
     return checks
 
 
-def source_checks(mask_params, merge: bool) -> str:
+def source_checks(mask_params, merge: bool, variant_params=()) -> str:
     """The ABI checks of one kernel source: decode::Args, merge::Args when the source has
-    flashjit_merge (merge), and the mask's runtime parameters (MaskParams fields, of the types of
-    the kernel parameters that fill them)."""
+    flashjit_merge (merge), and the mask's and the variant's runtime parameters (MaskParams and
+    VariantParams fields, of the types of the kernel parameters that fill them)."""
     checks = ["// The host's argument layouts (flashjit.jit.abi), checked field by field.", _PREAMBLE,
               *struct_asserts(DecodeArgs), *struct_asserts(PlanArgs)]
     if merge:
         checks += struct_asserts(MergeArgs)
     for p in mask_params:
         checks.append(_field_assert("MaskParams", p.name, None, MASK_PARAM_CTYPES[p.kind],
+                                    f"flashjit.masks.params.PARAM_KINDS['{p.kind}']"))
+    for p in variant_params:
+        checks.append(_field_assert("VariantParams", p.name, None, MASK_PARAM_CTYPES[p.kind],
                                     f"flashjit.masks.params.PARAM_KINDS['{p.kind}']"))
     return "\n".join(checks)
 

@@ -30,6 +30,7 @@ from ..errors import KernelNotPrewarmed, SpecError
 from .keys import cache_key, index_key, portable_key
 from .kernel import Kernel
 from ..masks.registry import masks
+from ..masks.variants import variants
 from .merge_kernel import MergeStatesKernel
 from .merge_spec import MergeSpec
 from .render import render, render_merge_states, templates_digest
@@ -82,17 +83,17 @@ class Engine:
         return self._resolve(spec)[0]
 
     def _forget_replaced_masks(self):
-        """Drop the kernels of masks registered anew (replace=True, a template folder) since they were made."""
+        """Drop the kernels of masks or variants registered anew (replace=True, a template folder) since they were made."""
         with self._lock:
             generation = masks.generation
             for spec, kernel in list(self._kernels.items()):
                 if kernel.mask is None:  # a kernel without a mask (merge_states) is never replaced
                     continue
                 try:
-                    current = masks.get(spec.mask)
+                    current = (masks.get(spec.mask), variants.get(spec.variant))
                 except SpecError:  # no longer registered: drop it too
                     current = None
-                if current != kernel.mask:
+                if current != (kernel.mask, kernel.variant):
                     del self._kernels[spec]
             self._mask_generation = generation
 
@@ -107,21 +108,21 @@ class Engine:
             kernel = self._kernels.get(spec)
             if kernel is not None:
                 return kernel, "memory"
-            mask = _mask_of(spec)
-            spec_key = _spec_key(spec, mask)
+            mask, variant = _mask_of(spec), _variant_of(spec)
+            spec_key = _spec_key(spec, mask, variant)
             key, hit = self._indexed(spec, spec_key)
             if hit is not None:
                 cubin, origin = hit[0], "disk"
                 self.cache.touch(key)  # last use, for `flashjit cache prune`; memory hits never get here
             else:
-                wanted = _Cubin(self.cache, self.allow_compile, spec, _render(spec, mask))
+                wanted = _Cubin(self.cache, self.allow_compile, spec, _render(spec, mask, variant))
                 (key, cubin), built = obtain(wanted)
                 origin = "compiled" if built else "disk"
                 if key == wanted.key:  # another NVRTC's cubin is served but not indexed: a compiling host rebuilds it
                     self.cache.store_index(spec_key, key)
                     if not built:
                         self.cache.touch(key)
-            kernel = _make_kernel(spec, mask, cubin, key)
+            kernel = _make_kernel(spec, mask, cubin, key, variant)
             self._kernels[spec] = kernel
             return kernel, origin
 
@@ -140,11 +141,11 @@ class Engine:
         Never compiles; renders (and loads NVRTC) only when the index does not know the spec.
         `flashjit cache export --manifest` uses it to pick a manifest's entries.
         """
-        mask = _mask_of(spec)
-        spec_key = _spec_key(spec, mask)
+        mask, variant = _mask_of(spec), _variant_of(spec)
+        spec_key = _spec_key(spec, mask, variant)
         key, hit = self._indexed(spec, spec_key)
         if hit is None:
-            key = _entry_key(spec, _render(spec, mask))
+            key = _entry_key(spec, _render(spec, mask, variant))
             if self.cache.load(key) is None:
                 return None
         return spec_key, key
@@ -174,20 +175,25 @@ def _mask_of(spec):
     return None if isinstance(spec, MergeSpec) else masks.get(spec.mask)
 
 
-def _render(spec, mask) -> str:
-    return render_merge_states(spec) if isinstance(spec, MergeSpec) else render(spec, mask)
+def _variant_of(spec):
+    """The VariantDef a spec renders with; None for a MergeSpec, which has none."""
+    return None if isinstance(spec, MergeSpec) else variants.get(spec.variant)
 
 
-def _make_kernel(spec, mask, cubin: bytes, key: str):
+def _render(spec, mask, variant) -> str:
+    return render_merge_states(spec) if isinstance(spec, MergeSpec) else render(spec, mask, variant=variant)
+
+
+def _make_kernel(spec, mask, cubin: bytes, key: str, variant):
     if isinstance(spec, MergeSpec):
         return MergeStatesKernel(spec, cubin, key)
-    return Kernel(spec, decode_tiling(spec), mask, cubin, key)
+    return Kernel(spec, decode_tiling(spec), mask, cubin, key, variant)
 
 
-def _spec_key(spec, mask) -> str:
+def _spec_key(spec, mask, variant) -> str:
     """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC."""
-    return index_key(spec, mask, templates_digest(mask), __version__, compile_options(spec.arch),
-                     compiler_fingerprint())
+    return index_key(spec, mask, templates_digest(mask, variant), __version__, compile_options(spec.arch),
+                     compiler_fingerprint(), variant)
 
 
 def _entry_key(spec: DecodeSpec, source: str) -> str:

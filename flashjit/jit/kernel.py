@@ -19,6 +19,7 @@ import threading
 from ..errors import KernelNotPrewarmed
 from ..masks.registry import MaskDef
 from .abi import PLAN_MAX_SMEM_BYTES
+from ..masks.variants import VariantDef, variants
 from .spec import DecodeSpec
 from .tiling import DecodeTiling
 
@@ -84,8 +85,10 @@ class LoadedKernel:
 class Kernel:
     """One compiled specialization. Cheap to create; loads on first use per device."""
 
-    def __init__(self, spec: DecodeSpec, tiling: DecodeTiling, mask: MaskDef, cubin: bytes, key: str):
+    def __init__(self, spec: DecodeSpec, tiling: DecodeTiling, mask: MaskDef, cubin: bytes, key: str,
+                 variant: VariantDef | None = None):
         self.spec, self.tiling, self.mask, self.cubin, self.key = spec, tiling, mask, cubin, key
+        self.variant = variants.get(spec.variant) if variant is None else variant
         self._loaded: dict[int, LoadedKernel] = {}
         self._lock = threading.Lock()
 

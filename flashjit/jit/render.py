@@ -6,7 +6,7 @@ mask templates cannot reach Python internals, and a typo is an error naming file
 
 What a template may load (include, extends, import, header) is confined to the template roots:
 relative names resolve under the package's templates/ only, and an absolute path loads only when it
-is the template file of a registered mask. Anything else would land, verbatim, in the kernel
+is the template file of a registered mask or variant. Anything else would land, verbatim, in the kernel
 source, the cache's source.cu and every exported bundle.
 """
 
@@ -24,6 +24,7 @@ from jinja2.sandbox import SandboxedEnvironment
 from .._version import __version__
 from ..errors import TemplateError
 from ..masks.registry import MaskDef, masks
+from ..masks.variants import VariantDef, variants
 from . import abi
 from .merge_spec import MAX_LANES, MergeSpec
 from .spec import DecodeSpec
@@ -49,7 +50,7 @@ class OutsideTemplateRoots(jinja2.TemplateNotFound):
 
 
 class _TemplateLoader(jinja2.BaseLoader):
-    """Relative names from the package's templates/; absolute paths only for registered mask templates."""
+    """Relative names from the package's templates/; absolute paths only for registered mask and variant templates."""
 
     def __init__(self, root: Path):
         self._package = jinja2.FileSystemLoader(str(root))  # refuses '..' and names that leave root
@@ -59,7 +60,7 @@ class _TemplateLoader(jinja2.BaseLoader):
             raise jinja2.TemplateNotFound(repr(name))
         if not os.path.isabs(name):
             return self._package.get_source(environment, name)
-        if not masks.is_template_file(name):
+        if not masks.is_template_file(name) and not variants.is_template_file(name):
             raise OutsideTemplateRoots(name)
         path = Path(name)
         if not path.is_file():
@@ -99,9 +100,9 @@ def _file_digest(path: Path) -> str:
     return _file_digests[memo]
 
 
-def templates_digest(mask: MaskDef | None) -> str:
-    """Digest of every template file a spec can render from (package templates + a user mask file;
-    mask None: a spec without a mask, such as MergeSpec).
+def templates_digest(mask: MaskDef | None, variant: VariantDef | None = None) -> str:
+    """Digest of every template file a spec can render from (package templates + a user mask or
+    variant file; mask None: a spec without a mask, such as MergeSpec).
 
     Lets the cache find a compiled kernel without rendering; any template edit changes it.
     """
@@ -112,27 +113,33 @@ def templates_digest(mask: MaskDef | None) -> str:
             h.update(str(path.relative_to(root)).encode() + b"\0" + _file_digest(path).encode())
     if mask is not None and os.path.isabs(mask.template):
         h.update(b"mask\0" + _file_digest(Path(mask.template)).encode())
+    if variant is not None and os.path.isabs(variant.template):
+        h.update(b"variant\0" + _file_digest(Path(variant.template)).encode())
     return h.hexdigest()
 
 
-def render(spec: DecodeSpec, mask: MaskDef | None = None, tiling: DecodeTiling | None = None) -> str:
+def render(spec: DecodeSpec, mask: MaskDef | None = None, tiling: DecodeTiling | None = None,
+           variant: VariantDef | None = None) -> str:
     """The CUDA source of one specialization, with its ABI checks (abi.source_checks), under
     decode_tiling(spec) unless a tiling is given."""
     mask = mask or masks.get(spec.mask)
+    variant = variant or variants.get(spec.variant)
     tiling = tiling or decode_tiling(spec)
-    context = dict(spec=spec, tiling=tiling, mask=mask, ctype=STORAGE_TYPES, version=__version__,
+    context = dict(spec=spec, tiling=tiling, mask=mask, variant=variant, ctype=STORAGE_TYPES, version=__version__,
                    item_ints=abi.ITEM_INTS, split_candidates=abi.SPLIT_CANDIDATES,
                    plan_smem_ints=abi.PLAN_SMEM_INTS,
-                   abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge))
+                   abi_checks=abi.source_checks(mask.params, merge=not tiling.fused_merge,
+                                                variant_params=variant.params))
     try:
         return environment().get_template(ENTRY_TEMPLATE).render(**context)
     except OutsideTemplateRoots as exc:
         raise TemplateError(f"template {exc.name!r} is outside the template roots: templates load package "
-                            "templates by relative name and registered mask templates by path (rendering "
-                            f"{spec.name}; mask {mask.name!r} uses {mask.template!r})") from exc
+                            "templates by relative name and registered mask and variant templates by path "
+                            f"(rendering {spec.name}; mask {mask.name!r} uses {mask.template!r}, variant "
+                            f"{variant.name!r} uses {variant.template!r})") from exc
     except jinja2.TemplateNotFound as exc:
         raise TemplateError(f"template {exc.name!r} not found (rendering {spec.name}; mask {mask.name!r} "
-                            f"uses {mask.template!r})") from exc
+                            f"uses {mask.template!r}, variant {variant.name!r} uses {variant.template!r})") from exc
     except jinja2.TemplateError as exc:
         raise TemplateError(f"{_template_location(exc)}: {exc.message or exc} (rendering {spec.name})") from exc
 

@@ -76,6 +76,7 @@ struct WorkItem {
                                                   "(flashjit.jit.abi.ITEM_INTS)");
   int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len, sharers, share;
   bool direct;  // the request's only item: it writes the output, not a partial for the merge
+  bool first_of_request;  // VARIANT_SINK: the item whose state the sink joins (else true, unread)
   FJ_INLINE WorkItem(const Args& a, int w) {
     const int4 span = __ldg(a.work_items + RECORD_INT4S * w), geometry = __ldg(a.work_items + RECORD_INT4S * w + 1);
     request = span.x; v_begin = span.y; v_end = span.z; kv_len = span.w;
@@ -83,6 +84,10 @@ struct WorkItem {
     direct = geometry.w == 1;
     sharers = 1;
     share = 0;
+    first_of_request = true;
+    if constexpr (VARIANT_SINK) {  // a sink joins the state of the request's first item only
+      first_of_request = direct || (request >= 0 && __ldg(a.req_work_indptr + request) == w);
+    }
     if constexpr (cfg::STATIC_SHARE < 100) {
       const int4 group = __ldg(a.work_items + RECORD_INT4S * w + 2);
       share = group.x; v_begin = group.y; v_end = group.z; sharers = group.w;
@@ -93,6 +98,29 @@ struct WorkItem {
   FJ_INLINE bool in_span(int vpos) const { return vpos >= v_begin && vpos < v_end; }
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
+
+// A visible score in the kernels' base-2 units (q . k * sm_scale * log2 e) through the variant's
+// logits hook, which takes and returns natural units.
+FJ_INLINE float variant_logits2(const VariantParams& vparams, float score2, int q_pos, int kv_pos, int qo_head) {
+  return variant_logits(vparams, score2 * FJ_LN2, q_pos, kv_pos, qo_head) * FJ_LOG2E;
+}
+
+// The variant's sink logit joins one row's softmax: lse2 (base 2, -inf for a row without visible
+// keys) becomes log2(2^lse2 + 2^sink2) and the output's factor inv shrinks by 2^(lse2 - that).
+// Each row's sink enters once, in the state of its request's first work item: the other
+// partials and the merges are unchanged, and the merge of sink-and-partial-0 with the rest is the
+// softmax over every key and the sink. A row without keys gets o = 0 and lse = sink.
+FJ_INLINE void fold_sink(const VariantParams& vparams, const WorkItem& item, int qo_head, float& lse2, float& inv) {
+  if constexpr (VARIANT_SINK) {
+    if (!item.first_of_request) return;
+    const float sink2 = variant_sink(vparams, qo_head) * FJ_LOG2E;
+    const float top = fmaxf(lse2, sink2);
+    if (top == FJ_NEG_INF) return;
+    const float total = top + log2_approx(exp2_approx(lse2 - top) + exp2_approx(sink2 - top));
+    inv *= exp2_approx(lse2 - total);
+    lse2 = total;
+  }
+}
 
 // Index of the (request, KV head, row tile) group in merge_counters and tile_counters.
 FJ_INLINE i64 group_index(int num_qo_heads, int request, int kv_head, int row_tile, int row_tiles) {
