@@ -99,7 +99,7 @@ class Engine:
 
     def source(self, spec: DecodeSpec | MergeSpec) -> str:
         """The rendered CUDA source of a spec (what `flashjit show` prints)."""
-        return _render(spec, _mask_of(spec))
+        return _render(spec, _mask_of(spec), _variant_of(spec))
 
     def _resolve(self, spec: DecodeSpec) -> tuple[Kernel, str]:
         with self._lock:
@@ -190,8 +190,10 @@ def _make_kernel(spec, mask, cubin: bytes, key: str, variant):
     return Kernel(spec, decode_tiling(spec), mask, cubin, key, variant)
 
 
-def _spec_key(spec, mask, variant) -> str:
-    """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC."""
+def _spec_key(spec, mask, variant=None) -> str:
+    """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC.
+    variant: the spec's VariantDef (default: the one registered under spec.variant)."""
+    variant = _variant_of(spec) if variant is None else variant
     return index_key(spec, mask, templates_digest(mask, variant), __version__, compile_options(spec.arch),
                      compiler_fingerprint(), variant)
 

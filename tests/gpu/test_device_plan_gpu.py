@@ -143,7 +143,8 @@ def test_graph_replays_after_new_plans_match_eager_runs(engine, mask, max_q):
         plan(eager, t)
         tokens = int(t[3][-1])
         expected = eager.run(q_static[:tokens], (k, v))
-        assert decoder.work.num_work > batch or batch < 8  # the long requests split inside the graph
+        if mask != "sliding_window" and batch >= 8:  # a window bounds every span: nothing to split
+            assert decoder.work.num_work > batch  # the long requests split inside the graph
         assert rel_error(out_static[:tokens], expected.float()) <= 5e-3
         decode_checked(out_static, t, q_static, k, v, mask, params, batch)
 

@@ -85,7 +85,9 @@ def test_large_merge_inside_a_cuda_graph(engine):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         merge_states(o, lse, out=out, out_lse=out_lse, engine=engine)
-    o.copy_(random_states(8, 512, 32, 128, torch.bfloat16, seed=10)[0])
+    new_o, new_lse = random_states(8, 512, 32, 128, torch.bfloat16, seed=10)
+    o.copy_(new_o)  # o is NaN where its lse is -inf: both change together
+    lse.copy_(new_lse)
     graph.replay()
     torch.cuda.synchronize()
     check_against_torch(out, out_lse, o, lse)
