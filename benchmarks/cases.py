@@ -35,6 +35,8 @@ class Case:
     base: str | None = None     # the bf16 row of the same shape, for the fp8 speedup
     kv_layout: str = "NHD"
     quick: bool = False
+    variant: str | None = None  # attention variant (soft_cap, sinks): flashjit.masks.variants; None: none
+    logits_soft_cap: float = 50.0  # the soft_cap rows' cap (Gemma 2's)
 
     def __post_init__(self):
         if (self.kv_len is None) == (not self.spreads):
@@ -48,7 +50,7 @@ class Case:
         """What a row shares with the rows it can be plotted against: heads, head_dim, page, layout, dtype, mask."""
         mask = "none" if self.window is None else f"window {self.window}" + (f" sinks {self.sinks}" if self.sinks else "")
         return (f"{self.heads_qo}/{self.heads_kv} heads d{self.head_dim} p{self.page_size} {self.kv_layout} "
-                f"{self.kv_dtype or 'bf16'} mask {mask}")
+                f"{self.kv_dtype or 'bf16'} mask {mask}" + (f" variant {self.variant}" if self.variant else ""))
 
 
 LOG_UNIFORM_64 = (Spread(64, 128, 32768, log=True),)
@@ -85,6 +87,19 @@ CASES = [
     Case("b16 L8192 e4m3 HND", 16, 8192, kv_dtype="float8_e4m3fn", base="b16 L8192 HND", kv_layout="HND"),
     Case("b16 L8192 e5m2", 16, 8192, kv_dtype="float8_e5m2", base="b16 L8192"),
     Case("b64 L8192 e4m3", 64, 8192, kv_dtype="float8_e4m3fn", base="b64 L8192", quick=True),
+    # gpt-oss decode (64 query / 8 KV heads, head_dim 64): learned sinks on 128-token windows
+    # (window_left 127) and on full layers, each beside the same shape without sinks (within 2%)
+    *(Case(f"gpt-oss b{b} L8192 window 128{' sinks' if v else ''}", b, 8192, head_dim=64, heads_qo=64, window=127,
+           variant=v) for b in (16, 32, 64) for v in (None, "sinks")),
+    *(Case(f"gpt-oss b{b} L8192{' sinks' if v else ''}", b, 8192, head_dim=64, heads_qo=64, variant=v)
+      for b in (16, 32, 64) for v in (None, "sinks")),
+    # Gemma 2 9B decode (16 / 8 heads, head_dim 256): soft-capped logits beside none (within 5%)
+    Case("gemma-2 b16 L8192 d256 16/8", 16, 8192, head_dim=256, heads_qo=16),
+    Case("gemma-2 b16 L8192 d256 16/8 soft_cap", 16, 8192, head_dim=256, heads_qo=16, variant="soft_cap"),
+    Case("b16 L8192 d128 soft_cap", 16, 8192, variant="soft_cap"),  # beside "b16 L8192"
+    # head_dim 512 (tensor cores only): against its read floor (>= 95%)
+    Case("b16 L8192 d512", 16, 8192, head_dim=512),
+    Case("b16 L8192 d512 e4m3", 16, 8192, head_dim=512, kv_dtype="float8_e4m3fn", base="b16 L8192 d512"),
 ]
 
 BASE_FAMILY = Case("base", 1, 1).family  # the default shape: the rows a plot puts side by side

@@ -28,6 +28,22 @@ def mask_of(case: Case, batch) -> tuple[str, dict]:
     return "none", {}
 
 
+def variant_of(case: Case, batch) -> dict:
+    """The case's attention variant as plan() keywords (empty for none). The sinks are seeded values
+    around the scores' scale, one per query head, so the sink weighs from little to most of a row."""
+    if case.variant is None:
+        return {}
+    import torch
+
+    params = {}
+    if "soft_cap" in case.variant:
+        params["logits_soft_cap"] = case.logits_soft_cap
+    if "sinks" in case.variant:
+        gen = torch.Generator().manual_seed(case.heads_qo)
+        params["sinks"] = (torch.randn(case.heads_qo, generator=gen) * 2).to(batch.q.device)
+    return {"variant": case.variant, "variant_params": params}
+
+
 @dataclasses.dataclass
 class Fp8Cache:
     cache: tuple        # (k, v) in fp8
@@ -53,5 +69,5 @@ def reference(batch, case: Case, fp8: Fp8Cache | None):
     mask, params = mask_of(case, batch)
     k, v = fp8.dequantized if fp8 else (batch.k_cache, batch.v_cache)
     out, _ = decode_reference(batch.q, k, v, batch.indptr, batch.indices, batch.last_page_len, mask=mask,
-                              mask_params=params, kv_layout=case.kv_layout)
+                              mask_params=params, kv_layout=case.kv_layout, **variant_of(case, batch))
     return out

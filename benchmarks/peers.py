@@ -17,7 +17,7 @@ import inspect
 from typing import Callable
 
 from benchmarks.cases import Case
-from benchmarks.inputs import Fp8Cache, mask_of
+from benchmarks.inputs import Fp8Cache, mask_of, variant_of
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)
 FLASHINFER_WORKSPACE = 256 * 2**20
@@ -58,7 +58,7 @@ def plan_arguments(batch, case: Case, tensor_cores=None) -> tuple[tuple, dict]:
     args = (batch.indptr, batch.indices, batch.last_page_len, case.heads_qo, case.heads_kv, case.head_dim,
             case.page_size)
     return args, {"mask": mask, "mask_params": params or None, "tensor_cores": tensor_cores,
-                  "kv_dtype": case.kv_dtype, "kv_layout": case.kv_layout}
+                  "kv_dtype": case.kv_dtype, "kv_layout": case.kv_layout, **variant_of(case, batch)}
 
 
 def _cache_and_scales(batch, fp8: Fp8Cache | None):
@@ -83,8 +83,8 @@ def flashjit_impl(torch, batch, case: Case, engine, fp8: Fp8Cache | None, tensor
 
 def flashjit_graph_step(torch, batch, case: Case, engine, fp8: Fp8Cache | None, tensor_cores=None) -> Step:
     """A graph-mode BatchDecode sized for the row (max_batch_size: its requests, max_num_pages: its
-    page ids), planned before the capture and again before the replays; where it plans on the GPU,
-    the captured step starts with replan(), as a server's step whose page table is written in place."""
+    page ids), planned before the capture and again before the replays, as FlashInfer's graph
+    wrapper is: plan() queues the GPU planner outside the replay (its device time is reported apart)."""
     import flashjit
 
     decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=case.batch,
@@ -93,12 +93,7 @@ def flashjit_graph_step(torch, batch, case: Case, engine, fp8: Fp8Cache | None, 
     decoder.plan(*args, **options)
     out = torch.empty_like(batch.q)
     cache, (k_scale, v_scale) = _cache_and_scales(batch, fp8)
-    def step():  # a decoder planning on the GPU re-plans inside the graph, timed with the step
-        if decoder.graph_page_table is not None:
-            decoder.replan()
-        return decoder.run(batch.q, cache, out=out, k_scale=k_scale, v_scale=v_scale)
-
-    return Step(step, before_replay=lambda: decoder.plan(*args, **options), info=lambda: _work_info(decoder))
+    return Step(lambda: decoder.run(batch.q, cache, out=out, k_scale=k_scale, v_scale=v_scale), before_replay=lambda: decoder.plan(*args, **options), info=lambda: _work_info(decoder))
 
 
 def flashjit_eager_and_graph(torch, batch, case, engine, fp8, tensor_cores=None) -> Impl:
@@ -110,6 +105,8 @@ def flashjit_eager_and_graph(torch, batch, case, engine, fp8, tensor_cores=None)
 # ---- cuDNN SDPA -------------------------------------------------------------------------------
 
 def sdpa_skip(case: Case, kv_lens) -> str | None:
+    if case.variant:
+        return f"cuDNN SDPA takes no {case.variant} variant: variant rows leave it out"
     if len(set(kv_lens)) != 1:
         return "cuDNN SDPA runs on rows of one length only (a padded mixed batch needs a mask it does not take)"
     if case.kv_dtype:
@@ -152,6 +149,8 @@ def sdpa(torch, batch, case: Case, backend=None) -> Impl:
 # ---- FlashInfer -------------------------------------------------------------------------------
 
 def flashinfer_skip(case: Case) -> str | None:
+    if case.variant and "sinks" in case.variant:
+        return "FlashInfer's decode wrapper takes no learned sinks: sinks rows leave it out"
     if case.sinks is not None:
         return "FlashInfer's decode wrapper has no sinks + window mask (sink rows compare with SDPA only)"
     if case.head_dim not in FLASHINFER_HEAD_DIMS:
@@ -178,7 +177,8 @@ def flashinfer_step(torch, flashinfer, batch, case: Case, fp8: Fp8Cache | None, 
     def plan():
         wrapper.plan(indptr, batch.indices, last, case.heads_qo, case.heads_kv, case.head_dim, case.page_size,
                      q_data_type=torch.bfloat16, kv_data_type=getattr(torch, case.kv_dtype) if fp8 else torch.bfloat16,
-                     window_left=case.window if case.window else -1)
+                     window_left=case.window if case.window else -1,
+                     **({"logits_soft_cap": case.logits_soft_cap} if case.variant == "soft_cap" else {}))
 
     plan()
     out = torch.empty_like(batch.q)
@@ -195,6 +195,10 @@ def flashinfer_impl(torch, flashinfer, batch, case, fp8, tensor_cores: bool) -> 
 # ---- FlashAttention-3 -------------------------------------------------------------------------
 
 def fa3_skip(case: Case) -> str | None:
+    if case.variant and "sinks" in case.variant:
+        return "FA3's paged decode takes no learned sinks here: sinks rows leave it out"
+    if case.head_dim > 256:
+        return f"FA3 supports head_dim up to 256: the d{case.head_dim} rows leave it out"
     if case.kv_dtype:
         return "FA3 takes an fp8 cache only with fp8 queries: fp8 rows leave it out"
     if case.kv_layout != "NHD":
@@ -228,6 +232,8 @@ def fa3_step(torch, fa3, batch, case: Case, num_splits: int | None) -> Step:
     options = {} if num_splits is None else {"num_splits": num_splits}
     if case.window:
         options["window_size"] = (case.window, 0)
+    if case.variant == "soft_cap":
+        options["softcap"] = case.logits_soft_cap
 
     def call():
         out = fa3.flash_attn_with_kvcache(q, batch.k_cache, batch.v_cache, cache_seqlens=seqlens, page_table=table,

@@ -6,15 +6,18 @@ from .serving.batch_decode import BatchDecode, decode, default_engine
 from .serving.batch_mla import BatchDecodeMLA
 from .jit.engine import Engine, PrewarmResult
 from .serving.quantize import dequantize_kv, quantize_kv, quantize_latent
+from .serving.merge_states import merge_state, merge_states
+from .jit.merge_spec import MergeSpec
 from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError
 from .masks.registry import register_mask
 from .masks.sink_window import sink_window_params
 from .jit.spec import DecodeSpec
 from .jit.mla_spec import MLASpec
 from .masks.tree import pack_tree_mask
+from .masks.variants import register_variant
 
 
-def get_kernel(spec: DecodeSpec | MLASpec):
+def get_kernel(spec: "DecodeSpec | MergeSpec | MLASpec"):
     """engine.get_kernel on the process-wide default engine."""
     return default_engine().get_kernel(spec)
 
@@ -23,4 +26,5 @@ __all__ = [
     "BatchDecode", "BatchDecodeMLA", "CacheError", "CompileError", "DecodeSpec", "Engine", "FlashJITError", "KernelNotPrewarmed",
     "MLASpec", "PrewarmResult", "SpecError", "TemplateError", "decode", "default_engine", "get_kernel", "pack_tree_mask",
     "quantize_kv", "quantize_latent", "dequantize_kv", "register_mask", "sink_window_params",
+    "MergeSpec", "merge_state", "merge_states", "register_variant",
 ]

@@ -8,7 +8,7 @@ class FlashJITError(Exception):
 
 
 class SpecError(FlashJITError, ValueError):
-    """A spec field (DecodeSpec, MLASpec) holds a value flashjit cannot generate code for."""
+    """A spec field (DecodeSpec's unless owner names another) holds a value flashjit cannot generate code for."""
 
     def __init__(self, field: str, value, accepted: str, owner: str = "DecodeSpec"):
         self.field, self.value, self.accepted = field, value, accepted

@@ -39,7 +39,7 @@ def reference_choose_chunk(span_lens, ctas_per_item, max_ctas, granularity, min_
 
 
 def reference_plan_work(span_begin, span_end, qo_indptr, *, ctas_per_item, max_ctas, granularity, chunk_tokens=None,
-                        max_items=None):
+                        max_items=None, fixed_split=False):
     span_begin = np.asarray(span_begin, dtype=np.int64)
     span_lens = np.maximum(np.asarray(span_end, dtype=np.int64) - span_begin, 0)
     if chunk_tokens is None:
@@ -57,7 +57,7 @@ def reference_plan_work(span_begin, span_end, qo_indptr, *, ctas_per_item, max_c
     token_request = np.repeat(np.arange(len(span_lens)), np.diff(qo_indptr))
     i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
     return WorkPlan(i32(work_request), i32(work_begin), i32(work_end), i32(req_work_indptr), i32(qo_indptr),
-                    i32(token_request), chunk)
+                    i32(token_request), chunk, fixed_split)
 
 
 def reference_page_table(indptr, last_page_len, page_size):

@@ -50,7 +50,7 @@ def forbid_render_and_nvrtc(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("an imported bundle's index must spare rendering and NVRTC")
 
-    monkeypatch.setattr(engine_module, "render", forbidden)
+    monkeypatch.setattr(engine_module, "source_of", forbidden)  # every family renders through it
     monkeypatch.setattr(engine_module, "nvrtc_version", forbidden)
 
 

@@ -48,11 +48,24 @@ def test_prewarm_hf_config_options(cache_dir, fake_nvrtc):
     (("--hf-config", MISTRAL, "--arch", "sm_90", "--page-size", "16,x"), "comma-separated integers"),
     (("--spec", DecodeSpec(64, arch="sm_90").name, "--page-size", "32"), "apply to --hf-config only"),
     (("--hf-config", "/nonexistent/config.json", "--arch", "sm_90"), "cannot be read"),
-    (("--hf-config", EXAMPLES / "hf" / "gemma-2-9b", "--arch", "sm_90"), "logit soft-capping"),
 ])
 def test_prewarm_hf_config_errors(cache_dir, argv, message):
     code, _, err = run("prewarm", *argv, "--cache-dir", cache_dir)
     assert code == 2 and message in err
+
+
+def test_prewarm_hf_config_refuses_alibi(cache_dir, tmp_path):
+    config = json.loads(MISTRAL.read_text()) | {"alibi": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, _, err = run("prewarm", "--hf-config", tmp_path, "--arch", "sm_90", "--cache-dir", cache_dir)
+    assert code == 2 and "field 'alibi'" in err and "ALiBi" in err
+
+
+def test_prewarm_hf_config_with_a_variant(cache_dir, fake_nvrtc):
+    code, out, err = run("prewarm", "--hf-config", EXAMPLES / "hf" / "gpt-oss-20b", "--arch", "sm_90",
+                         "--cache-dir", cache_dir)
+    assert code == 0, err
+    assert "decode_d64_bf16_kvbf16_sliding_window-sinks_p16_g8_q1_nhd_sm90_tc" in out and "sinks=" in err
 
 
 # ---- strict mode's prewarm line ---------------------------------------------------------------

@@ -102,11 +102,15 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     r, w = work.work_request, work.num_work
     records = item_records(device, buffers.starts)
     q_lens, splits = np.diff(work.req_qo_indptr), np.diff(work.req_work_indptr)
-    index = [list(r[:i]).count(r[i]) for i in range(w)]  # among the request's items
-    span_begin = [work.work_begin[r == r[i]].min() for i in range(w)]
-    span_end = [work.work_end[r == r[i]].max() for i in range(w)]
+    if work.fixed_split:  # each item its own tile-sharing group
+        index, span_begin, span_end, sharers = np.zeros(w), work.work_begin, work.work_end, np.ones(w)
+    else:  # the request's items share its span
+        index = [list(r[:i]).count(r[i]) for i in range(w)]  # among the request's items
+        span_begin = [work.work_begin[r == r[i]].min() for i in range(w)]
+        span_end = [work.work_end[r == r[i]].max() for i in range(w)]
+        sharers = splits[r]
     expected = np.stack([r, work.work_begin, work.work_end, kv_lens[r], indptr_h[r], work.req_qo_indptr[r],
-                         q_lens[r], splits[r], index, span_begin, span_end, np.zeros(w)], axis=1)
+                         q_lens[r], splits[r], index, span_begin, span_end, sharers], axis=1)
     assert np.array_equal(records[:w], expected) and (records[w:, 0] == -1).all()  # the rest: padding
     packed = {"req_qo_indptr": work.req_qo_indptr, "req_work_indptr": work.req_work_indptr,
               "token_request": work.token_request}
@@ -472,8 +476,17 @@ def test_page_id_range_reads_only_the_used_prefix(native):
 
 # ---- the staging copy ----------------------------------------------------------------------------------------
 
+# The records of test_plan_buffers_pack_every_field_at_its_offset's plan after the first 8 ints of each
+# (request, v_begin, v_end, kv_len, page_begin, q_begin, q_len, items of the request): the tile-sharing
+# group (index in it, its span, its items), the request's items (planned split) or the item alone (fixed).
+SHARING_GROUPS = {False: [(0, 0, 300, 3), (1, 0, 300, 3), (2, 0, 300, 3), (0, 0, 5, 1), (0, 0, 129, 2), (1, 0, 129, 2)],
+                  True: [(0, 0, 128, 1), (0, 128, 256, 1), (0, 256, 300, 1), (0, 0, 5, 1), (0, 0, 128, 1),
+                         (0, 128, 129, 1)]}
+
+
+@pytest.mark.parametrize("fixed_split", [False, True], ids=["planned", "fixed"])
 @pytest.mark.parametrize("native", [True, False], ids=["native", "numpy"])
-def test_plan_buffers_pack_every_field_at_its_offset(native):
+def test_plan_buffers_pack_every_field_at_its_offset(native, fixed_split):
     if native and native_library() is None:
         pytest.skip("no C compiler: plan() uses the numpy planner here")
 
@@ -486,17 +499,12 @@ def test_plan_buffers_pack_every_field_at_its_offset(native):
     i32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
     tables = planner.read(i32([0, 19, 20, 29]), i32([12, 5, 1]), 16, i32([0, 2, 3, 5]))  # 300, 5, 129 tokens
     assert type(tables).__name__ == ("NativeTables" if native else "NumpyTables")
-    tables.plan(None, None, ctas_per_item=4, max_ctas=8, granularity=16, chunk_tokens=128)
+    tables.plan(None, None, ctas_per_item=4, max_ctas=8, granularity=16, chunk_tokens=128, fixed_split=fixed_split)
     buffers.write(tables)
-    assert buffers.device_buffer.tolist() == [
-        # request, v_begin, v_end, kv_len, page_begin, q_begin, q_len, items of the request,
-        # the item's index among them, the request's span, 0
-        0, 0, 128, 300, 0, 0, 2, 3, 0, 0, 300, 0,
-        0, 128, 256, 300, 0, 0, 2, 3, 1, 0, 300, 0,
-        0, 256, 300, 300, 0, 0, 2, 3, 2, 0, 300, 0,
-        1, 0, 5, 5, 19, 2, 1, 1, 0, 0, 5, 0,
-        2, 0, 128, 129, 20, 3, 2, 2, 0, 0, 129, 0,
-        2, 128, 129, 129, 20, 3, 2, 2, 1, 0, 129, 0,
+    items = [(0, 0, 128, 300, 0, 0, 2, 3), (0, 128, 256, 300, 0, 0, 2, 3), (0, 256, 300, 300, 0, 0, 2, 3),
+             (1, 0, 5, 5, 19, 2, 1, 1), (2, 0, 128, 129, 20, 3, 2, 2), (2, 128, 129, 129, 20, 3, 2, 2)]
+    records = [value for item, group in zip(items, SHARING_GROUPS[fixed_split]) for value in item + group]
+    assert buffers.device_buffer.tolist() == records + [
         -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # padding past the plan's 6 items
         -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
         -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,

@@ -120,7 +120,7 @@ def test_warm_process_skips_render_and_nvrtc(warm, monkeypatch, compile_log):
     def forbidden(*args, **kwargs):
         raise AssertionError("a warm lookup must not render or load NVRTC")
 
-    monkeypatch.setattr(engine_module, "render", forbidden)
+    monkeypatch.setattr(engine_module, "source_of", forbidden)  # every family renders through it
     monkeypatch.setattr(engine_module, "nvrtc_version", forbidden)
     (result,) = Engine(cache_dir=warm.cache_dir, allow_compile=False).prewarm([warm.spec])
     assert result.source == "disk"

@@ -18,41 +18,44 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "hf"
 LLAMA = json.loads((EXAMPLES / "llama-3-8b" / "config.json").read_text())
 
 
-@pytest.mark.parametrize("folder, heads, kv_heads, head_dim, masks, window, sliding_layers", [
-    ("llama-3-8b", 32, 8, 128, ("none", "causal"), None, 0),
-    ("qwen2.5-7b", 28, 4, 128, ("none", "causal"), None, 0),           # use_sliding_window is false
-    ("mistral-7b", 32, 8, 128, ("none", "causal", "sliding_window"), 4096, 32),
-    ("qwen3-8b", 32, 8, 128, ("none", "causal"), None, 0),             # head_dim field; sliding_window null
-    ("llama-3.1-8b", 32, 8, 128, ("none", "causal"), None, 0),
-    ("llama-3.3-70b", 64, 8, 128, ("none", "causal"), None, 0),
-    ("llama-2-7b", 32, 32, 128, ("none", "causal"), None, 0),          # MHA, float16 checkpoint
-    ("phi-3-mini-4k", 32, 32, 96, ("none", "causal", "sliding_window"), 2047, 32),  # 3072 / 32
-    ("gemma-3-1b", 4, 1, 256, ("none", "causal", "sliding_window"), 512, 22),      # every 6th layer global
-    ("gemma-3-12b", 16, 8, 256, ("none", "causal", "sliding_window"), 1024, 40),   # head_dim: Gemma 3's default
-    ("gemma-3-27b", 32, 16, 128, ("none", "causal", "sliding_window"), 1024, 52),  # multimodal text_config
+@pytest.mark.parametrize("folder, heads, kv_heads, head_dim, masks, window, sliding_layers, variant", [
+    ("llama-3-8b", 32, 8, 128, ("none", "causal"), None, 0, "none"),
+    ("qwen2.5-7b", 28, 4, 128, ("none", "causal"), None, 0, "none"),           # use_sliding_window is false
+    ("mistral-7b", 32, 8, 128, ("none", "causal", "sliding_window"), 4096, 32, "none"),
+    ("qwen3-8b", 32, 8, 128, ("none", "causal"), None, 0, "none"),             # head_dim field; sliding_window null
+    ("llama-3.1-8b", 32, 8, 128, ("none", "causal"), None, 0, "none"),
+    ("llama-3.3-70b", 64, 8, 128, ("none", "causal"), None, 0, "none"),
+    ("llama-2-7b", 32, 32, 128, ("none", "causal"), None, 0, "none"),          # MHA, float16 checkpoint
+    ("phi-3-mini-4k", 32, 32, 96, ("none", "causal", "sliding_window"), 2047, 32, "none"),  # 3072 / 32
+    ("gemma-3-1b", 4, 1, 256, ("none", "causal", "sliding_window"), 512, 22, "none"),      # every 6th layer global
+    ("gemma-3-12b", 16, 8, 256, ("none", "causal", "sliding_window"), 1024, 40, "none"),   # head_dim: Gemma 3's default
+    ("gemma-3-27b", 32, 16, 128, ("none", "causal", "sliding_window"), 1024, 52, "none"),  # multimodal text_config
+    ("mistral-nemo-12b", 32, 8, 128, ("none", "causal"), None, 0, "none"),     # head_dim 128, not 5120 / 32
+    ("gemma-2-9b", 16, 8, 256, ("none", "causal", "sliding_window"), 4096, 21, "soft_cap"),  # every other layer
+    ("gemma-2-27b", 32, 16, 128, ("none", "causal", "sliding_window"), 4096, 23, "soft_cap"),
+    ("gpt-oss-20b", 64, 8, 64, ("none", "causal", "sliding_window"), 128, 12, "sinks"),  # layer_types
+    ("gpt-oss-120b", 64, 8, 64, ("none", "causal", "sliding_window"), 128, 18, "sinks"),
 ])
-def test_shipped_examples(folder, heads, kv_heads, head_dim, masks, window, sliding_layers):
+def test_shipped_examples(folder, heads, kv_heads, head_dim, masks, window, sliding_layers, variant):
     model = read_hf_config(EXAMPLES / folder / "config.json")
+    assert model.variant == variant
     assert (model.name, model.num_qo_heads, model.num_kv_heads, model.head_dim) == (folder, heads, kv_heads, head_dim)
     assert model.dtype == ("float16" if folder == "llama-2-7b" else "bfloat16") and model.masks == masks
     assert (model.sliding_window, model.sliding_layers) == (window, sliding_layers)
     specs = manifest_from_hf_config(EXAMPLES / folder).specs(["sm_90"])  # a folder holding config.json works too
-    assert [s.mask for s in specs] == list(masks)
+    assert [s.mask for s in specs] == list(masks) and all(s.variant == variant for s in specs)
     assert all(s.head_dim == head_dim and s.group_size == heads // kv_heads and s.page_size == 16 for s in specs)
     assert all(s.arch == "sm_90" for s in specs)
 
 
-@pytest.mark.parametrize("folder, field, feature", [
-    ("gpt-oss-20b", "model_type", "sinks, a learned logit per query head"),
-    ("gpt-oss-120b", "model_type", "sinks, a learned logit per query head"),
-    ("gemma-2-9b", "attn_logit_softcapping", "logit soft-capping"),
-])
-def test_shipped_examples_flashjit_cannot_serve(folder, field, feature):
-    with pytest.raises(ManifestError) as info:
-        read_hf_config(EXAMPLES / folder)
-    assert (info.value.model, info.value.field) == (folder, field)
-    assert feature in str(info.value) and "attention variants are not supported yet" in str(info.value)
-    assert "masks none, causal and sliding_window" in str(info.value)  # what is supported
+def test_variant_summaries():
+    """What an operator reads for gpt-oss and Gemma 2: the plan() arguments of their variants."""
+    gpt = read_hf_config(EXAMPLES / "gpt-oss-20b")
+    assert (gpt.sinks, gpt.logits_soft_cap) == (True, None)
+    assert "window_left=127" in gpt.summary() and "sinks=" in gpt.summary()
+    gemma = read_hf_config(EXAMPLES / "gemma-2-27b")
+    assert gemma.logits_soft_cap == 50.0 and "logits_soft_cap=50.0" in gemma.summary()
+    assert gemma.notes[-1] == "query_pre_attn_scalar=144: pass sm_scale=144**-0.5 to BatchDecode.plan"
 
 
 @pytest.mark.parametrize("folder, heads", [("deepseek-v3", 128), ("kimi-k2", 64)])
@@ -64,8 +67,7 @@ def test_shipped_latent_attention_examples(folder, heads):
 
 
 def test_every_shipped_example_is_tested():
-    tested = {row[0] for mark in (test_shipped_examples, test_shipped_examples_flashjit_cannot_serve,
-                                  test_shipped_latent_attention_examples)
+    tested = {row[0] for mark in (test_shipped_examples, test_shipped_latent_attention_examples)
               for row in mark.pytestmark[0].args[1]}
     assert tested == {path.parent.name for path in EXAMPLES.glob("*/config.json")}
 
@@ -152,10 +154,9 @@ def test_manifest_options(tmp_path):
     ({"num_attention_heads": 0}, "num_attention_heads", "positive integer"),
     ({"torch_dtype": "int8"}, "torch_dtype", "'int8' is not supported"),
     ({"kv_lora_rank": 512}, "kv_lora_rank", "multi-head latent attention"),
-    ({"head_dim": 512}, "head_dim", "512 (from head_dim) is not supported"),
-    ({"model_type": "gpt_oss"}, "model_type", "'gpt_oss': sinks"),
-    ({"attn_logit_softcapping": 30.0}, "attn_logit_softcapping", "30.0: logit soft-capping"),
-    ({"alibi": True}, "alibi", "ALiBi"),
+    ({"head_dim": 1024}, "head_dim", "1024 (from head_dim) is not supported"),
+    ({"attn_logit_softcapping": -1.0}, "attn_logit_softcapping", "must be a positive number"),
+    ({"alibi": True}, "alibi", "ALiBi position biases on the scores; no built-in variant"),
     ({"position_embedding_type": "alibi"}, "position_embedding_type", "ALiBi"),
     ({"attention_chunk_size": 8192}, "attention_chunk_size", "chunked attention"),
     ({"layer_types": ["linear_attention", "full_attention"]}, "layer_types", "'linear_attention' are not supported"),

@@ -53,10 +53,11 @@ def random_case(rng):
     if rng.random() < 0.4:  # a mask's kv_span: some inverted, sometimes starting at 0
         begin = rng.integers(0, 5000, batch)
         spans = (None if rng.random() < 0.3 else begin, np.minimum(kv_lens, rng.integers(0, 40000, batch)))
+    chunk_tokens = None if rng.random() < 0.8 else int(rng.integers(1, 5000))
     options = dict(ctas_per_item=int(rng.choice([1, 8, 16, 32])), max_ctas=int(rng.choice([16, 264, 528])),
-                   granularity=int(rng.choice([16, 32, 64])),
-                   chunk_tokens=None if rng.random() < 0.8 else int(rng.integers(1, 5000)),
-                   max_items=None if rng.random() < 0.7 else int(rng.integers(max(batch, 1), 200)))
+                   granularity=int(rng.choice([16, 32, 64])), chunk_tokens=chunk_tokens,
+                   max_items=None if rng.random() < 0.7 else int(rng.integers(max(batch, 1), 200)),
+                   fixed_split=chunk_tokens is not None and rng.random() < 0.5)
     return (indptr, last, page_size, qo_indptr, q_len), spans, options
 
 
@@ -81,11 +82,12 @@ def test_native_tables_match_numpy_on_random_batches(library, seed):
     work, expected = native.plan(*spans, **options), reference.plan(*spans, **options)
     assert (work.chunk_tokens, work.num_work, work.needs_merge) == (
         expected.chunk_tokens, expected.num_work, expected.needs_merge)
+    assert native.fixed_split == expected.fixed_split == options["fixed_split"]
     (contents, work_plan), (expected_contents, _) = staged(native, work), staged(reference, expected)
     assert contents == expected_contents
     for field in ("work_request", "work_begin", "work_end", "req_work_indptr", "req_qo_indptr", "token_request"):
         assert np.array_equal(getattr(work_plan, field), getattr(expected, field)), field
-    assert work_plan.max_splits == expected.max_splits
+    assert work_plan.max_splits == expected.max_splits and work_plan.fixed_split == expected.fixed_split
 
 
 def test_one_item_per_request_when_splitting_is_off(library):

@@ -10,6 +10,7 @@ from flashjit import DecodeSpec
 from flashjit.jit import host_library, keys
 from flashjit.jit.keys import cache_key, portable_key
 from flashjit.masks.registry import masks
+from flashjit.masks.variants import variants
 
 SOURCE = 'extern "C" __global__ void k() {}'
 OPTIONS = ("-arch=sm_90", "--std=c++17", "--use_fast_math")
@@ -29,12 +30,12 @@ def test_portable_key_is_pinned():
 
 
 def test_index_key_is_pinned(monkeypatch):
-    monkeypatch.setattr(engine_module, "templates_digest", lambda mask: "d" * 64)
+    monkeypatch.setattr(engine_module, "templates_digest", lambda mask, variant=None: "d" * 64)
     monkeypatch.setattr(engine_module, "compiler_fingerprint", lambda: "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86")
     monkeypatch.setattr(engine_module, "__version__", "0.1.0")
     spec = DecodeSpec(64, mask="sliding_window", arch="sm_90")
     assert engine_module._spec_key(spec, masks.get("sliding_window")) == \
-        "55bdc6bd67fd2b28619b919f84fd54b85f580eea437fd7b61a5e49c16ed6c0b1"
+        "1432223ef6e3b91377682a126439e64fa1b3b0639f8cbbdf980b5233d448214c"
 
 
 def test_host_library_key_is_pinned(monkeypatch):
@@ -50,8 +51,8 @@ def test_keys_module_computes_the_same_keys(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     spec = DecodeSpec(64, mask="sliding_window", arch="sm_90")
     assert keys.index_key(spec, masks.get("sliding_window"), "d" * 64, "0.1.0", OPTIONS,
-                          "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86") == \
-        "55bdc6bd67fd2b28619b919f84fd54b85f580eea437fd7b61a5e49c16ed6c0b1"
+                          "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86", variants.get("none")) == \
+        "1432223ef6e3b91377682a126439e64fa1b3b0639f8cbbdf980b5233d448214c"
     assert keys.library_key(b"int a;", ["/usr/bin/gcc", "-m64"], CFLAGS) == \
         "155e40931c9badbba94583e09c33e41e"
 

@@ -19,9 +19,11 @@ from flashjit.deploy.hf_mla import is_mla_config, read_mla_config
 from flashjit.deploy.manifest import ManifestError
 from flashjit.jit import abi
 from flashjit.jit.compile import compile_source
-from flashjit.jit.families import spec_from_name, tiling_of
+from flashjit.jit.families import mask_of, source_of, spec_from_name, tiling_of, variant_of
+from flashjit.jit.merge_spec import MergeSpec
 from flashjit.jit.kernel import LoadedKernel
 from flashjit.jit.mla_spec import MLASpec
+from flashjit.jit.spec import DecodeSpec
 from flashjit.jit.mla_tiling import MLA_TUNING, cta_rows, mla_tiling
 from flashjit.jit.render import render
 from flashjit.serving.batch_mla import BatchDecodeMLA
@@ -49,6 +51,21 @@ def test_spec_normalizes_and_names():
     assert hash(spec) == hash(MLASpec.from_name(spec.name)) and spec.replace(num_heads=32).num_heads == 32
     decode = "decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc"
     assert spec_from_name(decode).name == decode
+    assert spec_from_name("merge_states_bf16_sm90") == MergeSpec("bfloat16", "sm_90")
+
+
+def test_families_tell_the_three_spec_types_apart():
+    """One engine path: each family's mask, variant, tiling and source come from jit/families.py."""
+    mla, merge = MLASpec(16, arch="sm_90"), MergeSpec("float16", "sm_90")
+    decode = DecodeSpec(head_dim=64, mask="causal", variant="sinks", arch="sm_90")
+    assert (mask_of(mla).name, variant_of(mla).name) == ("causal", "none") and tiling_of(mla).entry == "flashjit_mla"
+    assert (mask_of(merge), variant_of(merge), tiling_of(merge)) == (None, None, None)
+    assert variant_of(decode).name == "sinks" and tiling_of(decode).entry == "flashjit_decode"
+    assert "mla::Args" in source_of(mla, mask_of(mla), variant_of(mla))
+    assert "merge_states::Args" in source_of(merge, None, None)
+    assert "VARIANT_SINK = true" in source_of(decode, mask_of(decode), variant_of(decode))
+    with pytest.raises(TypeError, match="not a kernel spec"):
+        tiling_of("decode_d64")
 
 
 @pytest.mark.parametrize("fields, field", [

@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 
-from flashjit.jit.spec import HEAD_DIMS, TENSOR_CORE_HEAD_DIMS, DecodeSpec
+from flashjit.jit.spec import CUDA_CORE_HEAD_DIMS, HEAD_DIMS, TENSOR_CORE_HEAD_DIMS, DecodeSpec
 from flashjit.jit.tiling import TUNING, DecodeTiling, decode_tiling
 
 # Each family's tiling at group 16 (both kernels' row tiles), as a tuple of DecodeTiling's fields:
@@ -34,16 +34,21 @@ PINNED = {
     (True,  "e4m3",  64): (8, 8, 128, 8, 1, 1, 2, 64, 4, True, 36976, 64, 80, 128, False, 128, True, True, 100, 1, 1, 8, 16, 8),
     (True,  "e4m3", 128): (8, 16, 128, 8, 1, 1, 2, 64, 2, True, 41072, 160, 160, 128, False, 128, True, True, 100, 1, 1, 8, 32, 4),
     (True,  "e4m3", 256): (8, 32, 64, 8, 1, 1, 2, 32, 3, True, 49264, 256, 256, 128, True, 128, True, True, 100, 1, 1, 8, 64, 2),
+    # head_dim 512: 16-bit Q's fragments in shared memory (the last field, 16 rows x 512 x 2 bytes)
+    (True,  "bf16", 512): (8, 64, 256, 16, 1, 1, 1, 32, 2, True, 151664, 1056, 1056, 128, False, 128, True, True, 75, 1, 4, 8, 128, 1,
+                           16384),
+    (True,  "e4m3", 512): (8, 64, 256, 8, 1, 1, 2, 32, 3, True, 98416, 512, 512, 128, True, 128, True, True, 100, 1, 4, 8, 128, 1),
 }
 # sha256 of repr((spec's grid key, tiling as a tuple)) over every_spec(), in order.
-PINNED_GRID_DIGEST = "d951ad2df71d6c5dac4364a1b73562a4e82ac752ef72017d89d0f90616a720a6"
+PINNED_GRID_DIGEST = "d1db0205fb3365a1f0edaddcc8902521e6d974942fa7c72425244ebfcd6af5f6"
 
 
 def every_spec():
     """Each head_dim, K/V dtype, kernel family and 256 group x query-length shapes (rows 1 to 1024)."""
     for head_dim, kv_dtype, group, q_len, tensor_cores in itertools.product(
             HEAD_DIMS, ("bf16", "f16", "e4m3", "e5m2"), range(1, 65), (1, 2, 3, 16), (None, False, True)):
-        if not tensor_cores or head_dim in TENSOR_CORE_HEAD_DIMS:
+        if (not tensor_cores or head_dim in TENSOR_CORE_HEAD_DIMS) and (tensor_cores is not False
+                                                                        or head_dim in CUDA_CORE_HEAD_DIMS):
             yield DecodeSpec(head_dim=head_dim, dtype="f16", kv_dtype=kv_dtype, group_size=group, max_q_len=q_len,
                              tensor_cores=tensor_cores, arch="sm_90")
 
@@ -89,7 +94,7 @@ def test_a_passed_table_changes_the_tiling_and_leaves_the_default_alone():
     assert [row for row in table.tensor_cores if row.key != (True, 128)] == [
         row for row in TUNING.tensor_cores if row.key != (True, 128)]
     assert all(row.static_share == 50 for row in TUNING.with_rows(static_share=50).tensor_cores)
-    assert [row.stages for row in TUNING.with_rows(fp8=False, stages=5).tensor_cores] == [5, 5, 5, 4, 2, 3]
+    assert [row.stages for row in TUNING.with_rows(fp8=False, stages=5).tensor_cores] == [5, 5, 5, 5, 4, 2, 3, 3]
 
 
 def ldmatrix_extra_wavefronts(pitch: int, swizzle: bool, chunk: int) -> int:

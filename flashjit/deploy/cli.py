@@ -106,11 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("check-mask", help="check a mask: compile it, replay its hooks on the CPU, and (with a GPU) "
                                           "run its kernels against the torch reference on random batches")
-    p.add_argument("mask", metavar="NAME", help="a registered mask (built-in, template folder or plugin)")
+    p.add_argument("mask", metavar="NAME", help="a registered mask (built-in, template folder or plugin), or an "
+                                                 "attention variant (soft_cap, sinks, ...: checked under every built-in mask)")
+    p.add_argument("--variant", help="check the mask NAME under this attention variant")
     p.add_argument("--arch", help="comma-separated archs to compile for (default: sm_90 without a GPU, "
                                   "none beyond the GPU's own with one)")
     p.add_argument("--params", nargs="+", default=[], metavar="NAME=VALUE",
-                   help="fix int/float mask params for every case (others are sampled)")
+                   help="fix int/float mask (or variant) params for every case (others are sampled)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random cases (default 0)")
     jobs(p), cache_dir(p)
     p.set_defaults(func=cmd_check_mask)

@@ -134,10 +134,10 @@ def host_planner_status(engine) -> str:
 # ---- show -------------------------------------------------------------------------------------
 
 def cmd_show(args) -> int:
-    from ..jit.families import spec_from_name
-    from ..jit.render import render
+    from ..jit.families import mask_of, source_of, spec_from_name, variant_of
 
-    sys.stdout.write(render(spec_from_name(args.spec_name)))
+    spec = spec_from_name(args.spec_name)
+    sys.stdout.write(source_of(spec, mask_of(spec), variant_of(spec)))
     return 0
 
 
@@ -184,7 +184,7 @@ def cmd_check_mask(args) -> int:
     from ..jit.engine import Engine
 
     report = check_mask(args.mask, archs=args.arch, overrides=args.params, engine=Engine(args.cache_dir),
-                        seed=args.seed, jobs=args.jobs)
+                        seed=args.seed, jobs=args.jobs, variant=args.variant)
     for title, header, rows in report.tables():
         print(f"{title}\n{table(rows, header)}\n")
     for line in report.notes + report.failures():

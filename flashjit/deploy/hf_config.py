@@ -15,11 +15,13 @@ fields transformers reads.
                       sliding_window alone                             (Mistral: every layer)
 Multimodal configs are read from their `text_config`. Fields a model type's config class fills in
 by default (Gemma 3's head_dim, heads and window pattern, which Hub configs omit) are filled the
-same way. The window's size, like sm_scale (Gemma's query_pre_attn_scalar), is a runtime
-BatchDecode.plan argument, not part of a kernel.
-A config whose attention flashjit kernels cannot compute (soft-capped logits, learned sinks,
-ALiBi, chunked or linear attention layers) is refused, never approximated; latent attention
-(kv_lora_rank) is refused here and read by hf_mla.py, which derives MLA kernels instead.
+same way.     variant       = soft_cap when attn_logit_softcapping is set (Gemma 2, Grok-1: every layer), sinks
+                    for model_type gpt_oss (a learned logit per query head on every layer), else none
+The window's size, like sm_scale (Gemma's query_pre_attn_scalar), the soft cap and the sinks'
+values, is a runtime BatchDecode.plan argument, not part of a kernel.
+A config whose attention flashjit kernels cannot compute (ALiBi, chunked or linear attention
+layers) is refused, never approximated; latent attention (kv_lora_rank) is refused here and read
+by hf_mla.py, which derives MLA kernels instead.
 Every problem raises ManifestError naming the file, the model and the config field.
 """
 
@@ -41,8 +43,11 @@ MODEL_DEFAULTS = {
                     "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6},
 }
 
-SUPPORTED = "flashjit kernels compute plain softmax attention with masks none, causal and sliding_window"
+SUPPORTED = ("flashjit kernels compute softmax attention with masks none, causal and sliding_window, soft-capped "
+             "logits (soft_cap) and learned sinks (sinks)")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+ALIBI_VERDICT = ("no built-in variant (a variant registered with register_variant can add the slopes in its logits "
+                 "hook)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,15 @@ class HFAttention:
     sliding_window: int | None      # tokens; None when no layer uses a window
     sliding_layers: int             # layers that attend through the window
     notes: tuple[str, ...] = ()     # what the operator should know (dtype fallbacks, unsupported features)
+    logits_soft_cap: float | None = None  # attn_logit_softcapping (every layer)
+    sinks: bool = False             # a learned sink logit per query head on every layer (gpt-oss)
+
+    @property
+    def variant(self) -> str:
+        """The attention variant of every layer (flashjit.masks.variants)."""
+        if self.logits_soft_cap and self.sinks:
+            return "soft_cap_sinks"
+        return "soft_cap" if self.logits_soft_cap else "sinks" if self.sinks else "none"
 
     @property
     def masks(self) -> tuple[str, ...]:
@@ -68,7 +82,7 @@ class HFAttention:
         return ModelEntry(name=self.name, num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
                           head_dim=self.head_dim, dtype=self.dtype, kv_dtype=kv_dtype,
                           page_sizes=tuple(page_sizes), masks=self.masks, max_q_lens=tuple(max_q_lens),
-                          kv_layouts=tuple(kv_layouts))
+                          kv_layouts=tuple(kv_layouts), variants=(self.variant,))
 
     def summary(self) -> str:
         text = (f"{self.name}: {self.num_qo_heads} query / {self.num_kv_heads} KV heads (group "
@@ -77,6 +91,10 @@ class HFAttention:
             layers = f"{self.sliding_layers} of {self.num_layers}" if self.num_layers else "its"
             text += (f"; sliding window {self.sliding_window} on {layers} layers "
                      f"(plan those with mask='sliding_window', window_left={self.sliding_window - 1})")
+        if self.logits_soft_cap:
+            text += f"; soft-capped logits (plan with logits_soft_cap={self.logits_soft_cap})"
+        if self.sinks:
+            text += "; learned sinks per query head (plan with sinks=<the layer's self_attn.sinks, float32>)"
         return text
 
 
@@ -133,10 +151,14 @@ def read_hf_config(path, dtype=None) -> HFAttention:
     layers = config.get("num_hidden_layers")
     layers = layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
     window, sliding = _sliding_window(config, layers, notes)
+    cap = config.get("attn_logit_softcapping")
+    if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or not 0 <= cap < float("inf")):
+        raise fail("attn_logit_softcapping", f"must be a positive number (or null/0: none), got {cap!r}")
     scalar = config.get("query_pre_attn_scalar")
     if isinstance(scalar, (int, float)) and scalar != head_dim:
         notes.append(f"query_pre_attn_scalar={scalar}: pass sm_scale={scalar}**-0.5 to BatchDecode.plan")
-    return HFAttention(name, str(path), heads, kv_heads, head_dim, dtype, layers, window, sliding, tuple(notes))
+    return HFAttention(name, str(path), heads, kv_heads, head_dim, dtype, layers, window, sliding, tuple(notes),
+                       float(cap) if cap else None, config.get("model_type") == "gpt_oss")
 
 
 def manifest_from_hf_config(path, page_sizes=(16,), dtype=None, kv_dtype=None, max_q_lens=(1,),
@@ -203,22 +225,18 @@ def _sliding_window(config: dict, layers: int | None, notes: list) -> tuple[int 
 
 def refuse_unsupported(config: dict, fail) -> None:
     """Raise for the first config field whose attention flashjit kernels do not compute."""
-    def refuse(field, feature, verdict="attention variants are not supported yet"):
+    def refuse(field, feature, verdict="not supported"):
         raise fail(field, f"{config[field]!r}: {feature}; {verdict}: {SUPPORTED}")
 
-    if config.get("model_type") == "gpt_oss":  # the sinks are weights: the model type is what the config says
-        refuse("model_type", "sinks, a learned logit per query head (self_attn.sinks) in every softmax")
-    if config.get("attn_logit_softcapping"):
-        refuse("attn_logit_softcapping", "logit soft-capping, cap * tanh(score / cap) before the softmax")
     for field in ("alibi", "use_alibi"):
         if config.get(field):
-            refuse(field, "ALiBi position biases on the scores")
+            refuse(field, "ALiBi position biases on the scores", ALIBI_VERDICT)
     if config.get("position_embedding_type") == "alibi":
-        refuse("position_embedding_type", "ALiBi position biases on the scores")
+        refuse("position_embedding_type", "ALiBi position biases on the scores", ALIBI_VERDICT)
     if config.get("kv_lora_rank"):
-        refuse("kv_lora_rank", "multi-head latent attention (DeepSeek V2/V3)", "not supported")
+        refuse("kv_lora_rank", "multi-head latent attention (DeepSeek V2/V3)")
     if config.get("attention_chunk_size"):
-        refuse("attention_chunk_size", "chunked attention (Llama 4)", "not supported")
+        refuse("attention_chunk_size", "chunked attention (Llama 4)")
     layer_types = config.get("layer_types")
     if isinstance(layer_types, list):
         other = sorted({str(kind) for kind in layer_types if kind not in LAYER_TYPES})

@@ -13,10 +13,11 @@
     masks = ["none", "causal"]
     max_q_lens = [1, 4]                 # optional, default [1]; > 1 for speculative decoding
     kv_layouts = ["NHD"]                # optional, default ["NHD"]
+    variants = ["sinks"]                # optional, default ["none"]; attention variants (soft_cap, sinks, ...)
 
-Each model expands to the cross product page_sizes x masks x max_q_lens x kv_layouts x archs.
-Runtime values (batch, lengths, sliding-window size, sm_scale) are launch arguments and have no
-place here. Every problem raises ManifestError, naming the file, the model and the field.
+Each model expands to the cross product page_sizes x masks x variants x max_q_lens x kv_layouts x
+archs. Runtime values (batch, lengths, sliding-window size, sm_scale, the soft cap, the sinks'
+values) are launch arguments and have no place here. Every problem raises ManifestError, naming the file, the model and the field.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ else:  # pragma: no cover - Python 3.10
 
 TOP_LEVEL_KEYS = ("archs", "model")
 REQUIRED_KEYS = ("name", "num_qo_heads", "num_kv_heads", "head_dim", "dtype", "page_sizes", "masks")
-OPTIONAL_KEYS = {"kv_dtype": None, "max_q_lens": [1], "kv_layouts": ["NHD"]}
-LIST_KEYS = ("page_sizes", "masks", "max_q_lens", "kv_layouts")
+OPTIONAL_KEYS = {"kv_dtype": None, "max_q_lens": [1], "kv_layouts": ["NHD"], "variants": ["none"]}
+LIST_KEYS = ("page_sizes", "masks", "max_q_lens", "kv_layouts", "variants")
 # manifest field -> DecodeSpec field, to name the manifest's field when a spec rejects a value
 _SPEC_FIELD_TO_KEY = {"head_dim": "head_dim", "dtype": "dtype", "kv_dtype": "kv_dtype", "mask": "masks",
                       "page_size": "page_sizes", "group_size": "num_qo_heads/num_kv_heads",
-                      "max_q_len": "max_q_lens", "kv_layout": "kv_layouts", "arch": "archs"}
+                      "max_q_len": "max_q_lens", "kv_layout": "kv_layouts", "arch": "archs", "variant": "variants"}
 
 
 class ManifestError(SpecError):
@@ -68,6 +69,7 @@ class ModelEntry:
     masks: tuple[str, ...]
     max_q_lens: tuple[int, ...] = (1,)
     kv_layouts: tuple[str, ...] = ("NHD",)
+    variants: tuple[str, ...] = ("none",)
 
     @property
     def group_size(self) -> int:
@@ -146,7 +148,7 @@ def _parse_model(table: dict, index: int, path) -> ModelEntry:
             raise fail(key, f"must be a string such as \"bf16\", got {values[key]!r}")
     for key in LIST_KEYS:
         value = values[key]
-        kind = str if key in ("masks", "kv_layouts") else int
+        kind = str if key in ("masks", "kv_layouts", "variants") else int
         if (not isinstance(value, list) or not value
                 or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)):
             example = '["none", "causal"]' if kind is str else "[16]"
@@ -155,7 +157,8 @@ def _parse_model(table: dict, index: int, path) -> ModelEntry:
         name=name, num_qo_heads=values["num_qo_heads"], num_kv_heads=values["num_kv_heads"],
         head_dim=values["head_dim"], dtype=values["dtype"], kv_dtype=values["kv_dtype"],
         page_sizes=tuple(values["page_sizes"]), masks=tuple(values["masks"]),
-        max_q_lens=tuple(values["max_q_lens"]), kv_layouts=tuple(values["kv_layouts"]))
+        max_q_lens=tuple(values["max_q_lens"]), kv_layouts=tuple(values["kv_layouts"]),
+        variants=tuple(values["variants"]))
 
 
 def resolve_archs(cli_archs, manifest_archs=(), path=None) -> tuple[str, ...]:
@@ -188,12 +191,12 @@ def parse_arch_list(text: str) -> list[str]:
 
 def expand_model(model: ModelEntry, archs, path="<manifest>") -> list[DecodeSpec]:
     specs = []
-    for page_size, mask, max_q_len, layout, arch in itertools.product(
-            model.page_sizes, model.masks, model.max_q_lens, model.kv_layouts, archs):
+    for page_size, mask, variant, max_q_len, layout, arch in itertools.product(
+            model.page_sizes, model.masks, model.variants, model.max_q_lens, model.kv_layouts, archs):
         try:
             specs.append(DecodeSpec(head_dim=model.head_dim, dtype=model.dtype, kv_dtype=model.kv_dtype, mask=mask,
                                     page_size=page_size, group_size=model.group_size, max_q_len=max_q_len,
-                                    kv_layout=layout, arch=arch))
+                                    kv_layout=layout, arch=arch, variant=variant))
         except SpecError as exc:
             key = _SPEC_FIELD_TO_KEY.get(exc.field, exc.field)
             raise ManifestError(path, model.name, key, f"{exc.value!r} is not supported; accepted: {exc.accepted}") from None

@@ -1,10 +1,11 @@
 """The one source of the Python<->CUDA ABI: the kernels' argument structs and the work-item record.
 
-The host fills DecodeArgs, MergeArgs and PlanArgs and hands their addresses to cuLaunchKernel as
-the kernels' `decode::Args`, `merge::Args` and `plan::Args` parameters (templates/include/
-decode_common.cuh, merge.cuh and device_plan.cuh); the planners (host and GPU) write ITEM_INTS
-int32 per work item, which decode::WorkItem reads, and price the same SPLIT_CANDIDATES; the MLA
-kernel takes MLAArgs (mla::Args, templates/include/mla.cuh) and reads the same records. The CUDA
+The host fills DecodeArgs, MergeArgs and PlanArgs (MergeStatesArgs: the merge_states kernel's)
+and hands their addresses to cuLaunchKernel as the kernels' `decode::Args`, `merge::Args` and
+`plan::Args` parameters (templates/include/decode_common.cuh, merge.cuh and device_plan.cuh;
+merge_states.cuh); the planners (host and GPU) write ITEM_INTS int32 per work item, which
+decode::WorkItem reads, and price the same SPLIT_CANDIDATES; the MLA kernel takes MLAArgs
+(mla::Args, templates/include/mla.cuh) and reads the same records. The CUDA
 side is written by hand, and these checks tie it to the definitions here:
 
 * render() pastes source_checks() into every kernel source: static_asserts of each struct's size
@@ -23,10 +24,17 @@ import ctypes
 from ..masks.params import MASK_PARAM_CTYPES
 
 # The int32 fields of one work-item record, in order: the item's span and its request's geometry
-# (request -1: CUDA-graph padding), then its index among the request's items and the request's span.
+# (request -1: CUDA-graph padding), then its tile-sharing group: the item's index in it, the span its
+# CTAs share and how many items share it. The group is the request's items, or for a fixed split
+# (plan(fixed_split_tokens=...)) the item alone, which then reads exactly its own span.
 WORK_ITEM_FIELDS = ("request", "v_begin", "v_end", "kv_len", "page_begin", "q_begin", "q_len", "splits",
-                    "split", "span_begin", "span_end", "unused")
+                    "share", "share_begin", "share_end", "sharers")
 ITEM_INTS = len(WORK_ITEM_FIELDS)
+
+# The GPU planner's shared memory: PLAN_SMEM_INTS int32 per request (plus one), for at most
+# PLAN_MAX_BATCH requests (a larger CUDA-graph batch plans on the host).
+PLAN_SMEM_INTS, PLAN_MAX_BATCH = 6, 4096
+PLAN_MAX_SMEM_BYTES = 4 * PLAN_SMEM_INTS * (PLAN_MAX_BATCH + 1)
 
 # The split counts both planners try for the longest span (the render defines FJ_SPLIT_CANDIDATES).
 SPLIT_CANDIDATES = tuple(range(1, 25)) + (28, 32, 40, 48, 56, 64, 80, 96, 112, 128)
@@ -94,7 +102,22 @@ class PlanArgs(ctypes.Structure):
         "batch", "indptr", "last_page_len", "qo_indptr", "work_items", "num_tokens", "req_qo_indptr",
         "req_work_indptr", "token_request", "chunk_out", "num_work_out")] + [(name, ctypes.c_int) for name in (
             "page_size", "batch_capacity", "work_capacity", "token_capacity", "ctas_per_item", "max_ctas",
-            "granularity", "min_chunk", "chunk_tokens", "item_overhead", "merge_cost")]
+            "granularity", "min_chunk", "chunk_tokens", "fixed_split", "item_overhead", "merge_cost")]
+
+
+class MergeStatesArgs(ctypes.Structure):
+    """merge_states::Args, flashjit_merge_states's parameter (templates/include/merge_states.cuh)."""
+
+    _c_name_ = "merge_states::Args"
+    _fields_ = [
+        ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p), ("out", ctypes.c_void_p), ("out_lse", ctypes.c_void_p),
+        ("o_state", ctypes.c_int64), ("o_token", ctypes.c_int64), ("o_head", ctypes.c_int64),
+        ("lse_state", ctypes.c_int64), ("lse_token", ctypes.c_int64), ("lse_head", ctypes.c_int64),
+        ("out_token", ctypes.c_int64), ("out_head", ctypes.c_int64),
+        ("out_lse_token", ctypes.c_int64), ("out_lse_head", ctypes.c_int64),
+        ("num_states", ctypes.c_int), ("num_tokens", ctypes.c_int), ("num_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int),
+    ]
 
 
 # What a ctypes field type is on the CUDA side: fj_abi::kind<T>::value of the C type.
@@ -147,16 +170,19 @@ def struct_asserts(struct: type[ctypes.Structure]) -> list[str]:
     return checks
 
 
-def source_checks(mask_params, merge: bool) -> str:
+def source_checks(mask_params, merge: bool, variant_params=()) -> str:
     """The ABI checks of one kernel source: decode::Args, merge::Args when the source has
-    flashjit_merge (merge), and the mask's runtime parameters (MaskParams fields, of the types of
-    the kernel parameters that fill them)."""
+    flashjit_merge (merge), and the mask's and the variant's runtime parameters (MaskParams and
+    VariantParams fields, of the types of the kernel parameters that fill them)."""
     checks = ["// The host's argument layouts (flashjit.jit.abi), checked field by field.", _PREAMBLE,
               *struct_asserts(DecodeArgs), *struct_asserts(PlanArgs)]
     if merge:
         checks += struct_asserts(MergeArgs)
     for p in mask_params:
         checks.append(_field_assert("MaskParams", p.name, None, MASK_PARAM_CTYPES[p.kind],
+                                    f"flashjit.masks.params.PARAM_KINDS['{p.kind}']"))
+    for p in variant_params:
+        checks.append(_field_assert("VariantParams", p.name, None, MASK_PARAM_CTYPES[p.kind],
                                     f"flashjit.masks.params.PARAM_KINDS['{p.kind}']"))
     return "\n".join(checks)
 
@@ -165,3 +191,9 @@ def mla_source_checks() -> str:
     """The ABI checks of an MLA kernel source: mla::Args and plan::Args field by field."""
     return "\n".join(["// The host's argument layouts (flashjit.jit.abi), checked field by field.", _PREAMBLE,
                       *struct_asserts(MLAArgs), *struct_asserts(PlanArgs)])
+
+
+def merge_states_checks() -> str:
+    """The ABI checks of the merge_states kernel source: merge_states::Args."""
+    return "\n".join(["// The host's argument layout (flashjit.jit.abi), checked field by field.", _PREAMBLE,
+                      *struct_asserts(MergeStatesArgs)])

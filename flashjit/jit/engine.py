@@ -1,5 +1,9 @@
 """Engine: the one place that composes spec -> render -> compile -> cache -> Kernel.
 
+Every kernel family (jit/families.py) shares the lifecycle: a DecodeSpec or an MLASpec gives a
+Kernel (rendered with its mask and variant), a MergeSpec the MergeStatesKernel (no mask).
+families.mask_of, variant_of, source_of and make_kernel are where they differ.
+
 get_kernel looks in memory, then in the cache index (no render, no NVRTC), then renders the source
 and obtains its cubin through the artifact lifecycle (artifact.obtain: disk, else compile under a
 per-key file lock so concurrent processes compile once). Every compile logs one INFO line on the
@@ -27,16 +31,20 @@ from ..errors import KernelNotPrewarmed, SpecError
 from .keys import cache_key, index_key, portable_key
 from .kernel import Kernel
 from ..masks.registry import masks
-from .render import render, templates_digest
+from ..masks.variants import variants
+from .families import make_kernel, mask_of, source_of, variant_of
+from .merge_kernel import MergeStatesKernel
+from .merge_spec import MergeSpec
+from .mla_spec import MLASpec
+from .render import templates_digest
 from .spec import DecodeSpec
-from .families import tiling_of
 
 log = logging.getLogger("flashjit")
 
 
 @dataclasses.dataclass(frozen=True)
 class PrewarmResult:
-    spec: DecodeSpec
+    spec: DecodeSpec | MLASpec | MergeSpec
     source: str      # "memory", "disk" or "compiled"
     seconds: float
 
@@ -50,7 +58,7 @@ def _capturing() -> bool:
 
 
 class Engine:
-    """Compiles, caches and hands out kernels of every family (DecodeSpec, MLASpec: jit/families.py).
+    """Compiles, caches and hands out kernels of every family (DecodeSpec, MLASpec, MergeSpec: jit/families.py).
 
     cache_dir: where compiled kernels live (else FLASHJIT_CACHE_DIR, else the user cache dir).
     template_dirs: folders of extra mask templates (NAME.cuh.j2), registered on construction.
@@ -67,7 +75,8 @@ class Engine:
         self._key_locks: dict[DecodeSpec, threading.Lock] = {}
         self._lock = threading.Lock()
 
-    def get_kernel(self, spec: DecodeSpec) -> Kernel:
+    def get_kernel(self, spec: DecodeSpec | MLASpec | MergeSpec) -> Kernel | MergeStatesKernel:
+        """The kernel of a DecodeSpec or an MLASpec (a Kernel) or of a MergeSpec (the MergeStatesKernel)."""
         if self._mask_generation != masks.generation:
             self._forget_replaced_masks()
         kernel = self._kernels.get(spec)
@@ -76,21 +85,23 @@ class Engine:
         return self._resolve(spec)[0]
 
     def _forget_replaced_masks(self):
-        """Drop the kernels of masks registered anew (replace=True, a template folder) since they were made."""
+        """Drop the kernels of masks or variants registered anew (replace=True, a template folder) since they were made."""
         with self._lock:
             generation = masks.generation
             for spec, kernel in list(self._kernels.items()):
+                if kernel.mask is None:  # a kernel without a mask (merge_states) is never replaced
+                    continue
                 try:
-                    current = masks.get(spec.mask)
+                    current = (masks.get(spec.mask), variants.get(spec.variant))
                 except SpecError:  # no longer registered: drop it too
                     current = None
-                if current != kernel.mask:
+                if current != (kernel.mask, kernel.variant):
                     del self._kernels[spec]
             self._mask_generation = generation
 
-    def source(self, spec: DecodeSpec) -> str:
+    def source(self, spec: DecodeSpec | MLASpec | MergeSpec) -> str:
         """The rendered CUDA source of a spec (what `flashjit show` prints)."""
-        return render(spec)
+        return source_of(spec, mask_of(spec), variant_of(spec))
 
     def _resolve(self, spec: DecodeSpec) -> tuple[Kernel, str]:
         with self._lock:
@@ -99,21 +110,21 @@ class Engine:
             kernel = self._kernels.get(spec)
             if kernel is not None:
                 return kernel, "memory"
-            mask = masks.get(spec.mask)
-            spec_key = _spec_key(spec, mask)
+            mask, variant = mask_of(spec), variant_of(spec)
+            spec_key = _spec_key(spec, mask, variant)
             key, hit = self._indexed(spec, spec_key)
             if hit is not None:
                 cubin, origin = hit[0], "disk"
                 self.cache.touch(key)  # last use, for `flashjit cache prune`; memory hits never get here
             else:
-                wanted = _Cubin(self.cache, self.allow_compile, spec, render(spec, mask))
+                wanted = _Cubin(self.cache, self.allow_compile, spec, source_of(spec, mask, variant))
                 (key, cubin), built = obtain(wanted)
                 origin = "compiled" if built else "disk"
                 if key == wanted.key:  # another NVRTC's cubin is served but not indexed: a compiling host rebuilds it
                     self.cache.store_index(spec_key, key)
                     if not built:
                         self.cache.touch(key)
-            kernel = Kernel(spec, tiling_of(spec), mask, cubin, key)
+            kernel = make_kernel(spec, mask, variant, cubin, key)
             self._kernels[spec] = kernel
             return kernel, origin
 
@@ -132,11 +143,11 @@ class Engine:
         Never compiles; renders (and loads NVRTC) only when the index does not know the spec.
         `flashjit cache export --manifest` uses it to pick a manifest's entries.
         """
-        mask = masks.get(spec.mask)
-        spec_key = _spec_key(spec, mask)
+        mask, variant = mask_of(spec), variant_of(spec)
+        spec_key = _spec_key(spec, mask, variant)
         key, hit = self._indexed(spec, spec_key)
         if hit is None:
-            key = _entry_key(spec, render(spec, mask))
+            key = _entry_key(spec, source_of(spec, mask, variant))
             if self.cache.load(key) is None:
                 return None
         return spec_key, key
@@ -161,10 +172,12 @@ class Engine:
             return list(pool.map(one, specs))
 
 
-def _spec_key(spec: DecodeSpec, mask) -> str:
-    """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC."""
-    return index_key(spec, mask, templates_digest(mask), __version__, compile_options(spec.arch),
-                     compiler_fingerprint())
+def _spec_key(spec, mask, variant=None) -> str:
+    """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC.
+    variant: the spec's VariantDef (default: the one registered under spec.variant)."""
+    variant = variant_of(spec) if variant is None else variant
+    return index_key(spec, mask, templates_digest(mask, variant), __version__, compile_options(spec.arch),
+                     compiler_fingerprint(), variant)
 
 
 def _entry_key(spec: DecodeSpec, source: str) -> str:
@@ -240,7 +253,9 @@ class _Cubin:
         return self.key, built[0].cubin
 
 
-def _registered_in_python(spec: DecodeSpec) -> str:
+def _registered_in_python(spec) -> str:
+    if isinstance(spec, MergeSpec):
+        return ""
     template = Path(masks.get(spec.mask).template)
     if template.is_absolute() and template.name != f"{spec.mask}.cuh.j2":
         return (f" (mask {spec.mask!r} is registered from Python with {template}: run the prewarm where it is "
@@ -255,6 +270,8 @@ def prewarm_command(spec: DecodeSpec, cache_dir) -> str:
     in the command's environment too; a built-in mask needs nothing.
     """
     command = f"flashjit prewarm --spec {shlex.quote(spec.name)} --cache-dir {shlex.quote(str(cache_dir))}"
+    if isinstance(spec, MergeSpec):
+        return command
     template = Path(masks.get(spec.mask).template)
     if template.is_absolute() and template.name == f"{spec.mask}.cuh.j2":  # what a template-folder scan finds
         command = f"FLASHJIT_TEMPLATE_PATH={shlex.quote(str(template.parent))} {command}"

@@ -18,6 +18,8 @@ import threading
 
 from ..errors import KernelNotPrewarmed
 from ..masks.registry import MaskDef
+from .abi import PLAN_MAX_SMEM_BYTES
+from ..masks.variants import VariantDef, variants
 from .spec import DecodeSpec
 from .tiling import DecodeTiling
 
@@ -83,8 +85,10 @@ class LoadedKernel:
 class Kernel:
     """One compiled specialization. Cheap to create; loads on first use per device."""
 
-    def __init__(self, spec: DecodeSpec, tiling: DecodeTiling, mask: MaskDef, cubin: bytes, key: str):
+    def __init__(self, spec: DecodeSpec, tiling: DecodeTiling, mask: MaskDef, cubin: bytes, key: str,
+                 variant: VariantDef | None = None):
         self.spec, self.tiling, self.mask, self.cubin, self.key = spec, tiling, mask, cubin, key
+        self.variant = variants.get(spec.variant) if variant is None else variant
         self._loaded: dict[int, LoadedKernel] = {}
         self._lock = threading.Lock()
 
@@ -117,6 +121,8 @@ class Kernel:
                 decode = module.get_function(self.tiling.entry).ptr
                 merge = None if self.tiling.fused_merge else module.get_function(MERGE_ENTRY).ptr
                 plan = module.get_function(PLAN_ENTRY).ptr
+                check(driver().cuFuncSetAttribute(plan, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                  PLAN_MAX_SMEM_BYTES), "cuFuncSetAttribute")
                 smem = self.tiling.smem_bytes
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
                     check(driver().cuFuncSetAttribute(decode, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),

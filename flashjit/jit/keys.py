@@ -21,11 +21,15 @@ cache_key(source, arch, options, nvrtc_version, flashjit_version): a cache entry
   * nvrtc_version: another NVRTC may emit other (faster, or fixed) code for the same source, so a
     host that may compile builds its own.
 
-index_key(spec, mask, templates_digest, flashjit_version, options, compiler_fingerprint):
+index_key(spec, mask, templates_digest, flashjit_version, options, compiler_fingerprint, variant):
 the spec -> entry key shortcut, which finds an entry without rendering or loading NVRTC.
-  * spec (its repr): every field shapes the source.
+  * spec (its repr): every field shapes the source; the class name in the repr keeps a DecodeSpec
+    and a MergeSpec apart.
   * mask.name, mask.template, mask.params: which template renders the hooks and with which
-    runtime parameters; a mask registered anew under the same name differs here.
+    runtime parameters; a mask registered anew under the same name differs here. A spec without
+    a mask (MergeSpec, mask None) has no such ingredients.
+  * variant.name, variant.template, variant.params: the same for the variant's hooks (a variant
+    registered anew under the same name differs here; a MergeSpec has no variant either).
   * templates_digest: the contents of every template file the source is rendered from, standing in
     for the source itself, so an edited template misses.
   * flashjit_version and options: as for the portable key.
@@ -65,9 +69,12 @@ def cache_key(source: str, arch: str, options, nvrtc_version, flashjit_version: 
     return h.hexdigest()
 
 
-def index_key(spec, mask, templates_digest: str, flashjit_version: str, options, compiler_fingerprint: str) -> str:
-    text = repr((spec, mask.name, mask.template, mask.params, templates_digest, flashjit_version,
-                 tuple(options), compiler_fingerprint))
+def index_key(spec, mask, templates_digest: str, flashjit_version: str, options, compiler_fingerprint: str,
+              variant) -> str:
+    mask_parts = () if mask is None else (mask.name, mask.template, mask.params)
+    variant_parts = () if variant is None else (variant.name, variant.template, variant.params)
+    text = repr((spec, *mask_parts, templates_digest, flashjit_version, tuple(options), compiler_fingerprint,
+                 *variant_parts))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

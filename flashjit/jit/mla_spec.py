@@ -26,6 +26,7 @@ MAX_HEADS = 128       # query heads per latent head on one GPU (DeepSeek-V3 at T
 MAX_Q_LEN = 4         # query tokens per request (multi-token prediction, speculative decoding)
 MAX_PAGE_SIZE = 256
 MASK = "causal"
+VARIANT = "none"
 
 _NAME_PATTERN = re.compile(r"mla_c(?P<c>\d+)_r(?P<r>\d+)_h(?P<h>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)"
                            r"_p(?P<p>\d+)_q(?P<q>\d+)_sm(?P<arch>\d+a?)")
@@ -67,6 +68,11 @@ class MLASpec:
     @property
     def mask(self) -> str:
         return MASK
+
+    @property
+    def variant(self) -> str:
+        """Always "none": MLA kernels have no logits or sink hooks."""
+        return VARIANT
 
     @property
     def head_dim(self) -> int:

@@ -6,7 +6,7 @@ mask templates cannot reach Python internals, and a typo is an error naming file
 
 What a template may load (include, extends, import, header) is confined to the template roots:
 relative names resolve under the package's templates/ only, and an absolute path loads only when it
-is the template file of a registered mask. Anything else would land, verbatim, in the kernel
+is the template file of a registered mask or variant. Anything else would land, verbatim, in the kernel
 source, the cache's source.cu and every exported bundle.
 """
 
@@ -24,7 +24,9 @@ from jinja2.sandbox import SandboxedEnvironment
 from .._version import __version__
 from ..errors import TemplateError
 from ..masks.registry import MaskDef, masks
+from ..masks.variants import VariantDef, variants
 from . import abi
+from .merge_spec import MAX_LANES, MergeSpec
 from .mla_spec import MLASpec
 from .mla_tiling import MLATiling, mla_tiling
 from .spec import DecodeSpec
@@ -32,6 +34,8 @@ from .tiling import DecodeTiling, decode_tiling
 
 ENTRY_TEMPLATE = "decode/paged.cu.j2"
 MLA_ENTRY_TEMPLATE = "mla/decode.cu.j2"
+MERGE_STATES_TEMPLATE = "merge/merge_states.cu.j2"
+MERGE_STATE_TYPES = {"float16": "fj::half_t", "bfloat16": "fj::bfloat16_t", "float32": "float"}
 STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float8_e4m3fn": "e4m3_t", "float8_e5m2": "e5m2_t"}
 
 
@@ -49,7 +53,7 @@ class OutsideTemplateRoots(jinja2.TemplateNotFound):
 
 
 class _TemplateLoader(jinja2.BaseLoader):
-    """Relative names from the package's templates/; absolute paths only for registered mask templates."""
+    """Relative names from the package's templates/; absolute paths only for registered mask and variant templates."""
 
     def __init__(self, root: Path):
         self._package = jinja2.FileSystemLoader(str(root))  # refuses '..' and names that leave root
@@ -59,7 +63,7 @@ class _TemplateLoader(jinja2.BaseLoader):
             raise jinja2.TemplateNotFound(repr(name))
         if not os.path.isabs(name):
             return self._package.get_source(environment, name)
-        if not masks.is_template_file(name):
+        if not masks.is_template_file(name) and not variants.is_template_file(name):
             raise OutsideTemplateRoots(name)
         path = Path(name)
         if not path.is_file():
@@ -99,8 +103,9 @@ def _file_digest(path: Path) -> str:
     return _file_digests[memo]
 
 
-def templates_digest(mask: MaskDef) -> str:
-    """Digest of every template file a spec can render from (package templates + a user mask file).
+def templates_digest(mask: MaskDef | None, variant: VariantDef | None = None) -> str:
+    """Digest of every template file a spec can render from (package templates + a user mask or
+    variant file; mask None: a spec without a mask, such as MergeSpec).
 
     Lets the cache find a compiled kernel without rendering; any template edit changes it.
     """
@@ -109,32 +114,48 @@ def templates_digest(mask: MaskDef) -> str:
     for path in sorted(root.rglob("*")):
         if path.is_file() and path.suffix in (".j2", ".cuh", ".cu"):
             h.update(str(path.relative_to(root)).encode() + b"\0" + _file_digest(path).encode())
-    if os.path.isabs(mask.template):
+    if mask is not None and os.path.isabs(mask.template):
         h.update(b"mask\0" + _file_digest(Path(mask.template)).encode())
+    if variant is not None and os.path.isabs(variant.template):
+        h.update(b"variant\0" + _file_digest(Path(variant.template)).encode())
     return h.hexdigest()
 
 
 def render(spec: DecodeSpec | MLASpec, mask: MaskDef | None = None,
-           tiling: DecodeTiling | MLATiling | None = None) -> str:
+           tiling: DecodeTiling | MLATiling | None = None, variant: VariantDef | None = None) -> str:
     """The CUDA source of one specialization, with its ABI checks (abi.source_checks), under
     decode_tiling(spec) (mla_tiling for an MLASpec) unless a tiling is given."""
     mask = mask or masks.get(spec.mask)
-    if isinstance(spec, MLASpec):
+    variant = variant or variants.get(spec.variant)
+    if isinstance(spec, MLASpec):  # always causal, no variant: its ABI is mla::Args and plan::Args
         entry, tiling = MLA_ENTRY_TEMPLATE, tiling or mla_tiling(spec)
         checks = abi.mla_source_checks()
     else:
         entry, tiling = ENTRY_TEMPLATE, tiling or decode_tiling(spec)
-        checks = abi.source_checks(mask.params, merge=not tiling.fused_merge)
-    context = dict(spec=spec, tiling=tiling, mask=mask, ctype=STORAGE_TYPES, version=__version__,
-                   item_ints=abi.ITEM_INTS, split_candidates=abi.SPLIT_CANDIDATES, abi_checks=checks)
+        checks = abi.source_checks(mask.params, merge=not tiling.fused_merge, variant_params=variant.params)
+    context = dict(spec=spec, tiling=tiling, mask=mask, variant=variant, ctype=STORAGE_TYPES, version=__version__,
+                   item_ints=abi.ITEM_INTS, split_candidates=abi.SPLIT_CANDIDATES,
+                   plan_smem_ints=abi.PLAN_SMEM_INTS, abi_checks=checks)
     try:
         return environment().get_template(entry).render(**context)
     except OutsideTemplateRoots as exc:
         raise TemplateError(f"template {exc.name!r} is outside the template roots: templates load package "
-                            "templates by relative name and registered mask templates by path (rendering "
-                            f"{spec.name}; mask {mask.name!r} uses {mask.template!r})") from exc
+                            "templates by relative name and registered mask and variant templates by path "
+                            f"(rendering {spec.name}; mask {mask.name!r} uses {mask.template!r}, variant "
+                            f"{variant.name!r} uses {variant.template!r})") from exc
     except jinja2.TemplateNotFound as exc:
         raise TemplateError(f"template {exc.name!r} not found (rendering {spec.name}; mask {mask.name!r} "
-                            f"uses {mask.template!r})") from exc
+                            f"uses {mask.template!r}, variant {variant.name!r} uses {variant.template!r})") from exc
     except jinja2.TemplateError as exc:
         raise TemplateError(f"{_template_location(exc)}: {exc.message or exc} (rendering {spec.name})") from exc
+
+
+def render_merge_states(spec: MergeSpec) -> str:
+    """The CUDA source of the merge_states kernel of one state dtype, with its ABI checks."""
+    context = dict(spec=spec, state_type=MERGE_STATE_TYPES[spec.dtype], max_threads=max(128, MAX_LANES),
+                   version=__version__, abi_checks=abi.merge_states_checks())
+    try:
+        return environment().get_template(MERGE_STATES_TEMPLATE).render(**context)
+    except jinja2.TemplateError as exc:
+        raise TemplateError(f"{_template_location(exc)}: {getattr(exc, 'message', None) or exc} "
+                            f"(rendering {spec.name})") from exc

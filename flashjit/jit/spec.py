@@ -12,7 +12,8 @@ import re
 
 from ..errors import SpecError
 
-HEAD_DIMS = (64, 96, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256, 512)
+CUDA_CORE_HEAD_DIMS = (64, 96, 128, 256)  # head_dim 512 runs on tensor cores only
 QUERY_DTYPES = ("float16", "bfloat16")
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # OCP fp8, as torch names them
 KV_DTYPES = QUERY_DTYPES + FP8_DTYPES
@@ -21,7 +22,7 @@ ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_12
 MAX_PAGE_SIZE = 256
 MAX_GROUP_SIZE = 64
 MAX_Q_LEN = 16
-TENSOR_CORE_HEAD_DIMS = (64, 128, 256)
+TENSOR_CORE_HEAD_DIMS = (64, 128, 256, 512)
 TENSOR_CORE_MIN_ROWS = 2  # group x query tokens from which tensor cores win (docs/architecture.md)
 
 _DTYPE_ALIASES = {
@@ -29,9 +30,10 @@ _DTYPE_ALIASES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float8_e4m3fn": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn",
     "float8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2", "fp8_e5m2": "float8_e5m2",
+    "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",  # merge_states states only
 }
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2"}
-_NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)"
+_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32"}
+_NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)(?:-(?P<variant>\w+?))?"
                            r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?")
 
 
@@ -83,6 +85,7 @@ class DecodeSpec:
     kv_layout: str = "NHD"
     arch: str | None = None
     tensor_cores: bool | None = None  # None: chosen from the rows per CTA and head_dim
+    variant: str = "none"  # how visible scores become weights (flashjit.masks.variants): soft_cap, sinks, ...
 
     def __post_init__(self):
         set_ = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen dataclass)
@@ -98,19 +101,29 @@ class DecodeSpec:
         set_("kv_layout", layout)
         set_("arch", _normalize_arch(self.arch))
         tc_ok = self.head_dim in TENSOR_CORE_HEAD_DIMS
+        cc_ok = self.head_dim in CUDA_CORE_HEAD_DIMS
         if self.tensor_cores is None:
-            set_("tensor_cores", tc_ok and self.group_size * self.max_q_len >= TENSOR_CORE_MIN_ROWS)
+            set_("tensor_cores", tc_ok and (not cc_ok or self.group_size * self.max_q_len >= TENSOR_CORE_MIN_ROWS))
         elif self.tensor_cores not in (True, False) or (self.tensor_cores and not tc_ok):
             raise SpecError("tensor_cores", self.tensor_cores,
                             f"None (automatic), False, or True with head_dim in {TENSOR_CORE_HEAD_DIMS}")
+        elif not self.tensor_cores and not cc_ok:
+            raise SpecError("tensor_cores", self.tensor_cores,
+                            f"None or True at head_dim {self.head_dim} (CUDA-core kernels take head_dim in "
+                            f"{CUDA_CORE_HEAD_DIMS})")
         from ..masks.registry import masks  # late import: the registry imports nothing from here
 
         if self.mask not in masks:
             raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)")
+        from ..masks.variants import variants
+
+        if self.variant not in variants:
+            raise SpecError("variant", self.variant,
+                            ", ".join(sorted(variants.names())) + " (or a variant added with register_variant)")
 
     @classmethod
     def cached(cls, head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch,
-               tensor_cores) -> "DecodeSpec":
+               tensor_cores, variant="none") -> "DecodeSpec":
         """DecodeSpec(...) of these exact arguments, validated once: plan() asks for the same spec at
         every step, and validation costs more than the rest of a planned step's bookkeeping.
 
@@ -118,7 +131,8 @@ class DecodeSpec:
         accepted), so a memo hit answers exactly what construction would. Failures are not kept, nor
         specs of arch=None (that is the current GPU's arch, which is not an argument).
         """
-        args = (head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch, tensor_cores)
+        args = (head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch, tensor_cores,
+                variant)
         key = (args, tuple(map(type, args)))
         try:
             return _CACHED_SPECS[key]
@@ -147,11 +161,13 @@ class DecodeSpec:
 
     @property
     def name(self) -> str:
-        """A readable, unique name, e.g. decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc_tc.
+        """A readable, unique name, e.g. decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc.
 
-        The suffix _tc marks the tensor-core kernel."""
+        The suffix _tc marks the tensor-core kernel; a variant follows the mask after a hyphen
+        (decode_d64_bf16_kvbf16_sliding_window-sinks_p16_g8_q1_nhd_sm90_tc), and "none" is left out."""
+        variant = "" if self.variant == "none" else f"-{self.variant}"
         return (
-            f"decode_d{self.head_dim}_{_SHORT[self.dtype]}_kv{_SHORT[self.kv_dtype]}_{self.mask}"
+            f"decode_d{self.head_dim}_{_SHORT[self.dtype]}_kv{_SHORT[self.kv_dtype]}_{self.mask}{variant}"
             f"_p{self.page_size}_g{self.group_size}_q{self.max_q_len}_{self.kv_layout.lower()}"
             f"_{self.arch.replace('_', '')}{'_tc' if self.tensor_cores else ''}"
         )
@@ -170,7 +186,7 @@ class DecodeSpec:
         g = match.groupdict()
         return cls(head_dim=int(g["d"]), dtype=g["dtype"], kv_dtype=g["kv"], mask=g["mask"], page_size=int(g["p"]),
                    group_size=int(g["g"]), max_q_len=int(g["q"]), kv_layout=g["layout"], arch="sm_" + g["arch"],
-                   tensor_cores=bool(g["tc"]))
+                   tensor_cores=bool(g["tc"]), variant=g["variant"] or "none")
 
     def replace(self, **changes) -> "DecodeSpec":
         return dataclasses.replace(self, **changes)

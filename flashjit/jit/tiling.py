@@ -46,6 +46,7 @@ class DecodeTiling:
     merge_chunk: int    # partials the fused merge loads at once (tensor-core kernels)
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
+    q_smem_bytes: int = 0   # 16-bit tensor cores: Q's MMA fragments in shared memory after the ring (0: in registers)
 
     @property
     def entry(self) -> str:
@@ -89,6 +90,7 @@ class TensorCoreRow:
     k_pad: int          # bytes after each K row where unswizzled (32 keeps sectors whole, 16 avoids bank conflicts)
     v_pad: int          # bytes after each V row where unswizzled
     static_share: int   # % of a split CTA's fair share read before it claims tiles one at a time (100: fixed split)
+    q_in_smem: bool = False  # 16-bit: Q's MMA fragments in shared memory, read at each k-step (else in registers)
 
     @property
     def key(self) -> tuple[bool, int]:
@@ -147,12 +149,16 @@ TUNING = Tuning(
         TensorCoreRow(False, 128,     4,    1,        2,     1,       True,   16,   16,   100),
         # two warps per slice keep O off the 255-register limit; swizzling spills, so 32-byte pads; sharing 6% faster
         TensorCoreRow(False, 256,     4,    2,        3,     1,       False,  32,   32,   75),
+        # head_dim 512: Q in shared memory (its fragments alone take 128 registers); four warps per slice, 172 registers
+        TensorCoreRow(False, 512,     8,    4,        2,     1,       False,  32,   32,   75, q_in_smem=True),
         # 64-byte rows have too few chunks to swizzle; unpadded K rows already interleave, V rows take 16 bytes
         TensorCoreRow(True,  64,      4,    1,        4,     1,       False,  0,    16,   100),
         # 2 stages match 3 at 4 CTAs/SM; 32-byte pads beat 16 (83.5 against 86.5 us), swizzling no faster
         TensorCoreRow(True,  128,     4,    1,        2,     1,       False,  32,   32,   100),
         # no column split, so 2 warps give the 32-key tile; swizzled rows beat padded ones (145.4 against 153.4 us)
         TensorCoreRow(True,  256,     2,    1,        3,     1,       True,   16,   16,   100),
+        # head_dim 512: four warps per slice, each keeping a quarter of O^T (all of it takes 128 registers); 185 registers
+        TensorCoreRow(True,  512,     8,    4,        3,     1,       True,   16,   16,   100),
     ),
     cuda_cores=CudaCoreTuning(
         max_rows=8,
@@ -212,14 +218,16 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
         k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes, row.swizzle, table)
         rows = tc_rows(spec, table)
         reduction = slices * rows * spec.head_dim * 4  # the slices' fp32 states, in the same memory
-        smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + table.ring_align - 16
+        q_smem = MMA_M * spec.head_dim * 2 if row.q_in_smem and not spec.kv_is_fp8 else 0  # 16 rows of 16-bit Q
+        smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + q_smem + table.ring_align - 16
         static_share = row.static_share if table.fused_merge else 100  # the fused merge resets the claims
         return DecodeTiling(vec=VEC, chunks_per_row=spec.head_dim // VEC, bdx=32 * row.warps, rows=rows, rows_pad=1,
                             bdz=1, row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=row.stages,
                             tensor_cores=True, smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch,
                             l2_prefetch=table.l2_prefetch, swizzle=row.swizzle, ring_align=table.ring_align,
                             heads_first=table.heads_first, fused_merge=table.fused_merge, static_share=static_share,
-                            min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk, **merge)
+                            min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk,
+                            q_smem_bytes=q_smem, **merge)
     cc = table.cuda_cores
     chunks = spec.head_dim // VEC
     bdx = _pow2_ceil(chunks)

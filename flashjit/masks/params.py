@@ -1,4 +1,4 @@
-"""The kinds of a mask's runtime parameters: how CUDA spells each, and the ctypes type the host
+"""The kinds of a mask's (or a variant's) runtime parameters: how CUDA spells each, and the ctypes type the host
 passes it as.
 
 A parameter reaches the decode kernel as a kernel parameter of its C type (and from there a field
@@ -23,6 +23,8 @@ PARAM_KINDS = {
     "int": ParamKind("int", ctypes.c_int),
     "float": ParamKind("float", ctypes.c_float),
     "int_tensor": ParamKind("const int* __restrict__", ctypes.c_void_p),  # a device pointer
+    "float_tensor": ParamKind("const float* __restrict__", ctypes.c_void_p),  # a device pointer (variants' sinks)
 }
+TENSOR_KINDS = ("int_tensor", "float_tensor")
 PARAM_CTYPES = {name: kind.c_type for name, kind in PARAM_KINDS.items()}             # kind -> C type
 MASK_PARAM_CTYPES = {name: kind.ctypes_type for name, kind in PARAM_KINDS.items()}  # kind -> ctypes type

@@ -387,10 +387,11 @@ masks.register("block_sparse", "masks/block_sparse.cuh.j2",
 
 def _register_mask_modules():
     """Built-in masks whose helpers are public API live in their own modules."""
+    from . import key_range
     from . import sink_window
     from . import tree
 
-    for module in (tree, sink_window):
+    for module in (tree, sink_window, key_range):
         masks.register(module.MASK, f"masks/{module.MASK}.cuh.j2", module.PARAMS, kv_span=module.kv_span,
                        reference=module.reference, sample_params=module.sample_params)
 

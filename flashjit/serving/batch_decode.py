@@ -21,14 +21,15 @@ from ..jit.engine import Engine
 from ..jit.host_library import load as load_host_library
 from ..jit.kernel import Kernel
 from ..jit.spec import KV_DTYPES, normalize_dtype
+from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
-from . import run_checks
+from . import run_checks, variant_args
 from .buffers import PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_planner import HostPlanner
 from .plan_setup import MAX_SETUPS, Setup, make_setup
 from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
-from .plan_state import Plan, checked_chunk_tokens, graph_capacity, prepare_launches, split_work
+from .plan_state import Plan, fixed_split_items, graph_capacity, prepare_launches, split_rule, split_work
 from .run_checks import NO_CACHE, scale_key
 from .split_plan import WorkPlan
 from .streams import stream_getter
@@ -127,7 +128,9 @@ class BatchDecode:
              window_left: int | None = None, mask_params: dict | None = None, q_dtype="bfloat16",
              kv_dtype=None, kv_layout: str = "NHD", sm_scale: float | None = None,
              chunk_tokens: int | None = None, disable_split_kv: bool = False,
-             tensor_cores: bool | None = None, check_page_ids: bool = True) -> "BatchDecode":
+             fixed_split_tokens: int | None = None, tensor_cores: bool | None = None,
+             check_page_ids: bool = True, variant: str | None = None, variant_params: dict | None = None,
+             logits_soft_cap: float | None = None, sinks=None) -> "BatchDecode":
         """Plans a batch for every layer's run(); see docs/api.md for the arguments.
 
         check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
@@ -135,14 +138,26 @@ class BatchDecode:
         on the current stream. False skips it (no synchronization: plan() can overlap the GPU's
         previous step); the caller then guarantees 0 <= id < the cache's page count, as FlashInfer's
         plan() assumes.
+
+        fixed_split_tokens: cut every request into work items of this many span positions, each
+        read by its own CTAs alone, so a request's output is bitwise the same in any batch planned
+        with the same kernel (docs/api.md, batch invariance).
+        variant, variant_params: how visible scores become weights (docs/masks.md, "Variants"), e.g.
+        variant="sinks", variant_params={"sinks": t}. FlashInfer's names select the built-ins:
+        logits_soft_cap=50.0 (soft_cap; 0.0 or None: none) and sinks=t (a float32 tensor of one
+        logit per query head), both together soft_cap_sinks.
         """
         import torch
 
+        rule = split_rule(chunk_tokens, fixed_split_tokens, disable_split_kv)
+
         # Types are part of the setup memo's key, as 128.0 == 128 yet only the int is valid;
         # mask_params may hold tensors, so plans given them build their setup each time.
+        variant, variant_params = variant_args.resolve(variant, variant_params, logits_soft_cap, sinks)
         scalars = (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout,
-                   sm_scale, tensor_cores)
-        key = (scalars, tuple(map(type, scalars))) if mask_params is None else None
+                   sm_scale, tensor_cores, variant)
+        variant_key = variant_args.memo_key(variant_params)  # None: tensors among them, as for mask_params
+        key = (scalars, tuple(map(type, scalars)), variant_key) if mask_params is None and variant_key is not None else None
         try:
             known = self._setup_for_scalars.get(key)
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
@@ -173,7 +188,7 @@ class BatchDecode:
             setup = None if known is None else known.get(kernel_q_len)
             if setup is None or setup.mask_generation != masks.generation:
                 setup = make_setup(scalars, mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
-                                   device=self.device, load_kernel=self._load_kernel)
+                                   device=self.device, load_kernel=self._load_kernel, variant_params=variant_params)
                 if key is not None:
                     if len(self._setup_for_scalars) >= MAX_SETUPS:
                         self._setup_for_scalars.clear()
@@ -183,10 +198,15 @@ class BatchDecode:
                 graph.check_kernel(setup, previous)
                 device_planner = graph.device_planner(setup)
             if device_planner is None:
-                work, capacity = split_work(setup, tables, chunk_tokens, disable_split_kv, graph, previous)
+                work, capacity = split_work(setup, tables, rule, graph, previous)
             else:  # the work list is made on the GPU, from the page table copied below
-                checked_chunk_tokens(chunk_tokens)
-                work, capacity = None, graph_capacity(setup, tables, graph, previous)
+                work, capacity = None, graph_capacity(setup, tables, graph, previous, rule)
+                if rule.fixed_split and fixed_split_items(tables.kv_lens, rule.chunk_tokens) > capacity.work:
+                    # the GPU planner would fall back to one item per request
+                    validation.fail("fixed_split_tokens", f"at most {capacity.work} work items (CUDA-graph capacity; "
+                                    "a first plan with fixed_split_tokens sizes it for any batch)",
+                                    f"up to {fixed_split_items(tables.kv_lens, rule.chunk_tokens)} items of "
+                                    f"{rule.chunk_tokens} tokens")
         finally:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
@@ -214,7 +234,7 @@ class BatchDecode:
         decode_launch, merge_prepared, merge_launch = prepare_launches(setup, buffers, work, decode_params,
                                                                        graph is not None, previous)
         if device_planner is not None:
-            device_planner.prepare(setup, buffers, chunk_tokens, disable_split_kv)
+            device_planner.prepare(setup, buffers, rule)
             device_planner(self._current_stream(self._device_index))
         num_tokens = tables.num_tokens
         query_form = (num_tokens, num_tokens if graph is None else capacity.tokens, setup.q_dtype, setup.num_qo_heads,
@@ -244,11 +264,12 @@ class BatchDecode:
         checked_for = (a, setup.spec.kv_is_fp8, setup.num_kv_heads)  # what run() checks the scales against
         if checked_for != self._scales_checked_for:
             self._scales_pointed_at, self._scales_checked_for = None, checked_for  # run() checks and sets them again
-        mask_params, values = setup.kernel.mask.params, []
-        for param in mask_params:
-            value = setup.params[param.name]  # a tensor among them stays alive in the setup, held by the plan
-            values.append(value.data_ptr() if param.kind == "int_tensor" else value)
-        return buffers.decode_params(mask_params, values)
+        mask_params, variant_params, values = setup.kernel.mask.params, setup.kernel.variant.params, []
+        for params, given in ((mask_params, setup.params), (variant_params, setup.variant_params)):
+            for param in params:  # the kernel's order: the mask's, then the variant's
+                value = given[param.name]  # a tensor among them stays alive in the setup, held by the plan
+                values.append(value.data_ptr() if param.kind in TENSOR_KINDS else value)
+        return buffers.decode_params(mask_params + variant_params, values)
 
     # ---- what the current plan decided ------------------------------------------------------
 

@@ -16,16 +16,14 @@ import typing
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, PlanArgs
+from ..jit.abi import ITEM_INTS, PLAN_MAX_BATCH, PLAN_SMEM_INTS, PlanArgs
 from ..jit.kernel import PreparedLaunch
 from .buffers import PlanBuffers
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, WorkPlan
 from .streams import HOST_TO_DEVICE, StreamCopies
 
-PLAN_THREADS = 512  # plan::THREADS
-# The planner keeps two offsets per request in 48 KB of static-size shared memory; a larger
-# max_batch_size plans on the host.
-MAX_DEVICE_PLAN_BATCH = 6000
+PLAN_THREADS = 1024  # plan::THREADS
+MAX_DEVICE_PLAN_BATCH = PLAN_MAX_BATCH  # a larger max_batch_size plans on the host
 HEADER_INTS = 4  # batch (read), then the planner's chunk and work-item count (written), one spare
 
 
@@ -82,8 +80,8 @@ class DevicePlanner:
             h[s[3]:s[3] + batch + 1] = _host_ints(qo_indptr)
         self.copies.copy(self.buffer.data_ptr(), self.staging.data_ptr(), 4 * s[-1], HOST_TO_DEVICE, mark=True)
 
-    def prepare(self, setup, buffers: PlanBuffers, chunk_tokens: int | None, disable_split_kv: bool):
-        """The planner's arguments for a setup over buffers, and its launch."""
+    def prepare(self, setup, buffers: PlanBuffers, rule):
+        """The planner's arguments for a setup over buffers and a plan_state.SplitRule, and its launch."""
         a, cap, tiling, loaded = self.args, buffers.capacity, setup.kernel.tiling, setup.loaded
         p = buffers.pointers
         a.work_items, a.num_tokens = p["work_items"], p["num_tokens"]
@@ -93,11 +91,12 @@ class DevicePlanner:
         a.ctas_per_item = setup.num_kv_heads * tiling.row_tiles
         a.max_ctas = loaded.num_sms * loaded.ctas_per_sm
         a.granularity, a.min_chunk = tiling.tile_tokens, MIN_CHUNK_TOKENS
-        a.chunk_tokens = -1 if disable_split_kv else chunk_tokens or 0
+        a.chunk_tokens = -1 if rule.one_item else rule.chunk_tokens or 0
+        a.fixed_split = int(rule.fixed_split)
         a.item_overhead, a.merge_cost = ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS
         params = buffers.params_with(a)
         self.launch = PreparedLaunch.update(self.launch, loaded.plan, (1, 1, 1), (PLAN_THREADS, 1, 1), params,
-                                            8 * (cap.batch + 1))
+                                            4 * PLAN_SMEM_INTS * (cap.batch + 1))
 
     def __call__(self, stream: int):
         self.launch(stream)
@@ -132,4 +131,5 @@ class DeviceTables:
         b = self.batch
         records = host[starts[0]:starts[1]].reshape(-1, ITEM_INTS)[:num_work]
         return WorkPlan(records[:, 0], records[:, 1], records[:, 2], host[work_indptr:work_indptr + b + 1],
-                        host[qo:qo + b + 1], host[token_request:token_request + self.num_tokens], chunk)
+                        host[qo:qo + b + 1], host[token_request:token_request + self.num_tokens], chunk,
+                        bool(planner.args.fixed_split))

@@ -11,8 +11,8 @@ from .device_planner import MAX_DEVICE_PLAN_BATCH, DevicePlanner
 
 _REFUSED = "plan() with use_cuda_graph=True"
 # Work items beyond one per request that the capacity holds: waves of split chunks for the long
-# requests of a skewed batch (the planner's makespan estimate rarely wants more than four).
-SPLIT_WAVES = 4
+# requests of a skewed batch (every padding position left costs the replay an empty CTA).
+SPLIT_WAVES = 2
 
 
 def graph_limits(use_cuda_graph: bool, device, max_batch_size, max_num_pages, max_tokens,
@@ -84,14 +84,23 @@ class GraphLimits:
         if previous is not None and setup.spec != previous.setup.spec:
             validation.fail(_REFUSED, f"the first plan's kernel {previous.setup.spec.name}", setup.spec.name)
 
-    def capacity(self, spec, batch: int, tokens: int, one_wave_items: int, previous) -> Capacity:
+    def capacity(self, spec, batch: int, tokens: int, one_wave_items: int, previous,
+                 fixed_split_tokens: int | None = None) -> Capacity:
         """The buffer sizes, fixed at the first plan: a work item per request and SPLIT_WAVES waves
-        of splits (one_wave_items: the work items one wave of CTAs holds). A batch beyond them is refused."""
+        of splits (one_wave_items: the work items one wave of CTAs holds). A first plan with
+        fixed_split_tokens holds every batch the page-id buffer can: its requests (max_batch_size)
+        have at most max_num_pages x page_size tokens in all, so at most max_batch_size + those
+        tokens // fixed_split_tokens items; otherwise a batch over the capacity would make a replay's
+        GPU planner fall back to one item per request, and its rounding would depend on the batch.
+        A batch beyond the capacity is refused."""
         if previous is not None:
             cap = previous.buffers.capacity
         else:
             max_tokens = self.max_tokens or self.max_batch_size * spec.max_q_len
-            cap = Capacity(self.max_batch_size, max_tokens, self.max_batch_size + SPLIT_WAVES * one_wave_items)
+            work = self.max_batch_size + SPLIT_WAVES * one_wave_items
+            if fixed_split_tokens is not None:
+                work = max(work, self.max_batch_size + self.page_ids.numel() * spec.page_size // fixed_split_tokens)
+            cap = Capacity(self.max_batch_size, max_tokens, work)
         if batch > cap.batch or tokens > cap.tokens:
             validation.fail(_REFUSED, f"at most {cap.batch} requests and {cap.tokens} query tokens",
                             f"{batch} requests, {tokens} tokens")

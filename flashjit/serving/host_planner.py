@@ -51,12 +51,14 @@ class NumpyTables:
         r, q_begin, first_item = work.work_request, work.req_qo_indptr, work.req_work_indptr
         splits = first_item[1:] - first_item[:-1]
         records = item_records(host, starts)
-        # the request's span: from its first item's begin to its last item's end
-        span_begin, span_end = work.work_begin[first_item[:-1]][r], work.work_end[first_item[1:] - 1][r]
-        index = np.arange(work.num_work) - first_item[r]  # among the request's items
+        if work.fixed_split:  # each item a sharing group of its own
+            index, share_begin, share_end, sharers = np.zeros_like(r), work.work_begin, work.work_end, np.ones_like(r)
+        else:  # the request's items share its span: from its first item's begin to its last item's end
+            share_begin, share_end = work.work_begin[first_item[:-1]][r], work.work_end[first_item[1:] - 1][r]
+            index, sharers = np.arange(work.num_work) - first_item[r], splits[r]  # among the request's items
         records[:work.num_work] = np.stack([r, work.work_begin, work.work_end, self.kv_lens[r], self.indptr_h[r],
-                                            q_begin[r], self.q_lens[r], splits[r], index, span_begin, span_end,
-                                            np.zeros_like(r)], axis=1)
+                                            q_begin[r], self.q_lens[r], splits[r], index, share_begin, share_end,
+                                            sharers], axis=1)
         records[work.num_work:, 0] = -1  # padding: positions of a CUDA-graph grid past this plan's items
         host[num_tokens] = work.num_tokens
         for start, values in ((qo, q_begin), (work_indptr, work.req_work_indptr), (token_request, work.token_request)):
@@ -80,7 +82,7 @@ class _Params(ctypes.Structure):
         "indptr", "last_page_len", "qo_indptr", "span_begin", "span_end", "parts", "kv_lens")] + [
         (name, ctypes.c_int64) for name in (
             "batch", "page_size", "q_len", "num_parts", "ctas_per_item", "max_ctas", "granularity", "min_chunk",
-            "chunk_tokens", "max_items", "item_overhead", "merge_cost", "num_page_ids", "num_tokens", "max_q_len", "chunk",
+            "chunk_tokens", "fixed_split", "max_items", "item_overhead", "merge_cost", "num_page_ids", "num_tokens", "max_q_len", "chunk",
             "num_work")]
 
 
@@ -134,7 +136,8 @@ class NativeTables:
         return qo[1:] - qo[:-1]
 
     def plan(self, span_begin, span_end, *, ctas_per_item: int, max_ctas: int, granularity: int,
-             chunk_tokens: int | None = None, max_items: int | None = None) -> "NativeTables":
+             chunk_tokens: int | None = None, max_items: int | None = None,
+             fixed_split: bool = False) -> "NativeTables":
         """split_plan.plan_work's sizes (chunk_tokens, num_work); the arrays come with write()."""
         p = self._planner.params
         if span_end is None:
@@ -144,6 +147,7 @@ class NativeTables:
             p.span_begin, p.span_end = (None if a is None else a.ctypes.data for a in self._spans)
         p.ctas_per_item, p.max_ctas, p.granularity = ctas_per_item, max_ctas, granularity
         p.chunk_tokens = 0 if chunk_tokens is None else chunk_tokens
+        p.fixed_split = self.fixed_split = fixed_split
         p.max_items = -1 if max_items is None else max_items
         self._planner.library.fj_plan(ctypes.byref(p))
         self.chunk_tokens, self.num_work = p.chunk, p.num_work
@@ -165,7 +169,7 @@ class NativeTables:
             records = item_records(host, starts)[:w]
             self._work = WorkPlan(records[:, 0], records[:, 1], records[:, 2], host[work_indptr:work_indptr + b + 1],
                                   host[qo:qo + b + 1], host[token_request:token_request + self.num_tokens],
-                                  self.chunk_tokens)
+                                  self.chunk_tokens, self.fixed_split)
         return self._work
 
 

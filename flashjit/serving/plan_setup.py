@@ -10,6 +10,7 @@ import typing
 from .. import validation
 from ..jit.kernel import Kernel, LoadedKernel
 from ..jit.spec import DecodeSpec
+from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
 
 LOG2E = 1.4426950408889634
@@ -31,26 +32,29 @@ class Setup(typing.NamedTuple):
     q_dtype: object        # torch dtypes of q/out and of the cache
     kv_dtype: object
     kv_shape: tuple        # a cache page's shape (NHD or HND)
-    mask_generation: int   # masks.generation when made: a later registration may change the kernel
+    mask_generation: int   # masks.generation when made: a later registration (of a mask or variant) may change the kernel
+    variant_params: dict = {}  # the variant's parameters, validated (its tensors are held alive here)
 
 
 def make_setup(scalars: tuple, mask_params, kernel_q_len: int, *, engine, arch: str, device,
-               load_kernel) -> Setup:
+               load_kernel, variant_params=None) -> Setup:
     """A plan's scalars validated, the spec compiled (or found) and loaded with load_kernel(kernel, device index)."""
     (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout, sm_scale,
-     tensor_cores) = scalars
+     tensor_cores, *variant) = scalars
+    variant = variant[0] if variant else "none"
     validation.head_counts(num_qo_heads, num_kv_heads, page_size)
     generation = masks.generation  # before the lookups: a mask registered meanwhile makes a new setup
     spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
-                             kernel_q_len, kv_layout, arch, tensor_cores)
+                             kernel_q_len, kv_layout, arch, tensor_cores, variant)
     kernel = engine.get_kernel(spec)
     loaded = load_kernel(kernel, device.index)
     params = checked_mask_params(kernel.mask, window_left, mask_params, device)
+    checked_variant = checked_variant_params(kernel.variant, variant_params, num_qo_heads, device)
     kv_shape = ((page_size, num_kv_heads, head_dim) if spec.kv_layout == "NHD"
                 else (num_kv_heads, page_size, head_dim))
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else validation.positive_float32("sm_scale", sm_scale, LOG2E)
     return Setup(spec, kernel, loaded, params, scale * LOG2E, num_qo_heads, num_kv_heads, head_dim, page_size,
-                 _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype), kv_shape, generation)
+                 _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype), kv_shape, generation, checked_variant)
 
 
 def checked_mask_params(mask, window_left, mask_params, device) -> dict:
@@ -62,23 +66,43 @@ def checked_mask_params(mask, window_left, mask_params, device) -> dict:
     params = dict(mask_params or {})
     if window_left is not None:
         params["window_left"] = window_left
-    missing = [p for p in mask.param_names if p not in params]
-    unknown = [p for p in params if p not in mask.param_names]
+    return _checked_params("mask", mask, params, device)
+
+
+def checked_variant_params(variant, variant_params, num_qo_heads: int, device) -> dict:
+    """The variant's runtime parameters, each checked against its kind (as checked_mask_params),
+    then against the batch by the variant's own check (a sinks tensor of num_qo_heads values)."""
+    if not variant.params and not variant_params:
+        return {}
+    params = _checked_params("variant", variant, dict(variant_params or {}), device)
+    if variant.check is not None:
+        try:
+            variant.check(params, num_qo_heads)
+        except ValueError as exc:
+            validation.fail(f"variant_params for variant {variant.name!r}", "values the variant accepts", str(exc))
+    return params
+
+
+def _checked_params(what: str, definition, params: dict, device) -> dict:
+    """params (a copy) holding exactly definition's parameters, each of its kind."""
+    missing = [p for p in definition.param_names if p not in params]
+    unknown = [p for p in params if p not in definition.param_names]
     if missing or unknown:
-        validation.fail(f"mask_params for mask {mask.name!r}", f"exactly {list(mask.param_names)}",
+        validation.fail(f"{what}_params for {what} {definition.name!r}", f"exactly {list(definition.param_names)}",
                         f"missing {missing}, unknown {unknown}")
-    for p in mask.params:
+    for p in definition.params:
         value = params[p.name]
         if p.kind == "int":
-            params[p.name] = validation.int32_param(f"mask param {p.name}", value)
+            params[p.name] = validation.int32_param(f"{what} param {p.name}", value)
         elif p.kind == "float":
-            params[p.name] = validation.float32_param(f"mask param {p.name}", value)
-        elif p.kind == "int_tensor":
+            params[p.name] = validation.float32_param(f"{what} param {p.name}", value)
+        elif p.kind in TENSOR_KINDS:
             import torch
 
-            validation.tensor(f"mask param {p.name}", value, dtype=torch.int32, device=device, ndim=1)
+            dtype = torch.int32 if p.kind == "int_tensor" else torch.float32
+            validation.tensor(f"{what} param {p.name}", value, dtype=dtype, device=device, ndim=1)
             if value.numel() > 1 and value.stride(0) != 1:
-                validation.fail(f"mask param {p.name}", "a contiguous tensor (stride 1)", f"stride {value.stride(0)}")
+                validation.fail(f"{what} param {p.name}", "a contiguous tensor (stride 1)", f"stride {value.stride(0)}")
     return params
 
 

@@ -58,22 +58,62 @@ class Plan(typing.NamedTuple):  # a NamedTuple: immutable, and built in a quarte
         return self.tables.work_plan(self.buffers.host, self.buffers.starts)
 
 
-def checked_chunk_tokens(chunk_tokens):
-    if chunk_tokens is not None and (type(chunk_tokens) is not int or not 1 <= chunk_tokens <= validation.INT32_MAX):
-        validation.fail("chunk_tokens", f"a positive int up to {validation.INT32_MAX} (a bool is not an int here)",
-                        repr(chunk_tokens))
-    return chunk_tokens
+class SplitRule(typing.NamedTuple):
+    """How plan()'s split arguments cut the requests' spans (split_rule)."""
+
+    chunk_tokens: int | None  # the chunk forced (chunk_tokens or fixed_split_tokens), None: planned
+    one_item: bool            # disable_split_kv: one item per request
+    fixed_split: bool         # fixed_split_tokens: every item reads exactly its own span (WorkPlan.fixed_split)
+    argument: str             # the argument that forced the chunk, for errors
 
 
-def graph_capacity(setup: Setup, tables, graph, previous: Plan | None) -> Capacity:
-    """CUDA-graph mode's fixed capacity (graph: GraphLimits), which must hold this batch."""
+PLANNED = SplitRule(None, False, False, "chunk_tokens")  # the default: the planner picks the chunk
+
+
+def _checked_tokens(name: str, value):
+    if value is not None and (type(value) is not int or not 1 <= value <= validation.INT32_MAX):
+        validation.fail(name, f"a positive int up to {validation.INT32_MAX} (a bool is not an int here)", repr(value))
+    return value
+
+
+def split_rule(chunk_tokens, fixed_split_tokens, disable_split_kv) -> SplitRule:
+    """plan()'s chunk_tokens, fixed_split_tokens and disable_split_kv checked, as one rule.
+
+    fixed_split_tokens is chunk_tokens plus the guarantee that each work item's CTAs read exactly
+    its span, so a request's items, the tiles each reads and the merge's inputs depend on the
+    request alone (docs/api.md, batch invariance). disable_split_kv gives each request one item,
+    which depends on the request alone too (and wins over chunk_tokens). fixed_split_tokens goes
+    with neither of the others."""
+    if chunk_tokens is None and fixed_split_tokens is None and not disable_split_kv:
+        return PLANNED
+    if fixed_split_tokens is not None:
+        others = [name for name, given in (("chunk_tokens", chunk_tokens is not None),
+                                           ("disable_split_kv", bool(disable_split_kv))) if given]
+        if others:
+            validation.fail(f"fixed_split_tokens with {' and '.join(others)}",
+                            "fixed_split_tokens alone (it forces the chunk itself)", "both")
+        return SplitRule(_checked_tokens("fixed_split_tokens", fixed_split_tokens), False, True, "fixed_split_tokens")
+    return SplitRule(_checked_tokens("chunk_tokens", chunk_tokens), bool(disable_split_kv), False,
+                     "disable_split_kv" if disable_split_kv else "chunk_tokens")
+
+
+def fixed_split_items(kv_lens, chunk: int) -> int:
+    """Work items a fixed split of chunk makes at most over requests of these kv_lens (spans are
+    no longer than the request): what a plan on the GPU may write."""
+    lens = np.asarray(kv_lens, dtype=np.int64)
+    return int(np.maximum((lens + (chunk - 1)) // chunk, 1).sum())
+
+
+def graph_capacity(setup: Setup, tables, graph, previous: Plan | None, rule: SplitRule = PLANNED) -> Capacity:
+    """CUDA-graph mode's fixed capacity (graph: GraphLimits), which must hold this batch; a first
+    plan with a fixed split sizes it for every batch the page-id buffer can hold."""
     loaded = setup.loaded
     one_wave_items = max(1, loaded.num_sms * loaded.ctas_per_sm // (setup.num_kv_heads * setup.kernel.tiling.row_tiles))
-    return graph.capacity(setup.spec, tables.batch, tables.num_tokens, one_wave_items, previous)
+    return graph.capacity(setup.spec, tables.batch, tables.num_tokens, one_wave_items, previous,
+                          rule.chunk_tokens if rule.fixed_split else None)
 
 
-def split_work(setup: Setup, tables, chunk_tokens, disable_split_kv: bool, graph,
-               previous: Plan | None) -> tuple[WorkPlan, Capacity]:
+def split_work(setup: Setup, tables, rule: SplitRule, graph, previous: Plan | None) -> tuple[WorkPlan, Capacity]:
     """The work items over the span the mask reads, and the capacity they need: in CUDA-graph
     mode (graph: GraphLimits) the fixed one, which bounds them."""
     span_begin = span_end = None  # None: every span starts at 0 and ends at the request's kv_len
@@ -85,21 +125,21 @@ def split_work(setup: Setup, tables, chunk_tokens, disable_split_kv: bool, graph
                 validation.fail(f"mask {kernel.mask.name!r}'s kv_span", f"{tables.batch} span {name}, one per request",
                                 f"shape {np.shape(span)}")
         span_end = np.minimum(span_end, np.iinfo(np.int32).max)
-    checked_chunk_tokens(chunk_tokens)
-    if disable_split_kv:
+    chunk_tokens = rule.chunk_tokens
+    if rule.one_item:
         span_lens = (tables.kv_lens if span_end is None else span_end if span_begin is None
                      else span_end - span_begin)
         chunk_tokens = max(1, largest(span_lens, 1))
     tiling, batch, loaded = kernel.tiling, tables.batch, setup.loaded
     ctas_per_item, max_ctas = setup.num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
-    capacity = None if graph is None else graph_capacity(setup, tables, graph, previous)
+    capacity = None if graph is None else graph_capacity(setup, tables, graph, previous, rule)
     work = tables.plan(span_begin, span_end, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
                        granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens,
-                       max_items=capacity.work if capacity else None)
+                       max_items=capacity.work if capacity else None, fixed_split=rule.fixed_split)
     if capacity is None:
         capacity = Capacity(batch, work.num_tokens, work.num_work)
     elif work.num_work > capacity.work:
-        validation.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
+        validation.fail(rule.argument, f"at most {capacity.work} work items (CUDA-graph capacity)",
                         f"{work.num_work} items of {work.chunk_tokens} tokens")
     return work, capacity
 

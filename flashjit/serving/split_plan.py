@@ -29,6 +29,10 @@ class WorkPlan:
     req_qo_indptr: np.ndarray    # [B+1] query tokens of request b
     token_request: np.ndarray    # [T] request of each query token
     chunk_tokens: int            # span positions per work item (the last of a request may be shorter)
+    # Each item reads exactly its own span (a tile-sharing group of one, abi.WORK_ITEM_FIELDS): the
+    # items, so the output's rounding, depend on the request alone. Else a request's items may share
+    # its tiles at run time (where the tiling's static_share is below 100).
+    fixed_split: bool = False
 
     @property
     def num_work(self) -> int:
@@ -132,15 +136,16 @@ def choose_chunk(span_lens: np.ndarray, ctas_per_item: int, max_ctas: int, granu
 
 def plan_work(span_begin: np.ndarray | None, span_end: np.ndarray, qo_indptr: np.ndarray, *,
               ctas_per_item: int, max_ctas: int, granularity: int, chunk_tokens: int | None = None,
-              max_items: int | None = None) -> WorkPlan:
+              max_items: int | None = None, fixed_split: bool = False) -> WorkPlan:
     """Work items for one batch.
 
     span_begin/span_end: [B] positions each request must read (from the mask's kv_span); span_begin
         None: every span starts at 0.
     ctas_per_item: CTAs one work item launches (KV heads x row tiles).
     max_ctas: CTAs resident at once (SMs x the kernel's occupancy): the grid aims at one wave.
-    chunk_tokens: force a chunk size (tests, determinism); None plans it.
+    chunk_tokens: force a chunk size; None plans it.
     max_items: at most this many work items (fixed CUDA-graph capacity); None for no limit.
+    fixed_split: every item reads exactly its own span (WorkPlan.fixed_split); needs chunk_tokens.
     """
     span_end = np.asarray(span_end, dtype=np.int64)
     if span_begin is None:
@@ -170,4 +175,4 @@ def plan_work(span_begin: np.ndarray | None, span_end: np.ndarray, qo_indptr: np
     token_request = np.repeat(requests, qo_indptr[1:] - qo_indptr[:-1])
     i32 = lambda a: a.astype(np.int32)  # noqa: E731  (a new contiguous array)
     return WorkPlan(work_request, i32(work_begin), i32(work_end), req_work_indptr, i32(qo_indptr), token_request,
-                    chunk)
+                    chunk, fixed_split)

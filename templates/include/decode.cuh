@@ -4,7 +4,8 @@
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN VEC CHUNKS_PER_ROW BDX ROWS
 //                  ROWS_PAD BDZ TILE_TOKENS STAGES
 //   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (those, fj::e4m3_t or fj::e5m2_t)
-//   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh.
+//   MaskParams, mask_kv_position(), mask_visible() from the mask template; VariantParams,
+//   VARIANT_LOGITS, VARIANT_SINK and their hooks from the variant template; decode_common.cuh.
 //
 // A work item is (request, [v_begin, v_end)) over the span the planner chose for the request.
 // A request with one work item writes its output directly; otherwise each item writes a
@@ -36,7 +37,7 @@ static_assert(NT % 32 == 0, "whole warps, so full-mask shuffles are defined");
 static_assert(TILE % BDZ == 0, "every z-slice scores the same number of tokens");
 static_assert(BDZ == 1 || NT * VEC * 4 <= SMEM_BYTES, "reduction scratch fits in the K ring");
 
-FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
+FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
   // 128-byte aligned: the rows are whole 16-byte chunks of ROW_BYTES, so each 32-byte sector a pair
   // of copies moves lands whole (one split across a 32-byte boundary is fetched twice: ncu).
   __shared__ __align__(128) unsigned char k_smem[SMEM_BYTES];
@@ -94,11 +95,13 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
       for (int off = BDX / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
       const int vpos = item.tile_begin + t * TILE + tok;
       bool visible = row_valid && item.in_span(vpos);
+      int pos = 0;
       if (visible) {
-        const int pos = mask_kv_position(params, item.request, vpos);
+        pos = mask_kv_position(params, item.request, vpos);
         visible = pos >= 0 && pos < item.kv_len &&
                   mask_visible(params, item.request, q_tok, item.q_len, q_pos, pos, item.kv_len);
       }
+      if constexpr (VARIANT_LOGITS) dot = variant_logits2(vparams, dot, q_pos, pos, qo_head);
       s[j] = visible ? dot : FJ_NEG_INF;
       tile_max = fmaxf(tile_max, s[j]);
     }
@@ -154,8 +157,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   }
 
   if (holds_row) {
-    const float inv = dsum > 0.f ? scales.value / dsum : 0.f;
-    const float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
+    float inv = dsum > 0.f ? scales.value / dsum : 0.f;
+    float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
+    fold_sink(vparams, item, qo_head, lse2, inv);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) o[i] *= inv;
     const int token = item.q_begin + q_tok;

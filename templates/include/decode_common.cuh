@@ -10,8 +10,9 @@ struct Args {
   i64 page_stride, slot_stride, head_stride;           // element strides of the paged cache
   const int* __restrict__ page_indices;
   // Per grid position, one record of FJ_ITEM_INTS int32 (WorkItem): (request, v_begin, v_end,
-  // kv_len), (page_begin, q_begin, q_len, items of the request) and (the item's index among them,
-  // the request's span begin and end, 0); request -1 marks CUDA-graph padding.
+  // kv_len), (page_begin, q_begin, q_len, items of the request) and its tile-sharing group (the
+  // item's index in it, the group's span begin and end, the items in it); request -1 marks
+  // CUDA-graph padding.
   const int4* __restrict__ work_items;
   const int* __restrict__ req_qo_indptr; const int* __restrict__ req_work_indptr;  // the merge's
   out_t* __restrict__ out; i64 out_stride;
@@ -65,24 +66,32 @@ struct CtaCoords {
 // The planner writes the request's geometry into every item's record, so one round of loads gives
 // it all: the chain of dependent loads before a CTA's first copy (item, page id, K/V) is the
 // prologue of every CTA, and at small batches most of the kernel (benchmarks/cta_timeline.py).
-// With cfg::STATIC_SHARE < 100 the span is the whole request's, whose tiles its items' CTAs share
-// (stream_shared_tiles); split is the item's index among them.
+// With cfg::STATIC_SHARE < 100 the span is its tile-sharing group's, whose tiles the group's CTAs
+// share (stream_shared_tiles); share is the item's index among the sharers. The planner makes the
+// group the whole request (its items), or, for a fixed split (plan(fixed_split_tokens=...)), the
+// item alone: then each CTA reads exactly its item's span, as where STATIC_SHARE is 100.
 struct WorkItem {
-  enum { RECORD_INT4S = 3 };  // span, geometry, the request's span (an enum: no storage in the cubin)
+  enum { RECORD_INT4S = 3 };  // span, geometry, the sharing group (an enum: no storage in the cubin)
   static_assert(FJ_ITEM_INTS == 4 * RECORD_INT4S, "ABI: a work-item record is not the three int4 WorkItem reads "
                                                   "(flashjit.jit.abi.ITEM_INTS)");
-  int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len, splits, split;
+  int request, v_begin, v_end, tile_begin, kv_len, page_begin, q_begin, q_len, sharers, share;
   bool direct;  // the request's only item: it writes the output, not a partial for the merge
+  bool first_of_request;  // VARIANT_SINK: the item whose state the sink joins (else true, unread)
   template <class A>  // decode::Args, or another family's arguments with the same work_items
   FJ_INLINE WorkItem(const A& a, int w) {
     const int4 span = __ldg(a.work_items + RECORD_INT4S * w), geometry = __ldg(a.work_items + RECORD_INT4S * w + 1);
     request = span.x; v_begin = span.y; v_end = span.z; kv_len = span.w;
-    page_begin = geometry.x; q_begin = geometry.y; q_len = geometry.z; splits = geometry.w;
-    direct = splits == 1;
-    split = 0;
+    page_begin = geometry.x; q_begin = geometry.y; q_len = geometry.z;
+    direct = geometry.w == 1;
+    sharers = 1;
+    share = 0;
+    first_of_request = true;
+    if constexpr (VARIANT_SINK) {  // a sink joins the state of the request's first item only
+      first_of_request = direct || (request >= 0 && __ldg(a.req_work_indptr + request) == w);
+    }
     if constexpr (cfg::STATIC_SHARE < 100) {
-      const int4 shared = __ldg(a.work_items + RECORD_INT4S * w + 2);
-      split = shared.x; v_begin = shared.y; v_end = shared.z;
+      const int4 group = __ldg(a.work_items + RECORD_INT4S * w + 2);
+      share = group.x; v_begin = group.y; v_end = group.z; sharers = group.w;
     }
     tile_begin = v_begin - v_begin % cfg::PAGE_SIZE;
   }
@@ -90,6 +99,29 @@ struct WorkItem {
   FJ_INLINE bool in_span(int vpos) const { return vpos >= v_begin && vpos < v_end; }
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
+
+// A visible score in the kernels' base-2 units (q . k * sm_scale * log2 e) through the variant's
+// logits hook, which takes and returns natural units.
+FJ_INLINE float variant_logits2(const VariantParams& vparams, float score2, int q_pos, int kv_pos, int qo_head) {
+  return variant_logits(vparams, score2 * FJ_LN2, q_pos, kv_pos, qo_head) * FJ_LOG2E;
+}
+
+// The variant's sink logit joins one row's softmax: lse2 (base 2, -inf for a row without visible
+// keys) becomes log2(2^lse2 + 2^sink2) and the output's factor inv shrinks by 2^(lse2 - that).
+// Each row's sink enters once, in the state of its request's first work item: the other
+// partials and the merges are unchanged, and the merge of sink-and-partial-0 with the rest is the
+// softmax over every key and the sink. A row without keys gets o = 0 and lse = sink.
+FJ_INLINE void fold_sink(const VariantParams& vparams, const WorkItem& item, int qo_head, float& lse2, float& inv) {
+  if constexpr (VARIANT_SINK) {
+    if (!item.first_of_request) return;
+    const float sink2 = variant_sink(vparams, qo_head) * FJ_LOG2E;
+    const float top = fmaxf(lse2, sink2);
+    if (top == FJ_NEG_INF) return;
+    const float total = top + log2_approx(exp2_approx(lse2 - top) + exp2_approx(sink2 - top));
+    inv *= exp2_approx(lse2 - total);
+    lse2 = total;
+  }
+}
 
 // Index of the (request, KV head, row tile) group in merge_counters and tile_counters.
 FJ_INLINE i64 group_index(int num_qo_heads, int request, int kv_head, int row_tile, int row_tiles) {
@@ -359,14 +391,16 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&&
   cp_async_wait<0>();
 }
 
-// stream_tiles over the tiles of a whole request, shared by the CTAs of its items (split of
-// splits; cfg::STATIC_SHARE < 100). CTAs with the same work finish far apart (the memory system
-// serves some SMs faster), so a fixed split leaves the fast ones idle in the tail. Here each CTA
-// first reads a static run of STATIC_SHARE % of its fair share, then claims pool tiles one at a
-// time from the group's counter: the fast CTAs read more of the pool. The partials stay exact,
-// whatever tiles each CTA read (the merge weighs them by their LSEs); a CTA left without tiles
-// writes an empty partial. A direct item (one CTA), or a fair share of at most STAGES + 1 tiles,
-// reads its tiles statically.
+// stream_tiles over the tiles of a sharing group's span (the whole request's), shared by the CTAs
+// of its items (share of sharers; cfg::STATIC_SHARE < 100). CTAs with the same work finish far
+// apart (the memory system serves some SMs faster), so a fixed split leaves the fast ones idle in
+// the tail. Here each CTA first reads a static run of STATIC_SHARE % of its fair share, then claims
+// pool tiles one at a time from the group's counter: the fast CTAs read more of the pool. The
+// partials stay exact, whatever tiles each CTA read (the merge weighs them by their LSEs), but
+// which tiles each read, and so the rounding of the output, depends on timing; a CTA left without
+// tiles writes an empty partial. A group of one item (a direct item, or any item of a fixed
+// split), or a fair share of at most STAGES + 1 tiles, reads its tiles statically: the same tiles,
+// in the same order, at every launch.
 //
 // Thread 0 decides the tile of each sequence number j (SharedTiles::tile) and publishes it in
 // tiles[j % SLOTS]; the other threads only read that, so the scheme costs them one register.
@@ -377,7 +411,7 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&&
 struct SharedTiles {
   static constexpr int SLOTS = 8;  // sequence numbers in use at once: t .. t + 1 + STAGES
   int tiles[SLOTS];                // tile of sequence number j at j % SLOTS; -1: past the end
-  int total, head, first, pool;    // the request's tiles; this CTA's static run [first, first + head); pool start
+  int total, head, first, pool;    // the group's tiles; this CTA's static run [first, first + head); pool start
 
   FJ_INLINE bool shares() const { return pool < total; }
   // Tile of sequence number j, given the pool claim taken for it (if j >= head and shares()).
@@ -394,9 +428,9 @@ FJ_INLINE void stream_shared_tiles(Stage& loader, const WorkItem& item, int* cou
   static_assert(SLOTS >= STAGES + 2, "a slot is not reused while read");
   __shared__ SharedTiles shared;
   if (threadIdx.x == 0) {
-    const int total = item.num_tiles(TILE), fair = ceil_div(total, item.splits);
-    const int head = item.direct || fair <= STAGES + 1 ? fair : max(STAGES + 1, fair * cfg::STATIC_SHARE / 100);
-    shared.total = total; shared.head = head; shared.first = item.split * head; shared.pool = item.splits * head;
+    const int total = item.num_tiles(TILE), fair = ceil_div(total, item.sharers);
+    const int head = item.sharers == 1 || fair <= STAGES + 1 ? fair : max(STAGES + 1, fair * cfg::STATIC_SHARE / 100);
+    shared.total = total; shared.head = head; shared.first = item.share * head; shared.pool = item.sharers * head;
 #pragma unroll
     for (int j = 0; j <= STAGES; ++j) shared.tiles[j] = shared.tile(j, total);  // static (or past the end)
   }
@@ -436,8 +470,8 @@ FJ_INLINE void stream_shared_tiles(Stage& loader, const WorkItem& item, int* cou
   cp_async_wait<0>();
 }
 
-// A tensor-core CTA's tiles: its item's (stream_tiles), or with cfg::STATIC_SHARE < 100 its
-// request's, shared with the request's other CTAs (stream_shared_tiles). ROWS: query rows per CTA.
+// A tensor-core CTA's tiles: its item's (stream_tiles), or with cfg::STATIC_SHARE < 100 its sharing
+// group's, shared with the group's other CTAs (stream_shared_tiles). ROWS: query rows per CTA.
 template <int STAGES, int TILE, int ROWS, class Stage, class Prepare, class Consume>
 FJ_INLINE void stream_item_tiles(Stage& loader, const Args& a, const WorkItem& item, const CtaCoords& cta,
                                  Prepare&& prepare, Consume&& consume) {

@@ -5,7 +5,7 @@
 // the MMAs through ldmatrix. (fp8 caches take decode_tc_fp8.cuh.)
 //
 // Expects from the including template:
-//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS COL_SPLIT STAGES K_PITCH V_PITCH
+//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS COL_SPLIT STAGES K_PITCH V_PITCH Q_SMEM_BYTES
 //   types q_t, kv_t, out_t (fj::half_t or fj::bfloat16_t)
 //   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh and
 //   decode_tc_common.cuh.
@@ -35,17 +35,20 @@ constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
+constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // head_dim 512: Q's fragments in shared memory, not registers
 using mma_t = kv_t;
 
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit queries and K/V");
 static_assert(WARPS % COL_SPLIT == 0 && (COL_SPLIT == 1 || NTILES % 8 == 0), "whole 128-byte column blocks per warp");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the slices' reduction fits in the ring");
+static_assert(!Q_IN_SMEM || cfg::Q_SMEM_BYTES == KSTEPS * 32 * 16, "one 16-byte fragment per k-step and lane");
 
-FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
+FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
+  unsigned char* q_smem = smem + STAGES * TILE * (K_PITCH + V_PITCH);  // Q_IN_SMEM: after the ring
   __shared__ float red_m[SLICES][M], red_d[SLICES][M];
 
   const CtaCoords cta(a);
@@ -74,18 +77,25 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)]. Loaded first:
   // unlike the fp8 kernel's, this Q needs no conversion, so it does not hold the first page lookup
   // back, and loading it late (in stream_tiles' prepare()) costs head_dim 256 about 2%.
-  u32 qa[KSTEPS][4];
+  // Q_IN_SMEM: the warps write the fragments of their share of the k-steps to q_frags[k][lane]
+  // (every warp serves the same rows), read back at each k-step; the loop's first barrier comes
+  // before the first read.
+  const auto q_fragment = [&](int k, int r) -> u32 {
+    const int h = r & 1, col = 16 * k + pair + (r >> 1) * 8;
+    return row_valid[h] ? QueryPair<q_t, mma_t>::convert(*reinterpret_cast<const u32*>(
+                              a.q + (i64)(item.q_begin + row_tok[h]) * a.q_stride + row_head[h] * D + col))
+                        : 0u;
+  };
+  u32 qa[Q_IN_SMEM ? 1 : KSTEPS][4];
+  uint4* q_frags = reinterpret_cast<uint4*>(q_smem);
+  if constexpr (Q_IN_SMEM) {
+    for (int k = tid / 32; k < KSTEPS; k += WARPS)
+      q_frags[k * 32 + lane] = make_uint4(q_fragment(k, 0), q_fragment(k, 1), q_fragment(k, 2), q_fragment(k, 3));
+  } else {
 #pragma unroll
-  for (int k = 0; k < KSTEPS; ++k) {
+    for (int k = 0; k < KSTEPS; ++k)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int h = r & 1, col = 16 * k + pair + (r >> 1) * 8;
-      qa[k][r] = row_valid[h]
-          ? QueryPair<q_t, mma_t>::convert(
-                *reinterpret_cast<const u32*>(a.q + (i64)(item.q_begin + row_tok[h]) * a.q_stride
-                                              + row_head[h] * D + col))
-          : 0u;
-    }
+      for (int r = 0; r < 4; ++r) qa[k][r] = q_fragment(k, r);
   }
 
   PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
@@ -116,8 +126,15 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
       for (int k = 0; k < KSTEPS; ++k) {
         u32 kb[4];
         ldmatrix_x4(kb, ks + k_ld + (k / 4) * 128 + ((2 * k % 8) ^ k_chunk) * 16);
-        Mma<mma_t>::run(s[0], qa[k], kb[0], kb[1]);
-        Mma<mma_t>::run(s[1], qa[k], kb[2], kb[3]);
+        if constexpr (Q_IN_SMEM) {
+          const uint4 f = q_frags[k * 32 + lane];
+          const u32 qf[4] = {f.x, f.y, f.z, f.w};
+          Mma<mma_t>::run(s[0], qf, kb[0], kb[1]);
+          Mma<mma_t>::run(s[1], qf, kb[2], kb[3]);
+        } else {
+          Mma<mma_t>::run(s[0], qa[k], kb[0], kb[1]);
+          Mma<mma_t>::run(s[1], qa[k], kb[2], kb[3]);
+        }
       }
       // Scale, mask, and the online-softmax update, per row (reduced over the row's 4 lanes).
       float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
@@ -127,12 +144,16 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1, vpos = key0 + 8 * j + pair + (e & 1);
           bool visible = row_valid[h] && item.in_span(vpos);
+          int pos = 0;
           if (visible) {
-            const int pos = mask_kv_position(params, item.request, vpos);
+            pos = mask_kv_position(params, item.request, vpos);
             visible = pos >= 0 && pos < item.kv_len &&
                       mask_visible(params, item.request, row_tok[h], item.q_len, row_pos[h], pos, item.kv_len);
           }
-          s[j][e] = visible ? s[j][e] * scales.score : FJ_NEG_INF;
+          if constexpr (VARIANT_LOGITS)
+            s[j][e] = visible ? variant_logits2(vparams, s[j][e] * scales.score, row_pos[h], pos, row_head[h]) : FJ_NEG_INF;
+          else
+            s[j][e] = visible ? s[j][e] * scales.score : FJ_NEG_INF;
           tile_max[h] = fmaxf(tile_max[h], s[j][e]);
         }
       }
@@ -193,7 +214,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
   }
   __syncthreads();
 
-  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, vparams);
 }
 
 }  // namespace decode

@@ -9,7 +9,7 @@
 // has to shrink for the kernel to stay memory-bound.
 //
 // Expects from the including template:
-//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN ROWS WARPS STAGES K_PITCH V_PITCH
+//   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN ROWS WARPS COL_SPLIT STAGES K_PITCH V_PITCH
 //   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (fj::e4m3_t or fj::e5m2_t)
 //   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh and
 //   decode_tc_common.cuh.
@@ -38,7 +38,9 @@ constexpr int WARPS = cfg::WARPS;
 constexpr int NT = 32 * WARPS;
 constexpr int M = cfg::ROWS;              // query rows per CTA: the MMA's N
 constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
-constexpr int TILE = 16 * WARPS;          // keys per pipeline stage
+constexpr int COL_SPLIT = cfg::COL_SPLIT;  // warps per 16-key slice, each with its blocks of O^T's dims
+constexpr int SLICES = WARPS / COL_SPLIT;  // key slices per stage, one softmax state each
+constexpr int TILE = 16 * SLICES;         // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 constexpr int STEPS = D / 16;             // k-steps of S^T, and m-tiles of O^T
@@ -46,11 +48,14 @@ constexpr int BLOCK = D < 128 ? D : 128;  // head dims the lane layouts repeat o
 constexpr int BLOCK_STEPS = BLOCK / 16;
 constexpr int K_BYTES = BLOCK / 4;        // bytes of a key row one lane reads per block
 constexpr int V_BYTES = BLOCK / 8;        // bytes of a value row one lane reads per block
+constexpr int PART_BLOCKS = D / BLOCK / COL_SPLIT;  // blocks of head dims in one warp's part of O^T
+constexpr int PART_STEPS = PART_BLOCKS * BLOCK_STEPS;  // O^T's m-tiles per warp
 
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 1, "16-bit queries, fp8 K/V");
 static_assert(M == 8, "one n-tile of query rows");
 static_assert(D % BLOCK == 0 && (BLOCK == 64 || BLOCK == 128), "head_dim 64, 128 or 256");
-static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= WARPS * M * D * 4, "the warps' reduction fits in the ring");
+static_assert(WARPS % COL_SPLIT == 0 && (D / BLOCK) % COL_SPLIT == 0, "whole blocks of head dims per warp");
+static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the slices' reduction fits in the ring");
 
 // Where byte `byte` of ring row `row` (as counted mod 8) sits in the row: in a swizzled ring
 // (PagedKVStage) its 16-byte chunk is XORed with the row's low 3 bits. Unpadded swizzled rows keep
@@ -90,12 +95,14 @@ FJ_INLINE void scores(float* s, const u32 (*qb)[2], const unsigned char* keys, i
   for (int e = 0; e < 4; ++e) s[e] += odd[e];
 }
 
-// O^T += V^T P^T for the warp's 16 keys. The lane reads keys 2t, 2t + 1 (the A fragment's k-slots
-// of its first half) and 2t + 8, 2t + 9 (second half) at its V_BYTES dims of each block.
-FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* values, int g, int t) {
+// O^T += V^T P^T for the warp's 16 keys, in the PART_BLOCKS blocks of head dims from block b0 (its
+// column part). The lane reads keys 2t, 2t + 1 (the A fragment's k-slots of its first half) and
+// 2t + 8, 2t + 9 (second half) at its V_BYTES dims of each block.
+FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* values, int g, int t, int b0) {
   constexpr int WORDS = V_BYTES / 4;
 #pragma unroll
-  for (int b = 0; b < D / BLOCK; ++b) {
+  for (int pb_i = 0; pb_i < PART_BLOCKS; ++pb_i) {
+    const int b = b0 + pb_i;
     u32 w[4][WORDS];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -115,34 +122,36 @@ FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* val
       u32 va[4];
       Fp8<kv_t>::to_f16x4(prmt(w[0][i / 2], w[1][i / 2], pick), va[0], va[1]);
       Fp8<kv_t>::to_f16x4(prmt(w[2][i / 2], w[3][i / 2], pick), va[2], va[3]);
-      Mma<half_t>::run(o[BLOCK_STEPS * b + i], va, pb[0], pb[1]);
+      Mma<half_t>::run(o[BLOCK_STEPS * pb_i + i], va, pb[0], pb[1]);
     }
   }
 }
 
-FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
+FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
-  __shared__ float red_m[WARPS][M], red_d[WARPS][M];
+  __shared__ float red_m[SLICES][M], red_d[SLICES][M];
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
   const MaskParams params = mask_bind(unbound, item.request);
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int tid = threadIdx.x, lane = tid % 32;
+  const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // the warp's keys, and O^T's blocks
   const int g = lane / 4, t = lane % 4;  // MMA fragment coordinates
 
   // The query rows of this lane's S^T and O^T columns: 2t + c.
   constexpr int COLS = 2;
-  int col_tok[COLS], col_pos[COLS];
+  int col_tok[COLS], col_pos[COLS], col_head[COLS];
   bool col_valid[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
     const int row = cta.row_tile * M + 2 * t + c;
     col_tok[c] = row / cfg::GROUP_SIZE;
+    col_head[c] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     col_valid[c] = row < ROWS_TOTAL && col_tok[c] < item.q_len;
     col_pos[c] = item.kv_len - item.q_len + col_tok[c];
   }
@@ -166,18 +175,21 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
                           : 0u;
   };
 
-  float o[STEPS][4];  // O^T: o[mt][0..1] dim o_dim(mt, g), o[mt][2..3] dim o_dim(mt, g + 8); rows 2t, 2t + 1
+  // O^T, the warp's part: o[mt][0..1] dim o_dim(mt0 + mt, g), o[mt][2..3] dim o_dim(mt0 + mt, g + 8);
+  // rows 2t, 2t + 1
+  float o[PART_STEPS][4];
+  const int mt0 = col_part * PART_STEPS;
 #pragma unroll
-  for (int mt = 0; mt < STEPS; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  for (int mt = 0; mt < PART_STEPS; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
   float m[COLS], dsum[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) m[c] = FJ_NEG_INF, dsum[c] = 0.f;
 
   stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, [&](int stage, int tile) {
-    const int key0 = item.tile_begin + tile * TILE + warp * 16;  // this warp's first key
+    const int key0 = item.tile_begin + tile * TILE + slice * 16;  // this warp's first key
     if (key0 >= item.v_end) return;
     float s[4] = {0.f, 0.f, 0.f, 0.f};
-    scores(s, qb, k_smem + (stage * TILE + warp * 16) * K_PITCH, g, t);
+    scores(s, qb, k_smem + (stage * TILE + slice * 16) * K_PITCH, g, t);
 
     // Scale, mask, and the online-softmax update, per column (reduced over the 8 lanes of a t).
     float tile_max[COLS];
@@ -187,12 +199,16 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
     for (int e = 0; e < 4; ++e) {
       const int c = e & 1, vpos = key0 + g + 8 * (e >> 1);
       bool visible = col_valid[c] && item.in_span(vpos);
+      int pos = 0;
       if (visible) {
-        const int pos = mask_kv_position(params, item.request, vpos);
+        pos = mask_kv_position(params, item.request, vpos);
         visible = pos >= 0 && pos < item.kv_len &&
                   mask_visible(params, item.request, col_tok[c], item.q_len, col_pos[c], pos, item.kv_len);
       }
-      s[e] = visible ? s[e] * scales.score : FJ_NEG_INF;
+      if constexpr (VARIANT_LOGITS)
+        s[e] = visible ? variant_logits2(vparams, s[e] * scales.score, col_pos[c], pos, col_head[c]) : FJ_NEG_INF;
+      else
+        s[e] = visible ? s[e] * scales.score : FJ_NEG_INF;
       tile_max[c] = fmaxf(tile_max[c], s[e]);
     }
     float m_ref[COLS], rescale[COLS];
@@ -211,7 +227,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
     // After the first tiles the running max rarely grows: skip O's rescale when no column's did.
     if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-      for (int mt = 0; mt < STEPS; ++mt)
+      for (int mt = 0; mt < PART_STEPS; ++mt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[mt][e] *= rescale[e & 1];
     }
@@ -222,25 +238,26 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound) {
       dsum[e & 1] += s[e];
     }
     const u32 pb[2] = {movmatrix_trans(Mma<half_t>::pack(s[0], s[1])), movmatrix_trans(Mma<half_t>::pack(s[2], s[3]))};
-    accumulate(o, pb, v_smem + (stage * TILE + warp * 16) * V_PITCH, g, t);
+    accumulate(o, pb, v_smem + (stage * TILE + slice * 16) * V_PITCH, g, t, col_part * PART_BLOCKS);
   });
 
-  // Merge the warps' states: column sums over the 8 lanes of a t, then through shared memory.
-  float* red_o = reinterpret_cast<float*>(smem);  // [WARPS][M][D]
+  // Merge the slices' states: column sums over the 8 lanes of a t, then through shared memory. The
+  // warps of a slice hold the same m and sum.
+  float* red_o = reinterpret_cast<float*>(smem);  // [SLICES][M][D]
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
     const int row = 2 * t + c;
 #pragma unroll
     for (int mask = 4; mask < 32; mask *= 2) dsum[c] += __shfl_xor_sync(0xffffffffu, dsum[c], mask);
-    if (g == 0) { red_m[warp][row] = m[c]; red_d[warp][row] = dsum[c]; }
-    float* red_row = red_o + (warp * M + row) * D;
+    if (g == 0 && col_part == 0) { red_m[slice][row] = m[c]; red_d[slice][row] = dsum[c]; }
+    float* red_row = red_o + (slice * M + row) * D;
 #pragma unroll
-    for (int mt = 0; mt < STEPS; ++mt)  // C fragment: dims o_dim(mt, g) and + 1 (row g + 8)
-      *reinterpret_cast<float2*>(red_row + o_dim(mt, g)) = make_float2(o[mt][c], o[mt][2 + c]);
+    for (int mt = 0; mt < PART_STEPS; ++mt)  // C fragment: dims o_dim(mt0 + mt, g) and + 1 (row g + 8)
+      *reinterpret_cast<float2*>(red_row + o_dim(mt0 + mt, g)) = make_float2(o[mt][c], o[mt][2 + c]);
   }
   __syncthreads();
 
-  finish_rows<M, WARPS>(a, item, scales, cta, red_o, red_m, red_d);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, vparams);
 }
 
 }  // namespace decode

@@ -30,33 +30,42 @@ struct Args {
   int batch_capacity, work_capacity, token_capacity;
   int ctas_per_item, max_ctas, granularity, min_chunk;
   int chunk_tokens;                       // > 0 forces the chunk, 0 plans it, -1 one item per request
+  int fixed_split;                        // 1: each item its own tile-sharing group (WorkItem), 0: its request
   int item_overhead, merge_cost;
 };
 
-constexpr int THREADS = 512, WARPS = THREADS / 32;
+constexpr int THREADS = 1024, WARPS = THREADS / 32;
 constexpr int PARTS[] = {FJ_SPLIT_CANDIDATES};  // split_plan.SPLIT_CANDIDATES
 constexpr int NUM_PARTS = sizeof(PARTS) / sizeof(PARTS[0]);
-static_assert(NUM_PARTS <= 64, "plan::choose_chunk keeps one cost per candidate in shared memory");
+// Dynamic shared memory, per request (plus one): its span's length and begin, kv_len, query tokens,
+// and the offsets of its work items and query tokens. The host sizes it by this count.
+static_assert(FJ_PLAN_SMEM_INTS == 6, "ABI: plan::Requests keeps 6 ints per request, not "
+                                      "flashjit.jit.abi.PLAN_SMEM_INTS");
 
 FJ_INLINE i64 ceil_div64(i64 a, i64 b) { return (a + b - 1) / b; }
 
-// Request b as the planner sees it: its length, the span worth reading and its query tokens.
-struct Request {
-  int kv_len, begin, end, q_begin, q_end;
-  FJ_INLINE Request(const Args& a, const MaskParams& params, int b) {
-    const int first_page = __ldg(a.indptr + b);
-    const i64 pages = max(__ldg(a.indptr + b + 1) - first_page, 0);
-    const int last = min(max(__ldg(a.last_page_len + b), 1), a.page_size);
-    kv_len = (int)min(pages ? (pages - 1) * a.page_size + last : (i64)0, (i64)0x7fffffff);
-    q_begin = __ldg(a.qo_indptr + b);
-    q_end = max(__ldg(a.qo_indptr + b + 1), q_begin);
-    begin = mask_span_begin(params, kv_len, q_end - q_begin);
-    end = max(kv_len, begin);  // an inverted span is empty
+// The requests as the planner sees them, in shared memory: read from the page table once.
+struct Requests {
+  int *len, *begin, *kv_len, *q_len, *work_at, *tokens_at;  // work_at, tokens_at: [batch + 1] offsets
+  FJ_INLINE Requests(int* smem, int capacity) {
+    const int n = capacity + 1;
+    len = smem; begin = smem + n; kv_len = smem + 2 * n; q_len = smem + 3 * n; work_at = smem + 4 * n;
+    tokens_at = smem + 5 * n;
   }
-  FJ_INLINE int len() const { return end - begin; }
+  // Request b's span worth reading and query tokens; an inverted span is empty, inputs are clamped.
+  FJ_INLINE void load(const Args& a, const MaskParams& params, int b) {
+    const int first_page = __ldg(a.indptr + b), end_page = __ldg(a.indptr + b + 1);
+    const int last = min(max(__ldg(a.last_page_len + b), 1), a.page_size);
+    const int q_begin = __ldg(a.qo_indptr + b), q_end = __ldg(a.qo_indptr + b + 1);
+    const i64 pages = max(end_page - first_page, 0);
+    const int n = (int)min(pages ? (pages - 1) * a.page_size + last : (i64)0, (i64)0x7fffffff);
+    const int q = max(q_end - q_begin, 0);
+    const int span_begin = mask_span_begin(params, n, q);
+    kv_len[b] = n; q_len[b] = q; begin[b] = span_begin; len[b] = max(n, span_begin) - span_begin;
+  }
 };
 
-// A block-wide reduction or scan's per-warp values.
+// Block-wide reductions and scans, through one word per warp.
 __shared__ i64 warp_values[WARPS];
 
 FJ_INLINE i64 block_max(i64 x) {
@@ -91,10 +100,10 @@ FJ_INLINE int block_scan(int x, int& total) {
 }
 
 // split_plan.makespans for one chunk, reduced over the requests by one warp.
-__device__ double makespan(const Args& a, const MaskParams& params, int batch, int chunk) {
+__device__ double makespan(const Args& a, const Requests& r, int batch, int chunk) {
   i64 items = 0, long_items = 0, total = 0;
   for (int b = threadIdx.x % 32; b < batch; b += 32) {
-    const i64 len = Request(a, params, b).len();
+    const i64 len = r.len[b];
     items += len ? ceil_div64(len, chunk) : 1;
     long_items += (2 * len + chunk) / (2 * (i64)chunk);  // floor(len / chunk + 1/2)
     total += len;
@@ -113,7 +122,7 @@ __device__ double makespan(const Args& a, const MaskParams& params, int batch, i
 }
 
 // split_plan.choose_chunk: each warp prices some of the candidates, thread 0 takes the first minimum.
-__device__ int choose_chunk(const Args& a, const MaskParams& params, int batch, i64 longest) {
+__device__ int choose_chunk(const Args& a, const Requests& r, int batch, i64 longest) {
   const i64 g = a.granularity;
   if (longest <= a.min_chunk) return (int)(ceil_div64(max(longest, (i64)1), g) * g);
   const i64 floor_chunk = max(ceil_div64(a.min_chunk, g) * g, g);
@@ -125,7 +134,7 @@ __device__ int choose_chunk(const Args& a, const MaskParams& params, int batch, 
     const i64 previous = i ? max(ceil_div64(ceil_div64(longest, PARTS[i - 1]), g) * g, floor_chunk) : 0;
     // The host's loop stops past max_parts and after the floor, and skips a repeated chunk.
     const bool priced = PARTS[i] <= max_parts && (i == 0 || (previous != chunk && previous != floor_chunk));
-    const double cost = priced ? makespan(a, params, batch, (int)chunk) : 0.0;
+    const double cost = priced ? makespan(a, r, batch, (int)chunk) : 0.0;
     if (threadIdx.x % 32 == 0) {
       costs[i] = cost;
       chunks[i] = priced ? (int)chunk : 0;
@@ -154,41 +163,36 @@ FJ_INLINE int last_at_most(const int* values, int n, int x) {
   return low;
 }
 
-// The whole plan. Dynamic shared memory: the request offsets of the work items and of the query
-// tokens, 2 x (batch_capacity + 1) ints.
+// The whole plan: one round of loads from the page table, the rest in shared memory.
 __device__ void build(const Args& a, const MaskParams& params) {
-  extern __shared__ int offsets[];
-  int* work_at = offsets;                          // [batch + 1] first work item of each request
-  int* tokens_at = offsets + a.batch_capacity + 1;  // [batch + 1] first query token of each request
+  extern __shared__ int smem[];
+  Requests r(smem, a.batch_capacity);
   const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
-
   i64 longest = 0;
-  for (int b = threadIdx.x; b < batch; b += THREADS) longest = max(longest, (i64)Request(a, params, b).len());
-  longest = block_max(longest);
+  for (int b = threadIdx.x; b < batch; b += THREADS) {
+    r.load(a, params, b);
+    longest = max(longest, (i64)r.len[b]);
+  }
+  longest = block_max(longest);  // its barrier also publishes the requests
   int chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? (int)max(longest, (i64)1)
-                                                                          : choose_chunk(a, params, batch, longest);
+                                                                          : choose_chunk(a, r, batch, longest);
   for (int pass = 0; pass < 2; ++pass) {  // a second pass only when a forced chunk overflows the capacity
     int work_carry = 0, token_carry = 0, total;
     for (int base = 0; base < batch; base += THREADS) {
       const int b = base + threadIdx.x;
-      int items = 0, tokens = 0;
-      if (b < batch) {
-        const Request r(a, params, b);
-        items = max((int)ceil_div64(r.len(), chunk), 1);
-        tokens = r.q_end - r.q_begin;
-      }
+      const int items = b < batch ? max((int)ceil_div64(r.len[b], chunk), 1) : 0, tokens = b < batch ? r.q_len[b] : 0;
       const int work_end = work_carry + block_scan(items, total);
       work_carry += total;
       const int token_end = token_carry + block_scan(tokens, total);
       token_carry += total;
-      if (b < batch) work_at[b + 1] = work_end, tokens_at[b + 1] = token_end;
+      if (b < batch) r.work_at[b + 1] = work_end, r.tokens_at[b + 1] = token_end;
     }
     if (work_carry <= a.work_capacity || pass) break;
     chunk = (int)max(longest, (i64)1);  // one item per request: batch <= batch_capacity <= work_capacity
   }
-  if (threadIdx.x == 0) work_at[0] = tokens_at[0] = 0;
+  if (threadIdx.x == 0) r.work_at[0] = r.tokens_at[0] = 0;
   __syncthreads();
-  const int num_work = work_at[batch], num_tokens = min(tokens_at[batch], a.token_capacity);
+  const int num_work = r.work_at[batch], num_tokens = min(r.tokens_at[batch], a.token_capacity);
 
   int4* records = reinterpret_cast<int4*>(a.work_items);
   for (int w = threadIdx.x; w < a.work_capacity; w += THREADS) {
@@ -196,19 +200,18 @@ __device__ void build(const Args& a, const MaskParams& params) {
       records[3 * w] = make_int4(-1, 0, 0, 0);
       continue;
     }
-    const int b = last_at_most(work_at, batch + 1, w), i = w - work_at[b];
-    const Request r(a, params, b);
-    const int first = r.begin + i * chunk;
-    records[3 * w] = make_int4(b, first, (int)min((i64)first + chunk, (i64)r.end), r.kv_len);
-    records[3 * w + 1] = make_int4(__ldg(a.indptr + b), tokens_at[b], tokens_at[b + 1] - tokens_at[b],
-                                   work_at[b + 1] - work_at[b]);
-    records[3 * w + 2] = make_int4(i, r.begin, r.end, 0);
+    const int b = last_at_most(r.work_at, batch + 1, w), i = w - r.work_at[b];
+    const int begin = r.begin[b], end = begin + r.len[b], first = begin + i * chunk;
+    const int last = (int)min((i64)first + chunk, (i64)end), items = r.work_at[b + 1] - r.work_at[b];
+    records[3 * w] = make_int4(b, first, last, r.kv_len[b]);
+    records[3 * w + 1] = make_int4(__ldg(a.indptr + b), r.tokens_at[b], r.q_len[b], items);
+    records[3 * w + 2] = a.fixed_split ? make_int4(0, first, last, 1) : make_int4(i, begin, end, items);
   }
   for (int b = threadIdx.x; b <= batch; b += THREADS) {
-    a.req_work_indptr[b] = work_at[b];
-    a.req_qo_indptr[b] = tokens_at[b];
+    a.req_work_indptr[b] = r.work_at[b];
+    a.req_qo_indptr[b] = r.tokens_at[b];
   }
-  for (int t = threadIdx.x; t < num_tokens; t += THREADS) a.token_request[t] = last_at_most(tokens_at, batch + 1, t);
+  for (int t = threadIdx.x; t < num_tokens; t += THREADS) a.token_request[t] = last_at_most(r.tokens_at, batch + 1, t);
   if (threadIdx.x == 0) *a.num_tokens = num_tokens, *a.chunk_out = chunk, *a.num_work_out = num_work;
 }
 

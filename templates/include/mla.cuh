@@ -30,6 +30,7 @@ namespace mla {
 using namespace fj;
 using decode::Mma;
 using decode::WorkItem;
+static_assert(!VARIANT_LOGITS && !VARIANT_SINK, "MLA kernels render the \"none\" variant: no logits or sink hooks");
 
 struct Args {
   const q_t* __restrict__ q_nope; i64 q_nope_stride, q_nope_head_stride;  // [tokens, heads, 512], element strides

@@ -32,6 +32,7 @@ __device__ unsigned long long fj_timeline[FJ_TIMELINE_CTAS][5];
 #endif
 #define FJ_NEG_INF __int_as_float(0xff800000u)
 #define FJ_LN2 0.69314718055994530942f
+#define FJ_LOG2E 1.44269504088896340736f
 
 namespace fj {
 
@@ -79,6 +80,13 @@ FJ_INLINE uint4 pack8(const float* in) {
 
 FJ_INLINE float exp2_approx(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 FJ_INLINE float log2_approx(float x) { float y; asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+
+// cap * tanh(x / cap), the soft-capping of attention variants: tanh(|y|) = (1 - e) / (1 + e) with
+// e = 2^(-2 |y| log2(e)) in (0, 1], so nothing overflows for any finite x.
+FJ_INLINE float soft_cap(float x, float cap) {
+  const float y = x / cap, e = exp2_approx(-2.f * FJ_LOG2E * fabsf(y));
+  return copysignf(cap * __fdividef(1.f - e, 1.f + e), y);
+}
 
 // 16-byte global->shared copy that bypasses L1. src_bytes == 0 writes zeros and reads nothing.
 // L2_PREFETCH (0, 128 or 256): bytes the L2 fetches around the copy (0: no hint).

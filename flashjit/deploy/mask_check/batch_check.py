@@ -8,6 +8,8 @@ LSE is ln(number of visible keys): an exact count that a missed or an extra key 
 flashjit.serving.reference.decode_reference, which applies the mask's torch predicate. A mask
 without a predicate (a template folder's mask) is compared with its own unsplit run instead: that
 checks the span, the kv_position mapping and split/merge consistency, not the predicate.
+With a variant, the reference applies its torch hooks too; a zero query then gives each row the
+lse ln(N e^logits(0) + e^sink), as exact a count as without one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ def split_options(split: str, kv_lens) -> dict:
             "many": {"chunk_tokens": 16}}[split]
 
 
-def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *, q=None, tensor_cores=None):
+def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *, q=None, tensor_cores=None,
+                 variant: str = "none", variant_params: dict | None = None):
     """BatchDecode on a flashjit.deploy.random_batches.PagedBatch; out and lse start as NaN. Returns (out, lse, decoder)."""
     import torch
 
@@ -41,7 +44,8 @@ def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *,
     decoder = BatchDecode(engine, device=q.device)
     decoder.plan(batch.indptr, batch.indices, batch.last_page_len, q.shape[1], num_kv_heads, q.shape[2],
                  batch.page_size, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, q_dtype=q.dtype,
-                 kv_layout=batch.kv_layout, tensor_cores=tensor_cores, **split_options(split, batch.kv_lens))
+                 kv_layout=batch.kv_layout, tensor_cores=tensor_cores, **split_options(split, batch.kv_lens),
+                 **({} if variant == "none" else {"variant": variant, "variant_params": variant_params}))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
     decoder.run(q, (batch.k_cache, batch.v_cache), out=out, lse=lse)
@@ -93,8 +97,9 @@ class RunResult:
 
 
 def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes=PROBES,
-                tensor_cores=None) -> list[RunResult]:
-    """Every split policy x probe of one batch against decode_reference (see the module docstring)."""
+                tensor_cores=None, variant: str = "none", variant_params: dict | None = None) -> list[RunResult]:
+    """Every split policy x probe of one batch against decode_reference (see the module docstring),
+    under an attention variant (flashjit.masks.variants) when one is named."""
     import torch
 
     from ...serving.reference import decode_reference
@@ -110,9 +115,11 @@ def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes
         if has_reference:
             ref, ref_lse = decode_reference(q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
                                             batch.last_page_len, qo_indptr=batch.qo_indptr, mask=mask,
-                                            mask_params=params, kv_layout=batch.kv_layout)
+                                            mask_params=params, kv_layout=batch.kv_layout, variant=variant,
+                                            variant_params=variant_params)
         for split in order:
-            out, lse, decoder = plan_and_run(engine, batch, mask, params, split, q=q, tensor_cores=tensor_cores)
+            out, lse, decoder = plan_and_run(engine, batch, mask, params, split, q=q, tensor_cores=tensor_cores,
+                                             variant=variant, variant_params=variant_params)
             if ref is None:
                 ref, ref_lse = out.float(), lse.clone()
             err, lse_err, failures = compare(out, lse, ref, ref_lse, tolerance=tolerance,

@@ -15,6 +15,7 @@ PAGE_SIZES = (1, 16, 64)
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("float16", "bfloat16")
 NUM_KV_HEADS = 2
+VARIANT_MASKS = ("none", "causal", "sliding_window", "sink_window", "tree", "block_sparse")  # a variant's cases cycle them
 CPU_SPEC = dict(head_dim=128, dtype="bfloat16", page_size=16, group_size=4, max_q_len=4)  # compile-only check
 
 
@@ -35,10 +36,11 @@ class Case:
     tensor_cores: bool
     seed: int
 
-    def spec(self, mask: str, arch: str) -> DecodeSpec:
+    def spec(self, mask: str, arch: str, variant: str = "none") -> DecodeSpec:
         """The DecodeSpec plan() builds for this case (q_len = the longest request's query count)."""
         return DecodeSpec(self.head_dim, dtype=self.dtype, mask=mask, page_size=self.page_size,
-                          group_size=self.group, max_q_len=self.q_len, arch=arch, tensor_cores=self.tensor_cores)
+                          group_size=self.group, max_q_len=self.q_len, arch=arch, tensor_cores=self.tensor_cores,
+                          variant=variant)
 
 
 def random_cases(seed: int = 0, *, groups=GROUPS, q_lens=Q_LENS, page_sizes=PAGE_SIZES) -> list[Case]:

@@ -34,6 +34,7 @@ typedef struct {
     int64_t batch, page_size, q_len, num_parts;
     int64_t ctas_per_item, max_ctas, granularity, min_chunk;
     int64_t chunk_tokens;          /* > 0 forces the chunk; 0 plans it; -1 one item per request */
+    int64_t fixed_split;           /* 1: each item its own tile-sharing group; 0: its request's items */
     int64_t max_items;             /* < 0: no limit */
     int64_t item_overhead, merge_cost;
     /* outputs */
@@ -160,7 +161,8 @@ int fj_plan(fj_plan_t *p) {
 
 /* The work-item records and the merges' per-request arrays, into the staging buffer at layout's
  * offsets. A record is decode_common.cuh's WorkItem: (request, v_begin, v_end, kv_len, page_begin,
- * q_begin, q_len, items of the request); the records past num_work get request -1 (padding). */
+ * q_begin, q_len, items of the request, then its tile-sharing group: index, span, items in it);
+ * the records past num_work get request -1 (padding). */
 int fj_fill(const fj_plan_t *p, int32_t *staging, const fj_layout_t *at) {
     int64_t w = 0;
     int32_t *records = staging + at->work_items;
@@ -184,10 +186,10 @@ int fj_fill(const fj_plan_t *p, int32_t *staging, const fj_layout_t *at) {
             record[5] = (int32_t)q_begin;
             record[6] = (int32_t)(q_end - q_begin);
             record[7] = (int32_t)items;
-            record[8] = (int32_t)i;
-            record[9] = (int32_t)begin;
-            record[10] = (int32_t)end;
-            record[11] = 0;
+            record[8] = p->fixed_split ? 0 : (int32_t)i;
+            record[9] = p->fixed_split ? record[1] : (int32_t)begin;
+            record[10] = p->fixed_split ? record[2] : (int32_t)end;
+            record[11] = p->fixed_split ? 1 : (int32_t)items;
         }
         staging[at->req_work_indptr + b + 1] = (int32_t)w;
         staging[at->req_qo_indptr + b + 1] = (int32_t)q_end;

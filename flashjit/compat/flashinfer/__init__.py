@@ -1,0 +1,10 @@
+"""FlashInfer 0.6's paged decode API over flashjit: `import flashjit.compat.flashinfer as flashinfer`.
+
+BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper and
+fast_decode_plan take FlashInfer's arguments and return FlashInfer's results (LSE in base 2); what
+flashjit does not implement raises NotImplementedError naming the argument. See decode.py.
+"""
+
+from .decode import BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper, fast_decode_plan
+
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "CUDAGraphBatchDecodeWithPagedKVCacheWrapper", "fast_decode_plan"]

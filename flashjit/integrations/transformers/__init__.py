@@ -1,0 +1,19 @@
+"""flashjit inside HuggingFace transformers' continuous batching (transformers 5.17; extra
+`flashjit[transformers]`).
+
+    from flashjit.integrations.transformers import register
+    model.set_attn_implementation(register())        # "paged|fjit"
+    outputs = model.generate_batch(prompts, generation_config=config)
+
+Decode steps and short multi-token steps (up to 16 query tokens per request) run on a BatchDecode,
+planned once per step and layer group; longer prefill chunks run on torch SDPA over their gathered
+keys. See docs/integrations.md.
+"""
+
+from .attention import PagedAttention
+from .features import UnsupportedAttention
+from .reference_backend import ReferenceDecode
+from .registration import SUPPORTED_TRANSFORMERS, check_transformers_api, register
+
+__all__ = ["PagedAttention", "ReferenceDecode", "SUPPORTED_TRANSFORMERS", "UnsupportedAttention",
+           "check_transformers_api", "register"]

@@ -1,0 +1,194 @@
+"""PagedAttention: the per-layer attention function of transformers' continuous batching
+(transformers 5.17), serving decode and short multi-token steps with a BatchDecode.
+
+transformers calls fn(module, query [1, Hq, T, D], key/value [1, Hkv, T, D], attention_mask,
+scaling=, cache=PagedAttentionCache, cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, ...)
+once per layer, with the step's new tokens after RoPE, packed across requests. The function writes
+the new K/V into the layer's cache itself and returns (out, None).
+
+One plan per step and layer group, not per layer: the group's first layer (layers run in order and
+every forward runs it) plans, and the group's other layers reuse that plan while they see the very
+tensors it was made from (`is`: get_model_kwargs makes new index views every step, and the memo
+holds the planned ones, so a later step's views cannot be mistaken for them). A layer that sees
+other tensors plans again.
+
+Requests with more query tokens than the kernel takes (prefill chunks) are computed by torch SDPA
+over their gathered keys (gathered.py); a step may mix both.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ...jit.spec import MAX_Q_LEN
+from . import gathered
+from .features import refuse_unsupported
+from .step_tables import StepTables, page_ids, step_tables
+
+
+def flashjit_backend(device):
+    """The default backend: a BatchDecode on the cache's device."""
+    from ...serving.batch_decode import BatchDecode
+
+    return BatchDecode(device=device)
+
+
+@dataclass
+class GroupStep:
+    """What one layer group planned for the current step, and the tensors it planned from."""
+
+    sources: tuple  # (cu_seq_lens_q, cu_seq_lens_k, read_index, write_index): compared with `is`
+    form: tuple  # (scaling, qo_heads, kv_heads, head_dim, dtypes, query rows): compared with ==
+    tables: StepTables
+    cu_q: list  # the step's cumulative query lengths, read to the host once, at plan time
+    cu_k: list  # and its cumulative key lengths
+    key_index: torch.Tensor  # the cache slot of every key position of the step, after the new tokens
+    token_rows: torch.Tensor | None  # tables.token_rows on the device
+
+
+class PagedAttention:
+    """The attention function to register as "paged|NAME" (see register()).
+
+    backend_factory(device) -> an object with BatchDecode's plan()/run() (default: a BatchDecode;
+    ReferenceDecode runs the float32 oracle on any device). max_decode_q_len: most query tokens per
+    request the backend serves (at most 16, DecodeSpec's limit); requests with more take the SDPA
+    fallback. check_page_ids: passed to BatchDecode.plan; False (default) trusts transformers'
+    allocator for the block ids and skips a read-back per step.
+    """
+
+    def __init__(self, backend_factory: Callable | None = None, *, max_decode_q_len: int = MAX_Q_LEN,
+                 check_page_ids: bool = False):
+        if not isinstance(max_decode_q_len, int) or not 1 <= max_decode_q_len <= MAX_Q_LEN:
+            raise ValueError(f"max_decode_q_len: expected an int in 1..{MAX_Q_LEN}, got {max_decode_q_len!r}")
+        self._backend_factory = backend_factory or flashjit_backend
+        self.max_decode_q_len = max_decode_q_len
+        self.check_page_ids = check_page_ids
+        self._backends: dict = {}  # (id(cache), layer group) -> backend: one plan per group per step
+        self._steps: dict = {}  # (id(cache), layer group) -> GroupStep
+        # The PagedAttentionCache those belong to, held weakly: a finished manager's cache (most of
+        # the GPU's memory) is freed with the manager, not kept by the registered function.
+        self._cache_of = lambda: None
+        self.plans = 0  # steps planned (all groups), for tests and logs
+
+    # transformers' signature; torch.compile leaves it alone (it reads lengths on the host)
+    @torch.compiler.disable
+    def __call__(self, module, query, key, value, attention_mask=None, dropout: float = 0.0,
+                 scaling: float | None = None, **kwargs):
+        cache = kwargs.get("cache")
+        if cache is None:
+            raise ValueError("paged attention called without `cache`: it serves transformers' continuous batching "
+                             "(model.generate_batch / ContinuousBatchingManager), not a plain forward")
+        refuse_unsupported(module, query, key, value, dropout, kwargs)
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "flashjit's paged attention cannot be captured in transformers' CUDA graphs: transformers 5.17 "
+                "captures its varlen path keyed by padded sizes, so a replay may carry query lengths the captured "
+                "plan never saw, and it gives the q_len == 1 decode path (block table) to flash names only. "
+                "Use ContinuousBatchingConfig(use_cuda_graph=False) (the default for this attention)")
+        layer = module.layer_idx
+        group, in_group = cache.layer_index_to_group_indices[layer]
+        window = cache.sliding_windows[layer]
+        ring = window if window > 1 else None
+        asked = kwargs.get("sliding_window")
+        if asked is not None and asked != ring:
+            raise ValueError(f"layer {layer}: the module asks for sliding_window={asked}, its cache group keeps "
+                             f"{'a window of ' + str(ring) if ring else 'full attention'}")
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+
+        cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+        if isinstance(cu_k, dict):
+            cu_k = cu_k["sliding_attention" if ring else "full_attention"]
+        read_index, write_index = kwargs["read_index"][group], kwargs["write_index"][group]
+        k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
+        new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+        q_all = query[0].transpose(0, 1)  # [T, Hq, D]
+
+        step = self._step(cache, group, in_group == 0, (cu_q, cu_k, read_index, write_index),
+                          (scaling, q_all.shape[1], new_k.shape[1], q_all.shape[2], q_all.dtype, k_cache.dtype,
+                           q_all.shape[0]), ring, k_cache.device)
+        tables = step.tables
+        # A ring may overwrite keys a long request still reads: those are gathered before the write.
+        cu_q_host, cu_k_host = step.cu_q, step.cu_k
+        long_kv = []
+        for r in tables.fallback:
+            span = (cu_k_host[r], cu_k_host[r + 1] - cu_k_host[r], cu_q_host[r], cu_q_host[r + 1] - cu_q_host[r])
+            long_kv.append((r, gathered.gather_keys(k_cache, step.key_index, new_k, *span),
+                            gathered.gather_keys(v_cache, step.key_index, new_v, *span)))
+        k_cache.index_copy_(0, write_index, new_k)
+        v_cache.index_copy_(0, write_index, new_v)
+
+        page_size = 1 if ring else cache.block_size
+        pages = (k_cache.view(-1, page_size, *k_cache.shape[1:]), v_cache.view(-1, page_size, *v_cache.shape[1:]))
+        backend = self._backends[(id(cache), group)]
+        if tables.covers_all_rows and not long_kv:
+            return backend.run(q_all.contiguous(), pages), None
+        out = q_all.new_zeros(q_all.shape)
+        if tables.served:
+            if step.token_rows is None:
+                backend.run(q_all[:tables.num_tokens].contiguous(), pages, out=out[:tables.num_tokens])
+            else:
+                out.index_copy_(0, step.token_rows, backend.run(q_all.index_select(0, step.token_rows), pages))
+        for r, k, v in long_kv:
+            rows = slice(cu_q_host[r], cu_q_host[r + 1])
+            out[rows] = gathered.attend(q_all[rows], k, v, scaling, ring)
+        return out, None
+
+    # ---- planning ---------------------------------------------------------------------------
+
+    def _step(self, cache, group: int, first_in_group: bool, sources: tuple, form: tuple, ring: int | None,
+              device) -> GroupStep:
+        """The group's plan for this step: made by its first layer, or by any layer that sees other tensors."""
+        if self._cache_of() is not cache:  # a new manager: its groups and pages are new
+            self._backends.clear()
+            self._steps.clear()
+            self._cache_of = weakref.ref(cache)
+        key = (id(cache), group)
+        known = self._steps.get(key)
+        if (not first_in_group and known is not None and known.form == form
+                and all(a is b for a, b in zip(known.sources, sources))):
+            return known
+        step = self._plan(cache, key, sources, form, ring, device)
+        self._steps[key] = step
+        return step
+
+    def _plan(self, cache, key, sources, form, ring, device) -> GroupStep:
+        cu_q, cu_k, read_index, write_index = sources
+        scaling, qo_heads, kv_heads, head_dim, q_dtype, kv_dtype, query_rows = form
+        lengths = torch.cat((cu_q.reshape(-1), cu_k.reshape(-1))).tolist()  # the step's one wait for the GPU
+        half = cu_q.numel()
+        cu_q_host, cu_k_host = lengths[:half], lengths[half:]
+        page_size = 1 if ring else cache.block_size
+        key_index = key_positions(read_index, write_index, ring, cache)
+        tables = step_tables(cu_q_host, cu_k_host, page_size, self.max_decode_q_len, query_rows, ring)
+        backend = self._backends.get(key)
+        if backend is None:
+            backend = self._backends[key] = self._backend_factory(device)
+        if tables.served:
+            mask = dict(mask="sliding_window", window_left=ring - 1) if ring else dict(mask="causal")
+            backend.plan(tables.indptr, page_ids(key_index, tables, page_size), tables.last_page_len, qo_heads,
+                         kv_heads, head_dim, page_size, qo_indptr=tables.qo_indptr, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                         sm_scale=float(scaling), check_page_ids=self.check_page_ids, **mask)
+        self.plans += 1
+        rows = None if tables.token_rows is None else tables.token_rows.to(device, non_blocking=True)
+        return GroupStep(sources=sources, form=form, tables=tables, cu_q=cu_q_host, cu_k=cu_k_host,
+                         key_index=key_index, token_rows=rows)
+
+
+def key_positions(read_index: torch.Tensor, write_index: torch.Tensor, ring: int | None, cache) -> torch.Tensor:
+    """The cache slot of every key position of the step, as it will be once the new tokens are written.
+
+    Full attention: transformers' read index lists each request's sequence, new tokens included.
+    A ring marks each new token's place with the cache's sentinel slot; the token's write slot takes
+    it (the sentinels come in token order, one per query token, as the write slots do). A step
+    without cached keys has an empty read index: every key is a new token, at its write slot.
+    """
+    if read_index.numel() == 0:
+        return write_index
+    if ring is None:
+        return read_index
+    return read_index.masked_scatter(read_index == cache.sentinel_index, write_index)

@@ -1,0 +1,157 @@
+"""Attention variants (soft_cap, sinks, soft_cap_sinks) against the float32 reference on the GPU.
+
+A sparse cover of variant x mask x K/V dtype (bf16, e4m3) x head_dim (64, 128, 256, 512) x split:
+each row runs one random batch under every split policy of check-mask (the planner's, none, two
+chunks, 16-token chunks: the sink enters once per row however the request is cut) with outputs
+poisoned with NaN, compares each with decode_reference, and checks that the split runs agree
+with the unsplit one. Rows are chosen so that every variant meets every mask, every head_dim and
+both dtypes, without the full product (the GPU minutes are few).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+import torch
+
+import flashjit
+from flashjit.deploy import mask_check as cm
+from flashjit.masks.registry import masks
+from flashjit.masks.variants import variants
+from flashjit.serving.quantize import dequantize_kv, quantize_kv
+from flashjit.serving.reference import decode_reference
+
+from .batches import make_batch, rel_error
+
+VARIANTS = ("soft_cap", "sinks", "soft_cap_sinks")
+MASKS = ("none", "causal", "sliding_window", "sink_window", "tree", "block_sparse")
+HEAD_DIMS = (64, 128, 256, 512)
+NUM_KV_HEADS = 2
+FP8_TOLERANCE = 2e-2  # relative error of out, as tests/gpu/test_fp8_gpu.py
+
+# (variant, mask, kv dtype, head_dim, group, q_len, page size): each variant x each mask once per
+# dtype, the head_dims cycling, groups 1 (CUDA cores where head_dim allows), 4 and 8.
+ROWS = [
+    (variant, mask, kv, HEAD_DIMS[(i + j + (kv == "e4m3")) % len(HEAD_DIMS)], (1, 4, 8)[(i + j) % 3],
+     (1, 4)[(i * len(MASKS) + j) % 2], (16, 1, 64)[j % 3])
+    for i, variant in enumerate(VARIANTS) for j, mask in enumerate(MASKS) for kv in ("bf16", "e4m3")
+]
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    """Every row's kernel compiled up front, in parallel."""
+    engine = flashjit.Engine(cache_dir=tmp_path_factory.mktemp("variant-kernels"))
+    arch = "sm_%d%d" % torch.cuda.get_device_capability()
+    specs = [flashjit.DecodeSpec(d, dtype="bf16", kv_dtype=kv, mask=m, page_size=p, group_size=g, max_q_len=q,
+                                 arch=arch, variant=v) for v, m, kv, d, g, q, p in ROWS]
+    specs += [flashjit.DecodeSpec(64, mask="sliding_window", group_size=8, arch=arch, variant=v) for v in VARIANTS]
+    engine.prewarm(specs, jobs=16)
+    return engine
+
+
+def run_variant(engine, batch, cache, scales, mask, params, variant, variant_params, split):
+    decoder = flashjit.BatchDecode(engine, device="cuda")
+    q = batch.q
+    decoder.plan(batch.indptr, batch.indices, batch.last_page_len, q.shape[1], NUM_KV_HEADS, q.shape[2],
+                 batch.page_size, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, q_dtype=q.dtype,
+                 kv_dtype=cache[0].dtype, variant=variant, variant_params=variant_params,
+                 **cm.split_options(split, batch.kv_lens))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device="cuda")
+    decoder.run(q, cache, out=out, lse=lse, k_scale=scales[0], v_scale=scales[1])
+    return out, lse, decoder
+
+
+@pytest.mark.parametrize("variant, mask, kv, head_dim, group, q_len, page_size", ROWS,
+                         ids=["-".join(map(str, row)) for row in ROWS])
+def test_variant_matches_reference(engine, variant, mask, kv, head_dim, group, q_len, page_size):
+    rng = random.Random(seed_of(variant, mask, kv, head_dim, group, q_len, page_size))
+    kv_lens = cm.random_lengths(rng, page_size)
+    q_lens = [min(q_len, n) for n in kv_lens]
+    batch = make_batch(kv_lens, num_qo_heads=NUM_KV_HEADS * group, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
+                       page_size=page_size, dtype=torch.bfloat16, q_lens=q_lens, seed=rng.randrange(1 << 30))
+    params = cm.sample_params(masks.get(mask), rng, kv_lens, q_lens, page_size, "cuda")
+    variant_params = variants.get(variant).sample_params(rng, NUM_KV_HEADS * group, "cuda")
+    if kv == "e4m3":
+        k8, k_scale = quantize_kv(batch.k_cache, "float8_e4m3fn")
+        v8, v_scale = quantize_kv(batch.v_cache, "float8_e4m3fn")
+        cache, scales = (k8, v8), (k_scale.item(), v_scale.item())
+        k_ref, v_ref = dequantize_kv(k8, k_scale), dequantize_kv(v8, v_scale)
+        tolerance = FP8_TOLERANCE
+    else:
+        cache, scales = (batch.k_cache, batch.v_cache), (None, None)
+        k_ref, v_ref = batch.k_cache, batch.v_cache
+        tolerance = cm.TOLERANCE["bfloat16"]
+    ref, ref_lse = decode_reference(batch.q, k_ref, v_ref, batch.indptr, batch.indices, batch.last_page_len,
+                                    qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, variant=variant,
+                                    variant_params=variant_params)
+    where = f"kv_lens={kv_lens} q_lens={q_lens} {cm.describe_params({**params, **variant_params})}"
+    unsplit = None
+    for split in ("one", "auto", "two", "many"):  # "one" first: the others must agree with it
+        out, lse, decoder = run_variant(engine, batch, cache, scales, mask, params, variant, variant_params, split)
+        assert decoder.spec.variant == variant and decoder.spec.tensor_cores == (head_dim == 512 or group * q_len > 1)
+        _, _, failures = cm.compare(out, lse, ref, ref_lse, tolerance=tolerance)
+        assert not failures, f"{decoder.spec.name} split={split}: {'; '.join(failures)} ({where})"
+        if "sinks" in variant:  # every row has a finite lse, its sink at least: no row is "fully masked"
+            assert lse.isfinite().all(), f"{decoder.spec.name} split={split} ({where})"
+        if unsplit is None:
+            unsplit = (out.float(), lse)
+        else:
+            assert rel_error(out, unsplit[0]) <= tolerance, f"split={split} differs from the unsplit run ({where})"
+            both = lse.isfinite() & unsplit[1].isfinite()
+            assert torch.allclose(lse[both], unsplit[1][both], atol=2e-3, rtol=1e-4), f"split={split} lse ({where})"
+
+
+def shorter(batch, lens):
+    """(indptr, indices, last_page_len) of the batch's requests cut to lens, over the same pages."""
+    ps, indptr, ids, last = batch.page_size, batch.indptr.tolist(), [], []
+    new_indptr = [0]
+    for r, n in enumerate(lens):
+        pages = -(-n // ps)
+        ids += batch.indices[indptr[r]:indptr[r] + pages].tolist()
+        new_indptr.append(len(ids))
+        last.append(n - (pages - 1) * ps if pages else 0)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    return as_tensor(new_indptr), as_tensor(ids), as_tensor(last)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_in_cuda_graph_replays_new_sinks_and_lengths(engine, variant):
+    """A captured run() under a variant replays correctly after a plan() with other lengths, with
+    the sinks rewritten in place in between (the launch reads them at replay)."""
+    group, head_dim, page_size = 8, 64, 16
+    heads = NUM_KV_HEADS * group
+    batch = make_batch([3000, 17, 900, 64], num_qo_heads=heads, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
+                       page_size=page_size, seed=1)
+    decoder = flashjit.BatchDecode(engine, device="cuda", use_cuda_graph=True, max_batch_size=4,
+                                   max_num_pages=batch.indices.numel())
+    variant_params = variants.get(variant).sample_params(random.Random(0), heads, "cuda")
+
+    def plan(tables):
+        decoder.plan(*tables, heads, NUM_KV_HEADS, head_dim, page_size, mask="sliding_window", window_left=127,
+                     variant=variant, variant_params=variant_params)
+
+    cache = (batch.k_cache, batch.v_cache)
+    plan(shorter(batch, [100, 5, 2, 64]))
+    out = torch.empty_like(batch.q)
+    decoder.run(batch.q, cache, out=out)  # loads the kernel before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.run(batch.q, cache, out=out)
+    if "sinks" in variant:
+        variant_params["sinks"].mul_(-1.5)
+    tables = shorter(batch, [3000, 17, 900, 64])
+    plan(tables)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = decode_reference(batch.q, *cache, *tables, mask="sliding_window", mask_params={"window_left": 127},
+                              variant=variant, variant_params=variant_params)
+    assert not out.isnan().any() and rel_error(out, ref) <= cm.TOLERANCE["bfloat16"]

@@ -1,0 +1,306 @@
+"""flashjit.integrations.transformers on the CPU: page tables from transformers' key index, one plan
+per step and layer group, refusals, and generate_batch end to end with the float32 reference
+backend against transformers' own paged|sdpa."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashjit.integrations.transformers import (PagedAttention, ReferenceDecode, UnsupportedAttention,  # noqa: E402
+                                                check_transformers_api, register)
+from flashjit.integrations.transformers import gathered  # noqa: E402
+from flashjit.integrations.transformers.attention import key_positions  # noqa: E402
+from flashjit.integrations.transformers.step_tables import page_ids, step_tables  # noqa: E402
+
+try:
+    check_transformers_api()
+except ImportError as e:  # another transformers than the adapter reads: its refusal is tested below
+    pytest.skip(str(e), allow_module_level=True)
+
+
+def full_read_index(block_tables, kv_lens, block_size):
+    """transformers' full-attention read index: each request's positions, block after block."""
+    index = []
+    for blocks, kv in zip(block_tables, kv_lens):
+        index += [blocks[p // block_size] * block_size + p % block_size for p in range(kv)]
+    return torch.tensor(index, dtype=torch.int64)
+
+
+def cumulative(lengths):
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+# ---- step tables ----------------------------------------------------------------------------
+
+def test_a_decode_step_is_served_whole_with_the_block_table_as_pages():
+    bs, kv_lens = 16, [1, 16, 17, 40]
+    rng = random.Random(0)
+    free = list(range(20))
+    rng.shuffle(free)
+    tables_of = [[free.pop() for _ in range(-(-kv // bs))] for kv in kv_lens]
+    cu_q, cu_k = cumulative([1] * 4), cumulative(kv_lens)
+    t = step_tables(cu_q, cu_k, bs, 16, query_rows=4)
+    assert t.served == (0, 1, 2, 3) and t.fallback == () and t.covers_all_rows and t.token_rows is None
+    assert t.indptr.tolist() == [0, 1, 2, 4, 7] and t.last_page_len.tolist() == [1, 16, 1, 8]
+    assert t.qo_indptr.tolist() == [0, 1, 2, 3, 4] and t.indptr.dtype == torch.int32
+    ids = page_ids(full_read_index(tables_of, kv_lens, bs), t, bs)
+    assert ids.dtype == torch.int32 and ids.tolist() == sum(tables_of, [])
+
+
+def test_long_requests_fall_back_and_the_served_rows_are_gathered():
+    cu_q, cu_k = cumulative([1, 40, 3]), cumulative([10, 40, 20])
+    t = step_tables(cu_q, cu_k, 16, 16, query_rows=44)
+    assert t.served == (0, 2) and t.fallback == (1,)
+    assert t.token_rows.tolist() == [0, 41, 42, 43] and not t.covers_all_rows
+    assert t.qo_indptr.tolist() == [0, 1, 4] and t.max_q_len == 3
+    assert t.page_slots.tolist() == [0, 50, 66]  # first positions of each served request's pages
+
+
+def test_padding_requests_are_skipped_and_padded_rows_are_not_covered():
+    cu_q, cu_k = [0, 1, 2, 2, 2], [0, 5, 9, 9, 9]  # two padding requests, 64 padded rows
+    t = step_tables(cu_q, cu_k, 4, 16, query_rows=64)
+    assert t.served == (0, 1) and t.token_rows is None and t.num_tokens == 2 and not t.covers_all_rows
+
+
+def test_a_ring_serves_only_requests_whose_new_tokens_overwrite_nothing_they_read():
+    window = 8
+    # one token over a full window; 3 tokens within the window; 3 tokens past a wrapped ring
+    cu_q, cu_k = cumulative([1, 3, 3]), cumulative([8, 8, 10])
+    t = step_tables(cu_q, cu_k, 1, 16, query_rows=7, ring_window=window)
+    assert t.served == (0, 1) and t.fallback == (2,)
+    assert t.indptr.tolist() == [0, 8, 16] and t.last_page_len.tolist() == [1, 1]
+
+
+@pytest.mark.parametrize("cu_q, cu_k, needle", [([0, 2, 1], [0, 2, 3], "cu_seq_lens_q"),
+                                                 ([0, 3], [0, 2], "at least as many keys"),
+                                                 ([0, 1], [0, 1, 2], "same number")])
+def test_bad_steps_are_refused_by_name(cu_q, cu_k, needle):
+    with pytest.raises(ValueError, match=needle):
+        step_tables(cu_q, cu_k, 16, 16, query_rows=4)
+
+
+def test_a_ring_takes_each_new_tokens_write_slot_in_place_of_the_sentinel():
+    sentinel = 99
+    read = torch.tensor([5, 6, sentinel, 7, sentinel, sentinel])
+    write = torch.tensor([40, 41, 42, 98, 98])  # padded with trash slots
+    cache = SimpleNamespace(sentinel_index=sentinel)
+    assert key_positions(read, write, 8, cache).tolist() == [5, 6, 40, 7, 41, 42]
+    assert key_positions(read, write, None, cache) is read
+    assert key_positions(read[:0], write, 8, cache) is write
+
+
+def test_the_gathered_mask_is_lower_right_causal_with_a_window_of_w_keys():
+    seen = gathered.visible(2, 5, 3, "cpu").int().tolist()
+    assert seen == [[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]  # query at position 3, then 4; 3 keys each
+
+
+# ---- the attention function on a hand-made cache ---------------------------------------------
+
+class CountingReference(ReferenceDecode):
+    instances: list = []
+
+    def __init__(self, device=None):
+        super().__init__(device)
+        self.max_q_lens = []
+        CountingReference.instances.append(self)
+
+    def plan(self, indptr, indices, last_page_len, *args, qo_indptr=None, **options):
+        q = qo_indptr.tolist()
+        self.max_q_lens.append(max(b - a for a, b in zip(q, q[1:])))
+        return super().plan(indptr, indices, last_page_len, *args, qo_indptr=qo_indptr, **options)
+
+
+class HandMadeCache(SimpleNamespace):
+    """The PagedAttentionCache attributes the adapter reads (a subclass, so it takes weak references)."""
+
+
+def hand_made_step(kv_lens, q_lens, *, layers=2, heads=(4, 2), head_dim=64, bs=16, seed=0):
+    """A full-attention cache with random past keys and the kwargs transformers would pass."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-kv // bs) for kv in kv_lens) + 2
+    order = torch.randperm(num_blocks - 2, generator=g).tolist()
+    tables_of, at = [], 0
+    for kv in kv_lens:
+        n = -(-kv // bs)
+        tables_of.append(order[at:at + n])
+        at += n
+    shape = (num_blocks * bs, heads[1], head_dim)
+    cache = HandMadeCache(layer_index_to_group_indices={i: (0, i) for i in range(layers)},
+                            sliding_windows={i: 1 for i in range(layers)}, block_size=bs, sentinel_index=-1,
+                            key_cache=[torch.randn(shape, generator=g) for _ in range(layers)],
+                            value_cache=[torch.randn(shape, generator=g) for _ in range(layers)])
+    read = full_read_index(tables_of, kv_lens, bs)
+    cu_k = cumulative(kv_lens)
+    write = torch.cat([read[cu_k[r + 1] - q:cu_k[r + 1]] for r, q in enumerate(q_lens)])
+    tokens = sum(q_lens)
+    kwargs = dict(cache=cache, cu_seq_lens_q=torch.tensor(cumulative(q_lens), dtype=torch.int32),
+                  cu_seq_lens_k=torch.tensor(cu_k, dtype=torch.int32), read_index=[read], write_index=[write])
+    qkv = [(torch.randn(1, heads[0], tokens, head_dim, generator=g), torch.randn(1, heads[1], tokens, head_dim, generator=g),
+            torch.randn(1, heads[1], tokens, head_dim, generator=g)) for _ in range(layers)]
+    return cache, kwargs, qkv, read
+
+
+def dense_attention(q, cache, layer, read, kv_lens, q_lens, scale):
+    """The expected output, straight from the key index (no pages)."""
+    out, cu_k, cu_q = [], cumulative(kv_lens), cumulative(q_lens)
+    for r in range(len(kv_lens)):
+        idx = read[cu_k[r]:cu_k[r + 1]]
+        k, v = cache.key_cache[layer][idx], cache.value_cache[layer][idx]
+        out.append(gathered.attend(q[cu_q[r]:cu_q[r + 1]], k, v, scale, None))
+    return torch.cat(out)
+
+
+def test_one_plan_per_step_serves_every_layer_and_writes_the_new_keys():
+    CountingReference.instances.clear()
+    kv_lens, q_lens = [5, 33, 20], [1, 1, 4]
+    cache, kwargs, qkv, read = hand_made_step(kv_lens, q_lens)
+    attention = PagedAttention(CountingReference)
+    for layer, (q, k, v) in enumerate(qkv):
+        out, weights = attention(SimpleNamespace(layer_idx=layer), q, k, v, None, scaling=0.125, **kwargs)
+        assert weights is None
+        assert torch.equal(cache.key_cache[layer][kwargs["write_index"][0]], k[0].transpose(0, 1))
+        expected = dense_attention(q[0].transpose(0, 1), cache, layer, read, kv_lens, q_lens, 0.125)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert attention.plans == 1 and len(CountingReference.instances) == 1
+    assert CountingReference.instances[0].max_q_lens == [4]
+
+
+def test_the_next_step_plans_again_even_in_a_layer_past_the_first():
+    cache, kwargs, qkv, _ = hand_made_step([5, 9], [1, 1])
+    attention = PagedAttention(CountingReference)
+    q, k, v = qkv[1]
+    attention(SimpleNamespace(layer_idx=1), q, k, v, None, scaling=0.125, **kwargs)
+    attention(SimpleNamespace(layer_idx=1), q, k, v, None, scaling=0.125, **kwargs)
+    assert attention.plans == 1  # the same tensors: the same step
+    fresh = dict(kwargs, read_index=[kwargs["read_index"][0][:]])  # a new step's views of the same storage
+    attention(SimpleNamespace(layer_idx=1), q, k, v, None, scaling=0.125, **fresh)
+    assert attention.plans == 2
+    attention(SimpleNamespace(layer_idx=0), *qkv[0], None, scaling=0.125, **fresh)
+    assert attention.plans == 3  # the group's first layer always plans
+
+
+def test_the_attention_function_does_not_keep_a_finished_managers_cache_alive():
+    import gc
+    import weakref
+
+    cache, kwargs, qkv, _ = hand_made_step([5, 9], [1, 1], layers=1)
+    attention = PagedAttention(ReferenceDecode)
+    attention(SimpleNamespace(layer_idx=0), *qkv[0], None, **kwargs)
+    alive = weakref.ref(cache)
+    del cache, kwargs["cache"]
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_step_mixing_decodes_and_a_long_chunk_matches_dense_attention():
+    kv_lens, q_lens = [7, 40, 18], [1, 30, 2]
+    cache, kwargs, qkv, read = hand_made_step(kv_lens, q_lens, layers=1)
+    q, k, v = qkv[0]
+    out, _ = PagedAttention(ReferenceDecode)(SimpleNamespace(layer_idx=0), q, k, v, None, scaling=0.1, **kwargs)
+    expected = dense_attention(q[0].transpose(0, 1), cache, 0, read, kv_lens, q_lens, 0.1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("extra, module_attrs, feature", [
+    ({"softcap": 50.0}, {}, "soft-capping"),
+    ({"s_aux": torch.zeros(4)}, {}, "sinks"),
+    ({}, {"sinks": torch.zeros(4)}, "sinks"),
+    ({"dropout": 0.1}, {}, "dropout"),
+])
+def test_features_flashjit_lacks_are_refused_by_name_before_any_write(extra, module_attrs, feature):
+    cache, kwargs, qkv, _ = hand_made_step([5], [1], layers=1)
+    before = cache.key_cache[0].clone()
+    with pytest.raises(UnsupportedAttention, match=feature):
+        PagedAttention(ReferenceDecode)(SimpleNamespace(layer_idx=0, **module_attrs), *qkv[0], None, **kwargs, **extra)
+    assert torch.equal(cache.key_cache[0], before)
+
+
+def test_head_dims_and_groups_the_kernels_lack_are_refused():
+    cache, kwargs, qkv, _ = hand_made_step([5], [1], layers=1, head_dim=32)
+    with pytest.raises(UnsupportedAttention, match="head_dim 32"):
+        PagedAttention(ReferenceDecode)(SimpleNamespace(layer_idx=0), *qkv[0], None, **kwargs)
+    cache, kwargs, qkv, _ = hand_made_step([5], [1], layers=1, heads=(6, 4))
+    with pytest.raises(UnsupportedAttention, match="6 query heads over 4"):
+        PagedAttention(ReferenceDecode)(SimpleNamespace(layer_idx=0), *qkv[0], None, **kwargs)
+
+
+def test_the_default_name_is_one_transformers_serves_as_registered():
+    name = register()
+    assert name == "paged|fjit" and "flash" not in name
+    assert isinstance(transformers.AttentionInterface._global_mapping[name], PagedAttention)
+
+
+def test_a_call_without_a_paged_cache_and_bad_names_are_refused():
+    q = torch.zeros(1, 4, 1, 64)
+    with pytest.raises(ValueError, match="without `cache`"):
+        PagedAttention(ReferenceDecode)(SimpleNamespace(layer_idx=0), q, q[:, :2], q[:, :2], None)
+    for name in ("flashjit", "my_Flash", "", "a|b", "org/kernel", 3):
+        with pytest.raises(ValueError, match="name"):
+            register(name)
+    with pytest.raises(ValueError, match="max_decode_q_len"):
+        PagedAttention(max_decode_q_len=17)
+
+
+# ---- generate_batch end to end ----------------------------------------------------------------
+
+def tiny_model(family: str, window: int | None = None):
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    config = transformers.Qwen2Config(**common, use_sliding_window=window is not None, sliding_window=window,
+                                      max_window_layers=2)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def generate(model, implementation, max_batch_tokens, num_return_sequences=1):
+    """Every finished request's tokens, forked children included (generate_batch returns the parents only)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [3] * 40, list(range(50, 80))]
+    # Forks need sampling; top_k=1 keeps it greedy, so both implementations must pick the same tokens.
+    sampling = dict(do_sample=True, top_k=1) if num_return_sequences > 1 else dict(do_sample=False)
+    config = transformers.GenerationConfig(max_new_tokens=20, eos_token_id=None, pad_token_id=0,
+                                           num_return_sequences=num_return_sequences, **sampling)
+    model.set_attn_implementation(implementation)
+    batching = ContinuousBatchingConfig(block_size=16, num_blocks=64, max_batch_tokens=max_batch_tokens)
+    results = {}
+    with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=batching,
+                                                   block=True, timeout=5) as manager:
+        manager.add_requests(inputs=prompts, max_new_tokens=20)
+        while len(results) < len(prompts) * num_return_sequences:
+            result = manager.get_result(timeout=10)
+            assert result is not None or manager.is_running(), "generation stopped (its error is logged above)"
+            if result is not None and result.is_finished():
+                results[result.request_id] = result.generated_tokens
+    return dict(sorted(results.items()))
+
+
+@pytest.mark.parametrize("family, window", [("llama", None), ("qwen2", 20), ("qwen2", 8)])
+@pytest.mark.parametrize("max_batch_tokens", [64, 12])  # whole prompts with long ones gathered; 12-token chunks
+def test_generate_batch_with_the_reference_backend_gives_paged_sdpa_tokens(family, window, max_batch_tokens):
+    model = tiny_model(family, window)
+    expected = generate(model, "paged|sdpa", max_batch_tokens)
+    CountingReference.instances.clear()
+    got = generate(model, register("jit_cpu_reference", backend_factory=CountingReference),
+                   max_batch_tokens)
+    assert got == expected and all(len(t) == 20 for t in got.values())
+    planned_q = {q for backend in CountingReference.instances for q in backend.max_q_lens}
+    assert 1 in planned_q and max(planned_q) > 1  # decode steps and multi-token steps both ran on the backend
+
+
+def test_forked_requests_give_paged_sdpa_tokens():
+    model = tiny_model("llama")
+    expected = generate(model, "paged|sdpa", 64, num_return_sequences=2)
+    got = generate(model, register("jit_cpu_reference", backend_factory=ReferenceDecode), 64, num_return_sequences=2)
+    assert len(got) == 8 and got == expected
