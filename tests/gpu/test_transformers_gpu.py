@@ -35,6 +35,10 @@ def model_of(family: str, window: int | None = None, layers: int = 4):
         config = transformers.Qwen2Config(**common, use_sliding_window=window is not None, sliding_window=window,
                                           max_window_layers=layers // 2)
         model = transformers.Qwen2ForCausalLM(config)
+    # A random model's logits are nearly uniform: fp16 rounding alone flips greedy near-ties. Output
+    # weights 30x larger keep the same ordering with margins rounding cannot cross.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)
     return model.to(device="cuda", dtype=torch.float16).eval()
 
 
