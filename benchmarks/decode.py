@@ -137,6 +137,8 @@ def run_rows(bench: Bench, cases, args, result: dict) -> dict:
         fp8 = quantize(batch, case)
         ref = reference(batch, case, fp8)
         factories, skipped = candidates(torch, batch, case, bench.engine, fp8, args.cuda_cores)
+        factories = {name: make for name, make in factories.items()
+                     if name.startswith("flashjit") or re.search(args.peers, name)}
         notes.update(skipped)
         row = new_row(case, batch.kv_lens)
         row["floor_us"] = bench.floor_us(row["bytes"])
@@ -182,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", default="", help="rows whose name matches this regular expression")
     parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                         help="also time each implementation as a replayed CUDA graph (default; --no-graph: eager only)")
+    parser.add_argument("--peers", default=".", metavar="PATTERN",
+                        help="the peers to time: a regular expression over their names (default: all; '^$': none)")
     parser.add_argument("--cuda-cores", action="store_true", help="also time flashjit's CUDA-core kernel")
     parser.add_argument("--host-row", default=HOST_ROW,
                         help=f"regular expression of the row whose host times are reported (default {HOST_ROW!r}; "

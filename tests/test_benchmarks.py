@@ -533,7 +533,7 @@ def test_run_rows_times_prints_and_writes_every_row(stand_ins, monkeypatch, tmp_
              small(name="tiny mixed")]
     bench = decode.Bench(torch, None, FakeTimer(), lambda nbytes: 1.0, 4000.0, lambda: None, fake_capture,
                          device="cpu", planner_us=lambda: 1.25)
-    args = types.SimpleNamespace(host_row="^tiny$", cuda_cores=False, graph=True, json=str(tmp_path / "out.json"),
+    args = types.SimpleNamespace(host_row="^tiny$", cuda_cores=False, peers=".", graph=True, json=str(tmp_path / "out.json"),
                                  plot=str(tmp_path / "out.png"))
     result = decode.run_rows(bench, cases, args, {"device": "cpu"})
     printed = capsys.readouterr().out
@@ -551,3 +551,18 @@ def test_run_rows_times_prints_and_writes_every_row(stand_ins, monkeypatch, tmp_
     assert any("FA3 takes an fp8 cache only" in n for n in result["notes"])
     assert "| case | MB | floor µs | flashjit (eager / graph) |" in printed
     assert "plot" in printed.splitlines()[-1]
+
+
+def test_run_rows_times_only_the_peers_asked_for(stand_ins, monkeypatch, tmp_path):
+    def reference_flashjit(torch, batch, case, engine, fp8, tensor_cores=None):
+        ref = reference(batch, case, fp8)
+        return Impl(Step(lambda: ref.clone(), info=lambda: {"splits": 1, "work_items": case.batch}), None)
+
+    monkeypatch.setattr(peers, "flashjit_eager_and_graph", reference_flashjit)
+    bench = decode.Bench(torch, None, FakeTimer(), lambda nbytes: 1.0, 4000.0, lambda: None, fake_capture,
+                         device="cpu")
+    for pattern, expected in (("^$", {"flashjit"}), ("^flashinfer-tc$", {"flashjit", "flashinfer-tc"})):
+        args = types.SimpleNamespace(host_row="^none$", cuda_cores=False, peers=pattern, graph=False, json=None,
+                                     plot=None)
+        result = decode.run_rows(bench, [Case("tiny", 2, 40)], args, {"device": "cpu"})
+        assert set(result["rows"][0]["impls"]) == expected
