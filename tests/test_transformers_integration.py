@@ -304,3 +304,36 @@ def test_forked_requests_give_paged_sdpa_tokens():
     expected = generate(model, "paged|sdpa", 64, num_return_sequences=2)
     got = generate(model, register("jit_cpu_reference", backend_factory=ReferenceDecode), 64, num_return_sequences=2)
     assert len(got) == 8 and got == expected
+
+
+# ---- the float32 oracle the GPU tests judge tokens with ---------------------------------------
+
+def test_the_greedy_oracle_accepts_paged_sdpas_tokens_and_rejects_changed_ones():
+    import copy
+
+    from greedy_oracle import check_sequences
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    exact = tiny_model("llama")
+    exact.set_attn_implementation("sdpa")
+    plain = copy.deepcopy(exact).to(torch.bfloat16)
+    model = copy.deepcopy(plain)
+    model.set_attn_implementation("paged|sdpa")
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(50, 80))]
+    config = transformers.GenerationConfig(max_new_tokens=16, eos_token_id=None, pad_token_id=0, do_sample=False)
+    out = model.generate_batch(prompts, generation_config=config, progress_bar=False,
+                               continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=32,
+                                                                                   max_batch_tokens=64))
+    outputs = {k: (r.prompt_ids, r.generated_tokens) for k, r in out.items()}
+    decisive, positions, failures = check_sequences(exact, plain, outputs)
+    assert positions == 48 and failures == [] and decisive >= positions // 2
+    # The float32 runner-up fails exactly at the decisive positions (the logits at t see tokens before t only).
+    from greedy_oracle import check_sequence
+
+    prompt, generated = outputs[next(iter(outputs))]
+    logits = exact(input_ids=torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:-1]
+    runner_up = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    failed_at = [t for t in range(len(generated))
+                 if check_sequence(exact, plain, prompt, generated[:t] + [runner_up[t]]).failures]
+    decisive = check_sequence(exact, plain, prompt, generated).decisive
+    assert len(failed_at) == decisive > 0
