@@ -172,7 +172,7 @@ def test_batch_decode_matches_the_reference_backend_on_one_step(kv_lens, q_lens)
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_capture_in_a_cuda_graph_is_refused_by_name():
+def test_capture_without_cuda_graphs_mode_is_refused_by_name():
     cache, kwargs, (q, k, v) = one_step([40], [1])
     attention = PagedAttention()
     attention(SimpleNamespace(layer_idx=0), q, k, v, None, **kwargs)  # plans and compiles outside the capture
@@ -185,4 +185,97 @@ def test_capture_in_a_cuda_graph_is_refused_by_name():
                 refusal = e
     finally:
         graph.reset()
-    assert refusal is not None and "CUDA graphs" in str(refusal)
+    assert refusal is not None and "cuda_graphs=True" in str(refusal)
+
+
+# ---- CUDA graphs: a step captured once, replayed for other compositions of the same size -------
+
+BS, CACHE_BLOCKS, HEADS, HEAD_DIM = 16, 96, (32, 8), 128
+
+
+def step_data(kv_lens, q_lens, seed):
+    """(cu_q, cu_k, read index, write index, q, k, v) of a step over random blocks of a fixed cache."""
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(CACHE_BLOCKS, generator=g).tolist()
+    read, write, cu_k, cu_q, at = [], [], [0], [0], 0
+    for kv, n in zip(kv_lens, q_lens):
+        blocks = order[at:at + -(-kv // BS)]
+        at += len(blocks)
+        positions = [blocks[p // BS] * BS + p % BS for p in range(kv)]
+        read += positions
+        write += positions[kv - n:]
+        cu_k.append(cu_k[-1] + kv)
+        cu_q.append(cu_q[-1] + n)
+    tokens = cu_q[-1]
+    qkv = [torch.randn(1, h, tokens, HEAD_DIM, generator=g) for h in (HEADS[0], HEADS[1], HEADS[1])]
+    return cu_q, cu_k, read, write, qkv
+
+
+@pytest.mark.parametrize("piece", [16, 4])
+def test_a_captured_step_replays_other_compositions_of_its_size(piece):
+    """Captured over one composition, replayed over others with the same query rows, requests and
+    key positions in all: decodes, short multi-token requests and a long chunk cut into pieces."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    shape = ((CACHE_BLOCKS + 2) * BS, HEADS[1], HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", generator=g).half()
+    v_cache = torch.randn(shape, device="cuda", generator=g).half()
+    cache = HandMadeCache(layer_index_to_group_indices={0: (0, 0)}, sliding_windows={0: 1}, block_size=BS,
+                          sentinel_index=-1, key_cache=[k_cache], value_cache=[v_cache])
+    steps = [([40, 300, 17, 90], [1, 1, 1, 37]), ([200, 100, 57, 90], [3, 16, 1, 20]),
+             ([447, 0, 0, 0], [40, 0, 0, 0])]  # 40 rows and 447 keys each; padding requests have neither
+    static = dict(cu_q=torch.zeros(5, dtype=torch.int32, device="cuda"),
+                  cu_k=torch.zeros(5, dtype=torch.int32, device="cuda"),
+                  read=torch.zeros(447, dtype=torch.int64, device="cuda"),
+                  write=torch.zeros(40, dtype=torch.int64, device="cuda"),
+                  q=torch.zeros(1, HEADS[0], 40, HEAD_DIM, dtype=torch.half, device="cuda"),
+                  k=torch.zeros(1, HEADS[1], 40, HEAD_DIM, dtype=torch.half, device="cuda"),
+                  v=torch.zeros(1, HEADS[1], 40, HEAD_DIM, dtype=torch.half, device="cuda"))
+
+    def load(i):
+        cu_q, cu_k, read, write, qkv = step_data(*steps[i], seed=i)
+        for name, values in (("cu_q", cu_q), ("cu_k", cu_k), ("read", read), ("write", write)):
+            static[name].copy_(torch.tensor(values))
+        for name, t in zip("qkv", qkv):
+            static[name].copy_(t)
+
+    def call(attention, out=None):
+        kwargs = dict(cache=cache, cu_seq_lens_q=static["cu_q"], cu_seq_lens_k=static["cu_k"],
+                      read_index=[static["read"]], write_index=[static["write"]])
+        result, _ = attention(SimpleNamespace(layer_idx=0), static["q"], static["k"], static["v"], None,
+                              scaling=0.088, **kwargs)
+        return result if out is None else out.copy_(result)
+
+    attention = PagedAttention(cuda_graphs=True, max_decode_q_len=piece)
+    load(0)
+    call(attention)  # eager first: makes the decoder, compiles and plans once
+    out = torch.zeros(40, HEADS[0], HEAD_DIM, dtype=torch.half, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call(attention, out)
+    try:
+        for i in range(len(steps)):
+            load(i)
+            graph.replay()
+            expected = call(PagedAttention(ReferenceDecode))  # writes the same K/V again, then attends
+            rows = sum(steps[i][1])
+            torch.testing.assert_close(out[:rows].float(), expected[:rows].float(), atol=2e-2, rtol=2e-2)
+    finally:
+        graph.reset()
+
+
+@pytest.mark.parametrize("max_batch_tokens", [512, 12])
+def test_generation_in_cuda_graphs_gives_float32_argmaxes_and_replays(max_batch_tokens):
+    model, exact, plain = model_of("llama")
+    name = register(f"jit_graph_{max_batch_tokens}", cuda_graphs=True)
+    got = generate(model, name, max_batch_tokens, use_cuda_graph=True)
+    assert_oracle_accepts(got, exact, plain)
+    # Each forward transformers runs in Python plans once; replays do not: 40 decode steps at least.
+    assert transformers.AttentionInterface._global_mapping[name].plans < 40
+
+
+def test_forked_requests_in_cuda_graphs_give_float32_argmaxes():
+    model, exact, plain = model_of("llama")
+    got = generate(model, register("jit_graph_fork", cuda_graphs=True), 512, num_return_sequences=3,
+                   use_cuda_graph=True)
+    assert len(got) == 3 * len(PROMPT_LENGTHS)
+    assert_oracle_accepts(got, exact, plain)
