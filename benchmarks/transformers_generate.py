@@ -2,21 +2,27 @@
 transformers' own paths, on a random-initialized Llama-3-8B-shaped model (bf16, 32 layers).
 
     python -m benchmarks.transformers_generate [--quick] [--rows 64x4096,32x8192] [--new-tokens 64]
-                                               [--impls flashjit,sdpa,sdpa_graph,flash] [--json out.json]
+                                               [--impls flashjit_graph,sdpa,best,flashjit] [--budget-s 230]
+                                               [--json out.json]
 
-Each row generates --new-tokens greedy tokens for R random prompts of C tokens. Per implementation
-it reports the whole call's tokens/s (prefill included) and the steady decode rate: the tokens
-produced after the last request's first token, over the time from that token to the end, when
-every request is decoding. Before a row is timed, each implementation runs a short warm-up call
-(compiles flashjit's kernels into the disk cache, loads cuBLAS and SDPA kernels). The KV cache is
-sized for the row (num_blocks, max_batch_tokens given), so no implementation is limited by
-transformers' memory estimate; rows whose cache would not fit are skipped with a note.
+Each row generates --new-tokens greedy tokens (default 64, --quick too) for R random prompts of C
+tokens. Per implementation it reports the whole call's tokens/s (prefill included) and the steady
+decode rate: the tokens produced after the last request's first token, over the time from that
+token to the end, when every request is decoding. Before a row is timed, each implementation runs
+a short warm-up call (compiles flashjit's kernels into the disk cache, loads cuBLAS and SDPA
+kernels). The KV cache is sized for the row (num_blocks, max_batch_tokens given), so no
+implementation is limited by transformers' memory estimate; rows whose cache would not fit are
+skipped with a note. --quick runs the issue's target row, 64 x 4096, alone.
 
-Implementations: flashjit ("paged|fjit", eager: transformers 5.17 cannot capture it, see
-docs/integrations.md), sdpa ("paged|sdpa", eager: transformers' default for it), sdpa_graph
-("paged|sdpa" with use_cuda_graph=True, which transformers allows when asked; its warm-up captures
-the largest shapes and costs a minute), flash ("paged|flash_attention_2", when flash-attn imports;
-transformers gives its CUDA graphs and block-table decode only to flash names).
+Implementations: flashjit_graph ("paged|fjit_graph", register(cuda_graphs=True) with
+use_cuda_graph=True: transformers captures every padded step size, prefill included, and
+replays it), flashjit ("paged|fjit", eager), sdpa ("paged|sdpa", eager: transformers' default
+for it), sdpa_graph ("paged|sdpa" with use_cuda_graph=True), flash ("paged|flash_attention_2" or
+_3, when the flash-attn package is installed; kernels from the hub are never fetched: HF_HUB_OFFLINE
+is set), and best: flash where installed, else sdpa_graph. A CUDA-graph call captures its graphs
+inside the timed generate_batch (transformers makes them per manager), as a server would at start.
+--budget-s: an implementation is not started when the time spent so far plus the longest one yet
+would pass the budget (the table says so); the order of --impls is the order of priority.
 All share transformers' per-step host work (it builds each step's key index in Python), so the
 ratio understates the attention's own gain; benchmarks/decode.py times the kernels alone.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 QUICK_ROWS = ((64, 4096),)
@@ -52,26 +59,47 @@ def build_model(transformers, torch):
     return model.eval()
 
 
+KNOWN_IMPLS = ("flashjit_graph", "flashjit", "sdpa", "sdpa_graph", "flash", "best")
+
+
+def installed_flash():
+    """transformers' name of the flash-attn package installed here (no hub kernels), or None."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    if is_flash_attn_3_available():
+        return "paged|flash_attention_3"
+    if is_flash_attn_2_available():
+        return "paged|flash_attention_2"
+    return None
+
+
 def implementations(names, torch):
-    """name -> (attn_implementation, use_cuda_graph), and notes for those left out."""
+    """name -> (attn_implementation, use_cuda_graph), and notes for those left out or resolved."""
     from flashjit.integrations.transformers import register
 
     table, notes = {}, []
     for name in names:
-        if name == "flashjit":
+        if name not in KNOWN_IMPLS:
+            raise SystemExit(f"--impls: unknown {name!r}; known: {', '.join(KNOWN_IMPLS)}")
+        if name == "flashjit_graph":
+            table[name] = (register("fjit_graph", cuda_graphs=True), True)
+        elif name == "flashjit":
             table[name] = (register(), False)
         elif name == "sdpa":
             table[name] = ("paged|sdpa", False)
         elif name == "sdpa_graph":
             table[name] = ("paged|sdpa", True)
-        elif name == "flash":
-            try:
-                import flash_attn  # noqa: F401
-                table[name] = ("paged|flash_attention_2", True)
-            except ImportError as e:
-                notes.append(f"flash left out: {e}")
-        else:
-            raise SystemExit(f"--impls: unknown {name!r}; known: flashjit, sdpa, sdpa_graph, flash")
+        elif name in ("flash", "best"):
+            flash = installed_flash()
+            if flash is not None:
+                table[name] = (flash, True)  # transformers' block-table decode and graphs
+                notes.append(f"{name}: {flash} with CUDA graphs")
+            elif name == "best":
+                table[name] = ("paged|sdpa", True)
+                notes.append("best: no flash-attn package here (hub kernels are not fetched), so paged|sdpa "
+                             "with CUDA graphs")
+            else:
+                notes.append("flash left out: no flash-attn package here (hub kernels are not fetched)")
     return table, notes
 
 
@@ -101,7 +129,7 @@ def generate(model, transformers, torch, implementation, use_graph, prompts, new
             "tokens": [r.generated_tokens for r in results]}
 
 
-def run_row(model, transformers, torch, impls, requests, context, new_tokens, seed=0):
+def run_row(model, transformers, torch, impls, requests, context, new_tokens, clock, seed=0):
     config = model.config
     blocks_per_request = math.ceil((context + new_tokens) / BLOCK_SIZE) + 1
     num_blocks = requests * blocks_per_request + 4
@@ -112,14 +140,34 @@ def run_row(model, transformers, torch, impls, requests, context, new_tokens, se
     prompts = [torch.randint(3, config.vocab_size, (context,), generator=g).tolist() for _ in range(requests)]
     row = {}
     for name, (implementation, use_graph) in impls.items():
+        if not clock.allows():
+            row[name] = {"error": f"not run: the {clock.budget_s:.0f} s budget would pass (--budget-s)"}
+            print(f"  {requests}x{context} {name}: {fmt(row[name])}", flush=True)
+            continue
+        started = time.perf_counter()
         try:
             generate(model, transformers, torch, implementation, use_graph, prompts[:2], 4, num_blocks)  # warm-up
             row[name] = generate(model, transformers, torch, implementation, use_graph, prompts, new_tokens, num_blocks)
         except Exception as e:  # reported in the table, the other implementations still run
             row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
         torch.cuda.empty_cache()
-        print(f"  {requests}x{context} {name}: {fmt(row[name])}", flush=True)
+        clock.took(time.perf_counter() - started)
+        print(f"  {requests}x{context} {name}: {fmt(row[name])} ({time.perf_counter() - started:.0f} s with "
+              f"warm-up)", flush=True)
     return row
+
+
+class Clock:
+    """The benchmark's time budget: an implementation starts when the longest one yet still fits."""
+
+    def __init__(self, budget_s: float | None):
+        self.budget_s, self.start, self.longest = budget_s, time.perf_counter(), 0.0
+
+    def allows(self) -> bool:
+        return self.budget_s is None or time.perf_counter() - self.start + self.longest <= self.budget_s
+
+    def took(self, seconds: float):
+        self.longest = max(self.longest, seconds)
 
 
 def fmt(entry) -> str:
@@ -138,10 +186,25 @@ def agreement(row, name, base="sdpa") -> str:
     return f"{sum(x == y for x, y in zip(a, b))}/{len(b)}"
 
 
+def ratio(row, name, base="sdpa") -> str:
+    """name's tokens/s over base's, whole call and steady decode."""
+    f, s = row.get(name, {}), row.get(base, {})
+    if "tokens_per_s" not in f or "tokens_per_s" not in s:
+        return "n/a"
+    decode = (f"{f['decode_tokens_per_s'] / s['decode_tokens_per_s']:.2f}x"
+              if f["decode_tokens_per_s"] and s["decode_tokens_per_s"] else "n/a")
+    return f"{f['tokens_per_s'] / s['tokens_per_s']:.2f}x / {decode}"
+
+
 def markdown(rows: dict, names) -> str:
+    """The docs' table: tokens/s per implementation, and each flashjit one against sdpa (and best)."""
     header = ["requests x context"] + [f"{n} tok/s (all / decode)" for n in names]
-    if "flashjit" in names and "sdpa" in names:
-        header += ["flashjit ÷ sdpa (all / decode)", "same tokens as sdpa"]
+    mine = [n for n in names if n.startswith("flashjit")]
+    bases = [b for b in ("sdpa", "best") if b in names]
+    pairs = [(n, b) for n in mine for b in bases]
+    header += [f"{n} ÷ {b} (all / decode)" for n, b in pairs]
+    if mine and "sdpa" in names:
+        header += [f"{n}: same tokens as sdpa" for n in mine]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, row in rows.items():
         if "skipped" in row:
@@ -150,16 +213,11 @@ def markdown(rows: dict, names) -> str:
         cells = [key]
         for n in names:
             e = row.get(n, {})
-            cells.append("ERR" if "error" in e else
+            cells.append(("not run" if e["error"].startswith("not run") else "ERR") if "error" in e else
                          f"{e['tokens_per_s']:.0f} / {e['decode_tokens_per_s'] or float('nan'):.0f}")
-        if "flashjit" in names and "sdpa" in names:
-            f, s = row.get("flashjit", {}), row.get("sdpa", {})
-            if "tokens_per_s" in f and "tokens_per_s" in s:
-                decode = (f"{f['decode_tokens_per_s'] / s['decode_tokens_per_s']:.2f}x"
-                          if f["decode_tokens_per_s"] and s["decode_tokens_per_s"] else "n/a")
-                cells += [f"{f['tokens_per_s'] / s['tokens_per_s']:.2f}x / {decode}", agreement(row, "flashjit")]
-            else:
-                cells += ["n/a", "n/a"]
+        cells += [ratio(row, n, b) for n, b in pairs]
+        if mine and "sdpa" in names:
+            cells += [agreement(row, n) for n in mine]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -173,20 +231,28 @@ def parse_rows(text: str):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"one row ({QUICK_ROWS[0][0]}x{QUICK_ROWS[0][1]}), 32 tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the target row alone ({QUICK_ROWS[0][0]}x{QUICK_ROWS[0][1]}), same tokens and layers")
     parser.add_argument("--rows", type=parse_rows, default=None, help="REQUESTSxCONTEXT[,...]")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens generated per request (default 64; quick 32)")
-    parser.add_argument("--impls", default="flashjit,sdpa,flash")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    parser.add_argument("--impls", default="flashjit_graph,sdpa,best,flashjit",
+                        help=f"comma-separated, in order of priority; known: {', '.join(KNOWN_IMPLS)}")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no implementation that would pass this many seconds (default: quick 230, else none)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        raise SystemExit(f"--new-tokens: expected at least 2 (a decode rate needs two tokens), got {args.new_tokens}")
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers must not fetch attention kernels from the hub
     import torch
     import transformers
 
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
-    new_tokens = args.new_tokens or (32 if args.quick else 64)
+    new_tokens = args.new_tokens
+    clock = Clock(args.budget_s if args.budget_s is not None else (230.0 if args.quick else None))
     impls, notes = implementations(args.impls.split(","), torch)
     print(f"transformers {transformers.__version__}, {torch.cuda.get_device_name()}, Llama-3-8B shape (random bf16), "
           f"{new_tokens} new tokens, blocks of {BLOCK_SIZE}, max_batch_tokens {MAX_BATCH_TOKENS}", flush=True)
@@ -195,7 +261,7 @@ def main(argv=None):
     model = build_model(transformers, torch)
     results = {}
     for requests, context in rows:
-        results[f"{requests}x{context}"] = run_row(model, transformers, torch, impls, requests, context, new_tokens)
+        results[f"{requests}x{context}"] = run_row(model, transformers, torch, impls, requests, context, new_tokens, clock)
     print()
     print(markdown(results, list(impls)))
     if args.json:

@@ -304,3 +304,101 @@ def test_forked_requests_give_paged_sdpa_tokens():
     expected = generate(model, "paged|sdpa", 64, num_return_sequences=2)
     got = generate(model, register("jit_cpu_reference", backend_factory=ReferenceDecode), 64, num_return_sequences=2)
     assert len(got) == 8 and got == expected
+
+
+# ---- the float32 oracle the GPU tests judge tokens with ---------------------------------------
+
+def test_the_greedy_oracle_accepts_paged_sdpas_tokens_and_rejects_changed_ones():
+    import copy
+
+    from greedy_oracle import check_sequences
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    exact = tiny_model("llama")
+    exact.set_attn_implementation("sdpa")
+    plain = copy.deepcopy(exact).to(torch.bfloat16)
+    model = copy.deepcopy(plain)
+    model.set_attn_implementation("paged|sdpa")
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(50, 80))]
+    config = transformers.GenerationConfig(max_new_tokens=16, eos_token_id=None, pad_token_id=0, do_sample=False)
+    out = model.generate_batch(prompts, generation_config=config, progress_bar=False,
+                               continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=32,
+                                                                                   max_batch_tokens=64))
+    outputs = {k: (r.prompt_ids, r.generated_tokens) for k, r in out.items()}
+    decisive, positions, failures = check_sequences(exact, plain, outputs)
+    assert positions == 48 and failures == [] and decisive >= positions // 2
+    # The float32 runner-up fails exactly at the decisive positions (the logits at t see tokens before t only).
+    from greedy_oracle import check_sequence
+
+    prompt, generated = outputs[next(iter(outputs))]
+    logits = exact(input_ids=torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:-1]
+    runner_up = logits.topk(2, dim=-1).indices[:, 1].tolist()
+    failed_at = [t for t in range(len(generated))
+                 if check_sequence(exact, plain, prompt, generated[:t] + [runner_up[t]]).failures]
+    decisive = check_sequence(exact, plain, prompt, generated).decisive
+    assert len(failed_at) == decisive > 0
+
+
+# ---- CUDA-graph steps: page tables made by fixed-shape torch ops ------------------------------
+
+def expected_pieces(cu_q, cu_k, key_index, bs, piece):
+    """The pieces on the host: (q tokens, kv keys, page ids) of each piece, requests in order."""
+    out = []
+    for r in range(len(cu_q) - 1):
+        n, kv = cu_q[r + 1] - cu_q[r], cu_k[r + 1] - cu_k[r]
+        for start in range(0, n, piece):
+            q = min(piece, n - start)
+            keys = kv - n + start + q
+            ids = [int(key_index[cu_k[r] + p * bs]) // bs for p in range(-(-keys // bs))]
+            out.append((q, keys, ids))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_step_tables_cut_every_request_into_pieces_over_its_page_prefixes(seed):
+    from flashjit.integrations.transformers.graph_step import device_step_tables, max_pieces
+
+    rng = random.Random(seed)
+    bs, piece = rng.choice([4, 16]), rng.choice([1, 4, 16])
+    q_lens = [rng.choice([1, 1, 2, 5, 16, 17, 40]) for _ in range(rng.randint(1, 6))]
+    kv_lens = [q + rng.randint(0, 60) for q in q_lens]
+    padding = rng.randint(0, 3)  # transformers pads with requests of no tokens
+    blocks = sum(-(-kv // bs) for kv in kv_lens) + 2
+    free = list(range(blocks - 2))
+    rng.shuffle(free)
+    tables_of = [[free.pop() for _ in range(-(-kv // bs))] for kv in kv_lens]
+    key_index = full_read_index(tables_of, kv_lens, bs)
+    cu_q, cu_k = cumulative(q_lens + [0] * padding), cumulative(kv_lens + [0] * padding)
+    rows = cu_q[-1] + rng.randint(0, 7)
+    num_pieces = max_pieces(rows, len(q_lens) + padding, piece)
+    batch, indptr, last, qo, ids = device_step_tables(torch.tensor(cu_q, dtype=torch.int32),
+                                                      torch.tensor(cu_k, dtype=torch.int32), key_index, bs, piece,
+                                                      num_pieces, num_pieces * blocks)
+    expected = expected_pieces(cu_q, cu_k, key_index, bs, piece)
+    b = len(expected)
+    assert int(batch) == b <= num_pieces and indptr.dtype == ids.dtype == torch.int32
+    assert qo[:b + 1].tolist() == cumulative([q for q, _, _ in expected])
+    pages = [ids[indptr[i]:indptr[i + 1]].tolist() for i in range(b)]
+    assert pages == [p for _, _, p in expected]
+    assert last[:b].tolist() == [keys - (len(p) - 1) * bs for _, keys, p in expected]
+    # Unused pieces: no pages, no tokens; unused page ids: 0 (a valid page).
+    assert set(indptr[b:].tolist()) == {int(indptr[b])} and set(qo[b:].tolist()) == {int(qo[b])}
+    assert last[b:].tolist() == [0] * (num_pieces - b) and set(ids[int(indptr[b]):].tolist()) <= {0}
+
+
+@pytest.mark.parametrize("piece", [16, 3])
+@pytest.mark.parametrize("max_batch_tokens", [64, 12])
+def test_cuda_graph_steps_with_the_reference_backend_give_paged_sdpa_tokens(piece, max_batch_tokens):
+    model = tiny_model("llama")
+    expected = generate(model, "paged|sdpa", max_batch_tokens)
+    name = register("jit_cpu_graph", backend_factory=ReferenceDecode, cuda_graphs=True, max_decode_q_len=piece)
+    assert generate(model, name, max_batch_tokens) == expected
+
+
+def test_cuda_graph_steps_refuse_sliding_window_layers_by_name():
+    cache, kwargs, qkv, _ = hand_made_step([5], [1], layers=1)
+    cache.sliding_windows = {0: 8}
+    with pytest.raises(UnsupportedAttention, match="sliding-window layers in CUDA graphs"):
+        PagedAttention(ReferenceDecode, cuda_graphs=True)(SimpleNamespace(layer_idx=0), *qkv[0], None, **kwargs)
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        PagedAttention(cuda_graphs=1)

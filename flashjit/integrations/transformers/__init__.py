@@ -7,7 +7,9 @@
 
 Decode steps and short multi-token steps (up to 16 query tokens per request) run on a BatchDecode,
 planned once per step and layer group; longer prefill chunks run on torch SDPA over their gathered
-keys. See docs/integrations.md.
+keys. register(cuda_graphs=True) with ContinuousBatchingConfig(use_cuda_graph=True) serves every
+step on the GPU alone (page table computed on the device, prefill cut into pieces the kernel
+takes), so transformers captures and replays it. See docs/integrations.md.
 """
 
 from .attention import PagedAttention

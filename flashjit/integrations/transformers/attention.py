@@ -14,6 +14,10 @@ other tensors plans again.
 
 Requests with more query tokens than the kernel takes (prefill chunks) are computed by torch SDPA
 over their gathered keys (gathered.py); a step may mix both.
+
+With cuda_graphs=True every step is served on the GPU alone, so transformers can capture and
+replay it (graph_step.py): the page table is computed on the device from the step's tensors,
+prefill chunks are cut into pieces the kernel takes, and no length is read back to the host.
 """
 
 from __future__ import annotations
@@ -26,15 +30,16 @@ import torch
 
 from ...jit.spec import MAX_Q_LEN
 from . import gathered
-from .features import refuse_unsupported
+from .features import UnsupportedAttention, refuse_unsupported
+from .graph_step import GraphDecoder
 from .step_tables import StepTables, page_ids, step_tables
 
 
-def flashjit_backend(device):
-    """The default backend: a BatchDecode on the cache's device."""
+def flashjit_backend(device, **options):
+    """The default backend: a BatchDecode on the cache's device (options: its CUDA-graph keywords)."""
     from ...serving.batch_decode import BatchDecode
 
-    return BatchDecode(device=device)
+    return BatchDecode(device=device, **options)
 
 
 @dataclass
@@ -57,13 +62,21 @@ class PagedAttention:
     ReferenceDecode runs the float32 oracle on any device). max_decode_q_len: most query tokens per
     request the backend serves (at most 16, DecodeSpec's limit); requests with more take the SDPA
     fallback. check_page_ids: passed to BatchDecode.plan; False (default) trusts transformers'
-    allocator for the block ids and skips a read-back per step.
+    allocator for the block ids and skips a read-back per step. cuda_graphs: serve every step on
+    the GPU alone (capturable: ContinuousBatchingConfig(use_cuda_graph=True)); max_decode_q_len is
+    then the size of the pieces prefill chunks are cut into, and backend_factory(device, **graph
+    keywords) must make a BatchDecode-like CUDA-graph decoder. Sliding-window layers are refused
+    in this mode.
     """
 
     def __init__(self, backend_factory: Callable | None = None, *, max_decode_q_len: int = MAX_Q_LEN,
-                 check_page_ids: bool = False):
+                 check_page_ids: bool = False, cuda_graphs: bool = False):
         if not isinstance(max_decode_q_len, int) or not 1 <= max_decode_q_len <= MAX_Q_LEN:
             raise ValueError(f"max_decode_q_len: expected an int in 1..{MAX_Q_LEN}, got {max_decode_q_len!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs: expected True or False, got {cuda_graphs!r}")
+        self.cuda_graphs = cuda_graphs
+        self._graph_decoders: dict = {}  # (layer group, query rows, requests) -> GraphDecoder
         self._backend_factory = backend_factory or flashjit_backend
         self.max_decode_q_len = max_decode_q_len
         self.check_page_ids = check_page_ids
@@ -83,12 +96,12 @@ class PagedAttention:
             raise ValueError("paged attention called without `cache`: it serves transformers' continuous batching "
                              "(model.generate_batch / ContinuousBatchingManager), not a plain forward")
         refuse_unsupported(module, query, key, value, dropout, kwargs)
-        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and not self.cuda_graphs:
             raise RuntimeError(
-                "flashjit's paged attention cannot be captured in transformers' CUDA graphs: transformers 5.17 "
-                "captures its varlen path keyed by padded sizes, so a replay may carry query lengths the captured "
-                "plan never saw, and it gives the q_len == 1 decode path (block table) to flash names only. "
-                "Use ContinuousBatchingConfig(use_cuda_graph=False) (the default for this attention)")
+                "this flashjit paged attention plans on the host every step, which a CUDA graph's replay skips: "
+                "register it with register(cuda_graphs=True) to serve transformers' graphs (the page table is "
+                "then computed on the GPU), or use ContinuousBatchingConfig(use_cuda_graph=False)")
         layer = module.layer_idx
         group, in_group = cache.layer_index_to_group_indices[layer]
         window = cache.sliding_windows[layer]
@@ -107,6 +120,11 @@ class PagedAttention:
         k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
         new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
         q_all = query[0].transpose(0, 1)  # [T, Hq, D]
+        if self.cuda_graphs:
+            if ring:
+                raise UnsupportedAttention(layer, "sliding-window layers in CUDA graphs (cuda_graphs=True)", ring)
+            return self._graph_step(cache, group, in_group == 0, cu_q, cu_k, read_index, write_index, q_all, new_k,
+                                    new_v, k_cache, v_cache, scaling, capturing), None
 
         step = self._step(cache, group, in_group == 0, (cu_q, cu_k, read_index, write_index),
                           (scaling, q_all.shape[1], new_k.shape[1], q_all.shape[2], q_all.dtype, k_cache.dtype,
@@ -137,6 +155,37 @@ class PagedAttention:
             rows = slice(cu_q_host[r], cu_q_host[r + 1])
             out[rows] = gathered.attend(q_all[rows], k, v, scaling, ring)
         return out, None
+
+    # ---- CUDA-graph steps -------------------------------------------------------------------
+
+    def _graph_step(self, cache, group, first_in_group, cu_q, cu_k, read_index, write_index, q_all, new_k, new_v,
+                    k_cache, v_cache, scaling, capturing):
+        """One layer of a step served on the GPU alone: the group's first layer writes the page table
+        and queues the planner, every layer writes its new K/V and runs."""
+        if self._cache_of() is not cache:
+            self._graph_decoders.clear()
+            self._cache_of = weakref.ref(cache)
+        rows, requests = q_all.shape[0], cu_q.numel() - 1
+        key = (group, rows, requests)
+        decoder = self._graph_decoders.get(key)
+        if decoder is None:
+            if capturing:  # transformers runs each size eagerly before capturing it: this one it did not
+                raise RuntimeError(f"a CUDA-graph capture of a step size ({rows} query rows, {requests} requests) "
+                                   "this attention has not run eagerly: its first plan compiles and copies from "
+                                   "the host, which a capture cannot hold")
+            form = dict(num_qo_heads=q_all.shape[1], num_kv_heads=new_k.shape[1], head_dim=q_all.shape[2],
+                        mask="causal", q_dtype=q_all.dtype, kv_dtype=k_cache.dtype, sm_scale=float(scaling))
+            decoder = self._graph_decoders[key] = GraphDecoder(
+                self._backend_factory, k_cache.device, rows=rows, requests=requests, piece=self.max_decode_q_len,
+                cache_blocks=k_cache.shape[0] // cache.block_size, page_size=cache.block_size, plan_form=form)
+        if first_in_group:
+            decoder.prepare(cu_q, cu_k, read_index if read_index.numel() else write_index)
+            self.plans += 1
+        k_cache.index_copy_(0, write_index, new_k)
+        v_cache.index_copy_(0, write_index, new_v)
+        pages = (k_cache.view(-1, cache.block_size, *k_cache.shape[1:]),
+                 v_cache.view(-1, cache.block_size, *v_cache.shape[1:]))
+        return decoder.run(q_all.contiguous(), pages, out=q_all.new_zeros(q_all.shape))
 
     # ---- planning ---------------------------------------------------------------------------
 

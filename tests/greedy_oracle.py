@@ -1,0 +1,72 @@
+"""A float32 teacher-forced check of greedy tokens, for tests of attention inside generation.
+
+Comparing two fp16 implementations token for token fails on near-ties: where a random model's two
+best logits differ by less than fp16 rounding, either implementation may pick either token, and
+the sequences part there. Comparing nothing past a tie would let a wrong attention pass.
+
+This check asks of every generated token, at every position, on the implementation's own sequence:
+is it an argmax of the same model in float32, fed the same tokens (teacher forcing), within the
+logit error fp16 itself makes there? The fp16 error is measured, not guessed: the plain fp16 forward
+of the same sequence against the float32 one (max over the vocabulary, `noise`). A token passes
+when its float32 logit is within NOISE_FACTOR x noise of the float32 maximum. A position is
+decisive when the float32 margin between the two best logits exceeds that tolerance: there only
+the float32 argmax passes, so a wrong attention (which moves logits by far more than rounding)
+fails there. `check_sequences` reports how many positions were decisive, so a test can require
+that the check decided something.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NOISE_FACTOR = 4.0  # fp16 paths round differently (kernels, accumulation order): a few times one path's error
+
+
+@dataclass
+class SequenceCheck:
+    """Per request: positions generated, decisive positions, and the positions whose token failed."""
+
+    positions: int
+    decisive: int
+    failures: list  # (position, token, float32 logit of the token, float32 max, tolerance)
+
+
+def teacher_forced_logits(model, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), vocab] float32 logits of a plain forward (no paged cache) over `tokens`."""
+    ids = torch.tensor([tokens], device=model.device)
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits[0].float()
+
+
+def check_sequence(model32, model16, prompt: list[int], generated: list[int],
+                   noise_factor: float = NOISE_FACTOR) -> SequenceCheck:
+    """Checks each generated token against model32's teacher-forced argmax (see the module doc)."""
+    if not generated:
+        return SequenceCheck(0, 0, [])
+    sequence = list(prompt) + list(generated)
+    predicting = slice(len(prompt) - 1, len(sequence) - 1)  # logits at t predict token t + 1
+    exact = teacher_forced_logits(model32, sequence)[predicting]
+    rounded = teacher_forced_logits(model16, sequence)[predicting]
+    tolerance = noise_factor * (rounded - exact).abs().amax(dim=-1)
+    top2 = exact.topk(2, dim=-1).values
+    chosen = exact.gather(1, torch.tensor(generated, device=exact.device)[:, None])[:, 0]
+    decisive = int((top2[:, 0] - top2[:, 1] > tolerance).sum())
+    failed = (chosen < top2[:, 0] - tolerance).nonzero()[:, 0].tolist()
+    failures = [(t, generated[t], float(chosen[t]), float(top2[t, 0]), float(tolerance[t])) for t in failed]
+    return SequenceCheck(len(generated), decisive, failures)
+
+
+def check_sequences(model32, model16, outputs: dict, noise_factor: float = NOISE_FACTOR):
+    """outputs: request id -> (prompt ids, generated tokens). Returns (decisive positions, positions,
+    failures as "request: position, token, logit, max, tolerance" strings)."""
+    decisive = positions = 0
+    failures = []
+    for request, (prompt, generated) in outputs.items():
+        result = check_sequence(model32, model16, prompt, generated, noise_factor)
+        decisive += result.decisive
+        positions += result.positions
+        failures += [f"{request}: position {t}, token {tok} at {got:.3f}, max {best:.3f}, tolerance {tol:.3f}"
+                     for t, tok, got, best, tol in result.failures]
+    return decisive, positions, failures
