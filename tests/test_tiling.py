@@ -177,3 +177,25 @@ def test_tiles_are_shared_only_where_the_fused_merge_resets_the_claims(kv_dtype,
     assert share(group_size=4, tensor_cores=False) == 100
     unfused = TUNING.replace(fused_merge=False)
     assert share(unfused, group_size=4, tensor_cores=True) == 100
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_16bit_ldmatrix_addresses_find_the_chunks_the_loader_swizzled(head_dim):
+    """decode_tc.cuh's ldmatrix addresses (a 128-byte block plus a chunk XORed in it) land where
+    PagedKVStage copied each row's chunk (swizzled_chunk), for every lane, k-step and n-tile pair,
+    the half block of head_dim 96 included."""
+    pitch, row_chunks, ksteps, ntiles = head_dim * 2, head_dim * 2 // 16, head_dim // 16, head_dim // 8
+    half_block = head_dim * 2 % 128 == 64
+    for slice_, lane in itertools.product(range(4), range(32)):
+        mat, mrow = lane // 8, lane % 8
+        k_chunk, v_chunk = (mat & 1) ^ mrow, (mat >> 1) ^ mrow
+        k_half, v_half = (mat & 1) ^ (mrow // 2 % 4), (mat >> 1) ^ (mrow // 2 % 4)
+        k_row, v_row = slice_ * 16 + mrow + (mat >> 1) * 8, slice_ * 16 + mrow + (mat & 1) * 8
+        for k in range(ksteps):
+            kc = k_half if half_block and k >= ksteps - 2 else k_chunk
+            kernel = k_row * pitch + (k // 4) * 128 + ((2 * k % 8) ^ kc) * 16
+            assert kernel == k_row * pitch + 16 * swizzled_chunk(k_row, 2 * k + (mat & 1), row_chunks), (k, lane)
+        for n in range(0, ntiles, 2):
+            vc = v_half if half_block and n >= ntiles - 4 else v_chunk
+            kernel = v_row * pitch + (n // 8) * 128 + ((n % 8) ^ vc) * 16
+            assert kernel == v_row * pitch + 16 * swizzled_chunk(v_row, n + (mat >> 1), row_chunks), (n, lane)

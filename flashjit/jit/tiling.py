@@ -195,6 +195,8 @@ def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False, table: T
     or 16 apart at head_dim 64), so a pitch of 16 mod 32 bytes (64 mod 128 at head_dim 64)
     interleaves the two rows. They read V rows two apart at 16 consecutive bytes each (8 at head_dim
     64): a pitch of 16 mod 64 spreads them. A 32-byte pad trades that for whole 32-byte sectors.
+    At head_dim 96 the lanes read 8 bytes of K rows 96 apart (conflict-free unpadded) and 4 bytes
+    of V rows two apart, which a pitch of 16 mod 64 spreads.
     """
     row_bytes = head_dim * kv_bytes
     if swizzle:  # PagedKVStage

@@ -306,7 +306,8 @@ struct PagedKVStage {
   // A LOADS that is no power of two (6 at head_dim 96, 3 for its fp8 rows) divides no power-of-two
   // page, so every few runs straddle a page boundary: consecutive keys over two pages then make a
   // run as well, split at the boundary (split_at: the first key on run_page_2).
-  static constexpr bool TWO_PAGE_RUNS = EVEN && !RUN_BY_ENDS && (LOADS & (LOADS - 1)) != 0 && 2 * cfg::PAGE_SIZE >= LOADS;
+  // (An enum: a static constexpr member would add a symbol to every cubin.)
+  enum : bool { TWO_PAGE_RUNS = EVEN && !RUN_BY_ENDS && (LOADS & (LOADS - 1)) != 0 && 2 * cfg::PAGE_SIZE >= LOADS };
   static_assert(CPR * ELEMS == cfg::HEAD_DIM, "a K/V row is whole 16-byte chunks");
 
   const Args& a;

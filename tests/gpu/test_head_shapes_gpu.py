@@ -2,9 +2,10 @@
 
 16-bit (bf16, f16) and fp8 (e4m3, e5m2) K/V; every split policy (none, the planner's, two chunks,
 16-token chunks); the masks whose key positions jump (sliding window, block sparse) beside none
-and causal; one and several query tokens; page sizes that divide the copy's runs and ones that
-do not (5 and 12 make head_dim 96's runs of 6 and 3 keys straddle pages). Every output row is
-written (no NaN), fully masked rows are 0 with lse -inf, and each policy matches the one pass.
+and causal; one and several query tokens; page sizes that divide head_dim 96's copy runs (of 6
+keys, 3 for fp8: page 12) and ones they straddle (5, 16, 64: runs over two pages; 1: key by key).
+Every output row is written (no NaN), fully masked rows are 0 with lse -inf, and each policy
+matches the one pass.
 """
 
 from __future__ import annotations
