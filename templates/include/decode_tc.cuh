@@ -37,8 +37,9 @@ constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
 constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // head_dim 512: Q's fragments in shared memory, not registers
 // Rows of whole 128-byte blocks and a half (head_dim 96): the last k-steps and n-tile pairs read the
-// half block, which swizzled_chunk XORs with (row / 2) % 4 rather than row % 8.
-constexpr bool HALF_BLOCK = D * 2 % 128 == 64;
+// half block, which swizzled_chunk XORs with (row / 2) % 4 rather than row % 8. (An enum: a
+// constexpr variable would add a symbol to every cubin.)
+enum : bool { HALF_BLOCK = D * 2 % 128 == 64 };
 using mma_t = kv_t;
 
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit queries and K/V");
