@@ -34,7 +34,7 @@ SHAPES = ["b1 L2048", "b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform
 HEAD_CANDIDATES = {
     (128, False): [{}, dict(stages=3), dict(warps=2, stages=4), dict(warps=8, stages=2)],
     (128, True): [{}, dict(stages=3), dict(warps=2, stages=4), dict(warps=2, stages=3)],
-    (96, False): [{}, dict(stages=3), dict(warps=3, stages=4), dict(warps=3, stages=3),
+    (96, False): [{}, dict(min_ctas=1), dict(stages=3), dict(warps=3, stages=4, min_ctas=1), dict(warps=3, stages=3),
                   dict(warps=4, stages=2),  # threads not whole rows of 12 chunks: each key copied alone
                   dict(swizzle=False, k_pad=16, v_pad=16),  # 208-byte pitch: conflict-free, split sectors
                   dict(swizzle=False, k_pad=32, v_pad=32)],  # 224: whole sectors, two-way ldmatrix

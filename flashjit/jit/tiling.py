@@ -146,8 +146,9 @@ TUNING = Tuning(
         # swizzled rows keep each copied sector whole with ldmatrix conflict-free, as at head_dim 128
         TensorCoreRow(False, 64,      4,    1,        4,     1,       True,   16,   16,   100),
         # 192-byte rows, swizzled as a block and a half (swizzled_chunk); 6 warps make the copy's
-        # threads whole rows of 12 chunks (PagedKVStage's EVEN layout); tile 96, 3 CTAs/SM (unmeasured)
-        TensorCoreRow(False, 96,      6,    1,        2,     1,       True,   16,   16,   100),
+        # threads whole rows of 12 chunks (PagedKVStage's EVEN layout); tile 96; capped at 168
+        # registers for 2 CTAs/SM without spills (180 uncapped: 1 CTA/SM). Unmeasured.
+        TensorCoreRow(False, 96,      6,    1,        2,     2,       True,   16,   16,   100),
         # 2 stages beat 3 by 0.1-2.7% at the same 2 CTAs/SM; swizzled rows beat 16-byte pads (139.5 against 148.0 us)
         TensorCoreRow(False, 128,     4,    1,        2,     1,       True,   16,   16,   100),
         # two warps per slice keep O off the 255-register limit; swizzling spills, so 32-byte pads; sharing 6% faster
@@ -157,7 +158,7 @@ TUNING = Tuning(
         # 64-byte rows have too few chunks to swizzle; unpadded K rows already interleave, V rows take 16 bytes
         TensorCoreRow(True,  64,      4,    1,        4,     1,       False,  0,    16,   100),
         # 96-byte rows: the lanes read K in 8-byte pieces, conflict-free unpadded; V rows 16 mod 64
-        # bytes apart; 6 warps make the copy's threads whole rows of 6 chunks (unmeasured)
+        # bytes apart; 6 warps make the copy's threads whole rows of 6 chunks; 109 registers, 3 CTAs/SM (unmeasured)
         TensorCoreRow(True,  96,      6,    1,        2,     1,       False,  0,    16,   100),
         # 2 stages match 3 at 4 CTAs/SM; 32-byte pads beat 16 (83.5 against 86.5 us), swizzling no faster
         TensorCoreRow(True,  128,     4,    1,        2,     1,       False,  32,   32,   100),
