@@ -75,9 +75,12 @@ CASES = [
     Case("b16 L32768 window 4096", 16, 32768, window=4096, quick=True),
     Case("b16 L32768 sinks 4 + window 4096", 16, 32768, window=4096, sinks=4, quick=True),
     Case("b8 L16384 MHA 32/32", 8, 16384, heads_kv=32),
+    Case("b8 L16384 MHA 32/32 e4m3", 8, 16384, heads_kv=32, kv_dtype="float8_e4m3fn", base="b8 L16384 MHA 32/32"),
     Case("b16 L8192 g8 32/4", 16, 8192, heads_kv=4),
     Case("b16 L8192 d64", 16, 8192, head_dim=64),
     Case("b16 L8192 d96", 16, 8192, head_dim=96),
+    Case("b16 L8192 d96 e4m3", 16, 8192, head_dim=96, kv_dtype="float8_e4m3fn", base="b16 L8192 d96"),
+    Case("b8 L8192 d96 MHA 32/32", 8, 8192, head_dim=96, heads_kv=32),  # Phi-3 mini's heads
     Case("b16 L8192 d256", 16, 8192, head_dim=256),
     Case("b16 L8192 p1", 16, 8192, page_size=1),
     Case("b16 L8192 p64", 16, 8192, page_size=64),

@@ -4,6 +4,10 @@ Warp/stage counts, the L2 prefetch hint, the grid order and the fused merge are 
 from the current choice.
 
     python -m benchmarks.tiling_sweep [REGEX]     # only the shapes whose name matches
+    python -m benchmarks.tiling_sweep --heads [REGEX]  # MHA and head_dim 96: candidate rows, and the CUDA cores
+
+--heads times each HEAD_CANDIDATES row (warps, stages, row layout) of the MHA and head_dim 96 shapes
+beside the CUDA-core kernel, each checked against the CUDA-core output, and prints µs and GB/s.
 
 Each variant is a tuning table (flashjit.jit.tiling.Tuning) handed to an engine that compiles its
 kernels from it (the tiling is rendered into the source) and caches none of them.
@@ -24,6 +28,51 @@ WARP_STAGES = {(128, False): [(4, 2, 1), (4, 3, 1), (4, 2, 3), (2, 4, 1)], (64, 
 SHAPES = ["b1 L2048", "b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform 128..32768", "b16 L8192 d64",
           "b16 L8192 e4m3", "b64 L8192 e4m3", "b16 L8192 e4m3 HND", "b16 L32768 window 4096",
           "b16 L32768 sinks 4 + window 4096"]
+
+
+# MHA and head_dim 96: (head_dim, fp8 cache) -> tensor-core row changes; the first is the current row
+HEAD_CANDIDATES = {
+    (128, False): [{}, dict(stages=3), dict(warps=2, stages=4), dict(warps=8, stages=2)],
+    (128, True): [{}, dict(stages=3), dict(warps=2, stages=4), dict(warps=2, stages=3)],
+    (96, False): [{}, dict(min_ctas=1), dict(stages=3), dict(warps=3, stages=4, min_ctas=1), dict(warps=3, stages=3),
+                  dict(warps=4, stages=2),  # threads not whole rows of 12 chunks: each key copied alone
+                  dict(swizzle=False, k_pad=16, v_pad=16),  # 208-byte pitch: conflict-free, split sectors
+                  dict(swizzle=False, k_pad=32, v_pad=32)],  # 224: whole sectors, two-way ldmatrix
+    (96, True): [{}, dict(stages=3), dict(warps=3, stages=4), dict(warps=3, stages=3), dict(warps=4, stages=2),
+                 dict(v_pad=32)],
+}
+HEAD_SHAPES = ["b8 L16384 MHA 32/32", "b8 L16384 MHA 32/32 e4m3", "b8 L8192 d96 MHA 32/32", "b16 L8192 d96",
+               "b16 L8192 d96 e4m3"]
+
+
+def candidate_label(change: dict) -> str:
+    return ",".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in change.items()) or "current"
+
+
+def sweep_head_shapes(torch, timer, cache_dir, only: str):
+    """Each HEAD_SHAPES row under its HEAD_CANDIDATES tensor-core rows and on CUDA cores."""
+    from benchmarks.cases import attended_bytes, kv_lengths
+    from flashjit.deploy.random_batches import rel_error
+    from flashjit.jit.tiling import TUNING
+
+    for case in [c for c in CASES if c.name in HEAD_SHAPES and re.search(only, c.name)]:
+        batch = build_inputs(torch, case)
+        fp8 = quantize(batch, case)
+        nbytes = attended_bytes(case, kv_lengths(case))
+        run, out, _ = flashjit_impl(torch, batch, case, tuned_engine(TUNING, cache_dir), fp8, tensor_cores=False)
+        us = timer.median_us(run)
+        baseline = out.float().clone()
+        row = [f"cuda-cores {us:7.1f} ({nbytes / us / 1e3:4.0f} GB/s)"]
+        for change in HEAD_CANDIDATES[case.head_dim, fp8 is not None]:
+            table = TUNING.with_rows(fp8=fp8 is not None, head_dim=case.head_dim, **change)
+            run, out, _ = flashjit_impl(torch, batch, case, tuned_engine(table, cache_dir), fp8, tensor_cores=True)
+            us = timer.median_us(run)
+            error = rel_error(out, baseline)
+            flag = "" if error <= 2e-2 else f" WRONG (rel error {error:.1e} against the CUDA cores)"
+            row.append(f"{candidate_label(change)} {us:7.1f} ({nbytes / us / 1e3:4.0f} GB/s){flag}")
+        print(f"{case.name}:\n  " + "\n  ".join(row), flush=True)
+        del batch, fp8, out, baseline
+        torch.cuda.empty_cache()
 
 
 def tuned_table(table, head_dim, fp8, warps, stages, min_ctas, prefetch, heads_first, fused_merge):
@@ -59,7 +108,9 @@ def tuned_engine(table, cache_dir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("only", nargs="?", default="", metavar="REGEX", help="only the shapes whose name matches")
-    only = parser.parse_args(argv).only
+    parser.add_argument("--heads", action="store_true", help="MHA and head_dim 96: candidate rows and the CUDA cores")
+    args = parser.parse_args(argv)
+    only = args.only
 
     import torch
 
@@ -67,6 +118,9 @@ def main(argv=None):
 
     timer = Timer(torch, 15)
     cache_dir = tempfile.mkdtemp()  # the host planner's library; the kernels stay in memory
+    if args.heads:
+        sweep_head_shapes(torch, timer, cache_dir, only)
+        return
     cases = [c for c in CASES if c.name in SHAPES and (c.head_dim, c.kv_dtype is not None) in WARP_STAGES
              and re.search(only, c.name)]
     for case in cases:

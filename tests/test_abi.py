@@ -20,7 +20,7 @@ from flashjit.jit.render import render
 from flashjit.masks import params, registry
 
 # CUDA cores, so flashjit_merge is in the source, and a mask with int and pointer parameters.
-SPEC = DecodeSpec(64, mask="block_sparse", arch="sm_80")
+SPEC = DecodeSpec(64, mask="block_sparse", arch="sm_80", tensor_cores=False)  # CUDA cores: both Args structs
 HOST_PLAN = Path(flashjit.__file__).resolve().parent / "serving" / "native" / "host_plan.c"
 
 

@@ -16,7 +16,13 @@ LANES = [(lane // 4, lane % 4) for lane in range(32)]  # (g, t) of each lane
 
 
 def block(head_dim: int) -> int:
-    return min(head_dim, 128)
+    """decode_tc_fp8.cuh BLOCK: three blocks of 32 at head_dim 96, else one of 64 or blocks of 128."""
+    return 32 if head_dim == 96 else min(head_dim, 128)
+
+
+def k_width(head_dim: int) -> int:
+    """Bytes of one K load of `scores` per lane: 16, or the 8 bytes of a 32-dim block."""
+    return min(16, block(head_dim) // 4)
 
 
 def k_byte(head_dim: int, ks: int, t: int) -> int:
@@ -70,7 +76,7 @@ def movmatrix_trans(values) -> list:
     return [(m[2 * t, g], m[2 * t + 1, g]) for g, t in LANES]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_scores_fragments_compute_k_q_transposed(head_dim):
     rng = np.random.default_rng(head_dim)
     keys = rng.integers(-8, 8, (16, head_dim)).astype(float)  # one warp's 16 key rows (bytes = values)
@@ -91,7 +97,7 @@ def test_scores_fragments_compute_k_q_transposed(head_dim):
     np.testing.assert_array_equal(total, keys @ queries.T)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_value_fragments_compute_p_v_in_o_dim_order(head_dim):
     rng = np.random.default_rng(head_dim + 1)
     values = rng.integers(0, 256, (16, head_dim))  # byte values, to check the byte routing exactly
@@ -118,7 +124,7 @@ def test_value_fragments_compute_p_v_in_o_dim_order(head_dim):
     np.testing.assert_array_equal(out, (p @ values).T)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_layouts_cover_every_head_dim_once(head_dim):
     k_dims = sorted(k_byte(head_dim, ks, t) + e for ks in range(head_dim // 16) for t in range(4) for e in range(4))
     o_dims = sorted(o_dim(head_dim, mt, r) for mt in range(head_dim // 16) for r in range(16))
@@ -147,10 +153,10 @@ def at(row: int, byte: int, pitch: int, swizzle: bool) -> int:
 
 
 def k_loads(head_dim: int, pitch: int, swizzle: bool = False):
-    """Byte addresses of each 16-byte K load of `scores`, per lane (key rows g and g + 8)."""
-    b = block(head_dim)
-    return [[at(g + 8 * h, b * blk + (b // 4) * t + 16 * c, pitch, swizzle) for g, t in LANES]
-            for blk in range(head_dim // b) for c in range(b // 64) for h in range(2)]
+    """Byte addresses of each K load of `scores` (k_width bytes), per lane (key rows g and g + 8)."""
+    b, width = block(head_dim), k_width(head_dim)
+    return [[at(g + 8 * h, b * blk + (b // 4) * t + width * c, pitch, swizzle) for g, t in LANES]
+            for blk in range(head_dim // b) for c in range(b // 4 // width) for h in range(2)]
 
 
 def v_loads(head_dim: int, pitch: int, swizzle: bool = False):
@@ -160,21 +166,22 @@ def v_loads(head_dim: int, pitch: int, swizzle: bool = False):
             for blk in range(head_dim // b) for k in range(4)]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_row_pitches_bound_the_bank_conflicts_of_every_load(head_dim):
-    """The pitches with 16 bytes of padding (those of head_dim 64 and 256) are conflict-free; head_dim
-    128 pads 32 (rows of whole 32-byte sectors), where every load costs at most one extra wavefront."""
+    """The pitches with 16 bytes of padding (those of head_dim 64 and 256, and head_dim 96's V rows
+    beside unpadded K rows) are conflict-free; head_dim 128 pads 32 (rows of whole 32-byte sectors),
+    where every load costs at most one extra wavefront."""
     k_pitch, v_pitch = tc_row_pitches(head_dim, kv_bytes=1)
     v_width = block(head_dim) // 8
     assert k_pitch >= head_dim and v_pitch >= head_dim and k_pitch % 16 == v_pitch % 16 == 0
     allowed = 1 if head_dim == 128 else 0
     if allowed:
         assert k_pitch % 32 == v_pitch % 32 == 0
-    loads = [(addresses, 16) for addresses in k_loads(head_dim, k_pitch)]
+    loads = [(addresses, k_width(head_dim)) for addresses in k_loads(head_dim, k_pitch)]
     loads += [(addresses, v_width) for addresses in v_loads(head_dim, v_pitch)]
     assert all(conflicts(addresses, width) <= allowed * 32 // (128 // width) for addresses, width in loads)
     # unpadded rows would conflict, so the check has teeth
-    assert any(conflicts(addresses, 16) for addresses in k_loads(head_dim, 2 * head_dim))
+    assert any(conflicts(addresses, k_width(head_dim)) for addresses in k_loads(head_dim, 2 * head_dim))
     assert any(conflicts(addresses, v_width) for addresses in v_loads(head_dim, head_dim))
 
 

@@ -33,7 +33,7 @@ def test_index_key_is_pinned(monkeypatch):
     monkeypatch.setattr(engine_module, "templates_digest", lambda mask, variant=None: "d" * 64)
     monkeypatch.setattr(engine_module, "compiler_fingerprint", lambda: "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86")
     monkeypatch.setattr(engine_module, "__version__", "0.1.0")
-    spec = DecodeSpec(64, mask="sliding_window", arch="sm_90")
+    spec = DecodeSpec(64, mask="sliding_window", arch="sm_90", tensor_cores=False)
     assert engine_module._spec_key(spec, masks.get("sliding_window")) == \
         "1432223ef6e3b91377682a126439e64fa1b3b0639f8cbbdf980b5233d448214c"
 
@@ -49,7 +49,7 @@ def test_keys_module_computes_the_same_keys(monkeypatch):
     """keys.index_key and keys.library_key are what the engine and host_library hash."""
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    spec = DecodeSpec(64, mask="sliding_window", arch="sm_90")
+    spec = DecodeSpec(64, mask="sliding_window", arch="sm_90", tensor_cores=False)
     assert keys.index_key(spec, masks.get("sliding_window"), "d" * 64, "0.1.0", OPTIONS,
                           "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86", variants.get("none")) == \
         "1432223ef6e3b91377682a126439e64fa1b3b0639f8cbbdf980b5233d448214c"

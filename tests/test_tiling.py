@@ -29,9 +29,12 @@ PINNED = {
     (False, "e4m3", 128): (8, 16, 16, 8, 8, 1, 2, 16, 4, False, 0, 128, 128, 128, False, 16, True, False, 100, 1, 1, 1, 32, 4),
     (False, "e4m3", 256): (8, 32, 32, 8, 8, 1, 2, 8, 4, False, 0, 256, 256, 128, False, 16, True, False, 100, 1, 1, 1, 64, 2),
     (True,  "bf16",  64): (8, 8, 128, 16, 1, 1, 1, 64, 4, True, 65648, 128, 128, 128, True, 128, True, True, 100, 1, 1, 8, 16, 8),
+    # head_dim 96: 6 warps (whole rows of 12 chunks per copy pass), rows swizzled as a block and a half
+    (True,  "bf16",  96): (8, 12, 192, 16, 1, 1, 1, 96, 2, True, 73840, 192, 192, 128, True, 128, True, True, 100, 2, 1, 8, 24, 5),
     (True,  "bf16", 128): (8, 16, 128, 16, 1, 1, 1, 64, 2, True, 65648, 256, 256, 128, True, 128, True, True, 100, 1, 1, 8, 32, 4),
     (True,  "bf16", 256): (8, 32, 128, 16, 1, 1, 1, 32, 3, True, 104560, 544, 544, 128, False, 128, True, True, 75, 1, 2, 8, 64, 2),
     (True,  "e4m3",  64): (8, 8, 128, 8, 1, 1, 2, 64, 4, True, 36976, 64, 80, 128, False, 128, True, True, 100, 1, 1, 8, 16, 8),
+    (True,  "e4m3",  96): (8, 12, 192, 8, 1, 1, 2, 96, 2, True, 40048, 96, 112, 128, False, 128, True, True, 100, 1, 1, 8, 24, 5),
     (True,  "e4m3", 128): (8, 16, 128, 8, 1, 1, 2, 64, 2, True, 41072, 160, 160, 128, False, 128, True, True, 100, 1, 1, 8, 32, 4),
     (True,  "e4m3", 256): (8, 32, 64, 8, 1, 1, 2, 32, 3, True, 49264, 256, 256, 128, True, 128, True, True, 100, 1, 1, 8, 64, 2),
     # head_dim 512: 16-bit Q's fragments in shared memory (the last field, 16 rows x 512 x 2 bytes)
@@ -40,7 +43,8 @@ PINNED = {
     (True,  "e4m3", 512): (8, 64, 256, 8, 1, 1, 2, 32, 3, True, 98416, 512, 512, 128, True, 128, True, True, 100, 1, 4, 8, 128, 1),
 }
 # sha256 of repr((spec's grid key, tiling as a tuple)) over every_spec(), in order.
-PINNED_GRID_DIGEST = "d1db0205fb3365a1f0edaddcc8902521e6d974942fa7c72425244ebfcd6af5f6"
+# The automatic choice puts head_dim 96 and one-row specs (group 1, q_len 1) on tensor cores.
+PINNED_GRID_DIGEST = "2a56b29fb0e12ab590232416a425947548568e9064496dcfa5bb41d26b44c2d8"
 
 
 def every_spec():
@@ -70,8 +74,8 @@ def test_the_table_has_one_row_per_tensor_core_kernel_and_is_frozen():
     keys = [row.key for row in TUNING.tensor_cores]
     assert sorted(keys) == sorted(itertools.product((False, True), TENSOR_CORE_HEAD_DIMS))
     assert TUNING.row(True, 128).key == (True, 128)
-    with pytest.raises(KeyError, match="head_dim 96"):
-        TUNING.row(False, 96)
+    with pytest.raises(KeyError, match="head_dim 32"):
+        TUNING.row(False, 32)
     with pytest.raises(dataclasses.FrozenInstanceError):
         TUNING.fused_merge = False  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -94,20 +98,28 @@ def test_a_passed_table_changes_the_tiling_and_leaves_the_default_alone():
     assert [row for row in table.tensor_cores if row.key != (True, 128)] == [
         row for row in TUNING.tensor_cores if row.key != (True, 128)]
     assert all(row.static_share == 50 for row in TUNING.with_rows(static_share=50).tensor_cores)
-    assert [row.stages for row in TUNING.with_rows(fp8=False, stages=5).tensor_cores] == [5, 5, 5, 5, 4, 2, 3, 3]
+    assert [row.stages for row in TUNING.with_rows(fp8=False, stages=5).tensor_cores] == [5, 5, 5, 5, 5, 4, 2, 2, 3, 3]
+
+
+def swizzled_chunk(row: int, chunk: int, row_chunks: int) -> int:
+    """decode_common.cuh swizzled_chunk: whole 128-byte blocks XOR row % 8; the last half block of a
+    row of 8n + 4 chunks XORs (row / 2) % 4."""
+    if row_chunks % 8 == 4 and chunk >= row_chunks - 4:
+        return chunk ^ (row // 2 % 4)
+    return chunk ^ row % 8
 
 
 def ldmatrix_extra_wavefronts(pitch: int, swizzle: bool, chunk: int) -> int:
-    """Extra wavefronts of one ldmatrix phase: rows 0..7 of one 16-byte column."""
+    """Extra wavefronts of one ldmatrix phase: rows 0..7 of one 16-byte column (rows from a multiple of 8)."""
     banks = {}
-    for row in range(8):
-        address = row * pitch + 16 * ((chunk ^ row % 8) if swizzle else chunk)
+    for row in range(8, 16):
+        address = row * pitch + 16 * (swizzled_chunk(row, chunk, pitch // 16) if swizzle else chunk)
         for word in range(address // 4, address // 4 + 4):
             banks.setdefault(word % 32, set()).add(word)
     return max(len(words) for words in banks.values()) - 1
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_16bit_rows_keep_sectors_whole_and_ldmatrix_at_most_two_way(head_dim):
     t = decode_tiling(DecodeSpec(head_dim=head_dim, dtype="bf16", kv_dtype="bf16", group_size=4, arch="sm_90",
                                  tensor_cores=True))
@@ -118,6 +130,36 @@ def test_16bit_rows_keep_sectors_whole_and_ldmatrix_at_most_two_way(head_dim):
     assert max(extra) <= (0 if t.swizzle else 1)
     # 16 bytes of padding would be conflict-free but split sectors: the trade the table makes
     assert TUNING.row(False, head_dim).k_pad % 32 == 0 or t.swizzle
+    if t.swizzle:  # the swizzle keeps chunks 2m and 2m + 1 in one aligned 32 bytes (whole sectors)
+        chunks = t.k_pitch // 16
+        assert all(swizzled_chunk(row, 2 * m, chunks) // 2 == swizzled_chunk(row, 2 * m + 1, chunks) // 2 < chunks // 2
+                   for row in range(16) for m in range(chunks // 2))
+
+
+def test_the_half_block_swizzle_of_head_dim_96_is_what_makes_it_conflict_free():
+    """192-byte rows start 64 bytes into a 128-byte block on odd rows: XORing the last half block
+    with row % 8 (as whole blocks are) would conflict, and so would unswizzled rows."""
+    assert max(ldmatrix_extra_wavefronts(192, True, chunk) for chunk in range(12)) == 0
+    assert max(ldmatrix_extra_wavefronts(192, False, chunk) for chunk in range(12)) > 0
+    banks = {}
+    for row in range(8):  # the plain XOR on the last half block: rows r and r + 4 share banks
+        address = row * 192 + 16 * (8 + ((0 ^ row % 8) % 4))
+        banks.setdefault(address // 4 % 32, set()).add(address // 4)
+    assert max(len(words) for words in banks.values()) > 1
+
+
+@pytest.mark.parametrize("group", range(1, 17))
+@pytest.mark.parametrize("kv_dtype", ["bf16", "f16", "e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+def test_every_head_configuration_runs_on_tensor_cores(head_dim, kv_dtype, group):
+    """Groups 1-16 at every head_dim (MHA and head_dim 96 included), any page size: the automatic
+    choice is the tensor-core kernel, whose rows fill the MMA from one query row."""
+    for page_size in (1, 16, 64, 256):
+        spec = DecodeSpec(head_dim=head_dim, kv_dtype=kv_dtype, group_size=group, page_size=page_size, arch="sm_90")
+        assert spec.tensor_cores, spec.name
+        tiling = decode_tiling(spec)
+        assert tiling.tensor_cores and tiling.row_tiles == -(-group // tiling.rows)
+        assert tiling.smem_bytes <= 227 * 1024 and tiling.threads % 32 == 0
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "e4m3"])
@@ -135,3 +177,25 @@ def test_tiles_are_shared_only_where_the_fused_merge_resets_the_claims(kv_dtype,
     assert share(group_size=4, tensor_cores=False) == 100
     unfused = TUNING.replace(fused_merge=False)
     assert share(unfused, group_size=4, tensor_cores=True) == 100
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_16bit_ldmatrix_addresses_find_the_chunks_the_loader_swizzled(head_dim):
+    """decode_tc.cuh's ldmatrix addresses (a 128-byte block plus a chunk XORed in it) land where
+    PagedKVStage copied each row's chunk (swizzled_chunk), for every lane, k-step and n-tile pair,
+    the half block of head_dim 96 included."""
+    pitch, row_chunks, ksteps, ntiles = head_dim * 2, head_dim * 2 // 16, head_dim // 16, head_dim // 8
+    half_block = head_dim * 2 % 128 == 64
+    for slice_, lane in itertools.product(range(4), range(32)):
+        mat, mrow = lane // 8, lane % 8
+        k_chunk, v_chunk = (mat & 1) ^ mrow, (mat >> 1) ^ mrow
+        k_half, v_half = (mat & 1) ^ (mrow // 2 % 4), (mat >> 1) ^ (mrow // 2 % 4)
+        k_row, v_row = slice_ * 16 + mrow + (mat >> 1) * 8, slice_ * 16 + mrow + (mat & 1) * 8
+        for k in range(ksteps):
+            kc = k_half if half_block and k >= ksteps - 2 else k_chunk
+            kernel = k_row * pitch + (k // 4) * 128 + ((2 * k % 8) ^ kc) * 16
+            assert kernel == k_row * pitch + 16 * swizzled_chunk(k_row, 2 * k + (mat & 1), row_chunks), (k, lane)
+        for n in range(0, ntiles, 2):
+            vc = v_half if half_block and n >= ntiles - 4 else v_chunk
+            kernel = v_row * pitch + (n // 8) * 128 + ((n % 8) ^ vc) * 16
+            assert kernel == v_row * pitch + 16 * swizzled_chunk(v_row, n + (mat >> 1), row_chunks), (n, lane)

@@ -22,8 +22,10 @@ ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_12
 MAX_PAGE_SIZE = 256
 MAX_GROUP_SIZE = 64
 MAX_Q_LEN = 16
-TENSOR_CORE_HEAD_DIMS = (64, 128, 256, 512)
-TENSOR_CORE_MIN_ROWS = 2  # group x query tokens from which tensor cores win (docs/architecture.md)
+TENSOR_CORE_HEAD_DIMS = (64, 96, 128, 256, 512)
+# Group x query tokens from which tensor cores win (docs/architecture.md): one. With 15 of the
+# MMA's 16 rows idle a step still reads at the memory's speed; the CUDA-core kernel does not.
+TENSOR_CORE_MIN_ROWS = 1
 
 _DTYPE_ALIASES = {
     "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",

@@ -145,6 +145,10 @@ TUNING = Tuning(
         #             fp8    head_dim warps col_split stages min_ctas swizzle k_pad v_pad static_share
         # swizzled rows keep each copied sector whole with ldmatrix conflict-free, as at head_dim 128
         TensorCoreRow(False, 64,      4,    1,        4,     1,       True,   16,   16,   100),
+        # 192-byte rows, swizzled as a block and a half (swizzled_chunk); 6 warps make the copy's
+        # threads whole rows of 12 chunks (PagedKVStage's EVEN layout); tile 96; capped at 168
+        # registers for 2 CTAs/SM without spills (180 uncapped: 1 CTA/SM). Unmeasured.
+        TensorCoreRow(False, 96,      6,    1,        2,     2,       True,   16,   16,   100),
         # 2 stages beat 3 by 0.1-2.7% at the same 2 CTAs/SM; swizzled rows beat 16-byte pads (139.5 against 148.0 us)
         TensorCoreRow(False, 128,     4,    1,        2,     1,       True,   16,   16,   100),
         # two warps per slice keep O off the 255-register limit; swizzling spills, so 32-byte pads; sharing 6% faster
@@ -153,6 +157,9 @@ TUNING = Tuning(
         TensorCoreRow(False, 512,     8,    4,        2,     1,       False,  32,   32,   75, q_in_smem=True),
         # 64-byte rows have too few chunks to swizzle; unpadded K rows already interleave, V rows take 16 bytes
         TensorCoreRow(True,  64,      4,    1,        4,     1,       False,  0,    16,   100),
+        # 96-byte rows: the lanes read K in 8-byte pieces, conflict-free unpadded; V rows 16 mod 64
+        # bytes apart; 6 warps make the copy's threads whole rows of 6 chunks; 109 registers, 3 CTAs/SM (unmeasured)
+        TensorCoreRow(True,  96,      6,    1,        2,     1,       False,  0,    16,   100),
         # 2 stages match 3 at 4 CTAs/SM; 32-byte pads beat 16 (83.5 against 86.5 us), swizzling no faster
         TensorCoreRow(True,  128,     4,    1,        2,     1,       False,  32,   32,   100),
         # no column split, so 2 warps give the 32-key tile; swizzled rows beat padded ones (145.4 against 153.4 us)
@@ -189,6 +196,8 @@ def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False, table: T
     or 16 apart at head_dim 64), so a pitch of 16 mod 32 bytes (64 mod 128 at head_dim 64)
     interleaves the two rows. They read V rows two apart at 16 consecutive bytes each (8 at head_dim
     64): a pitch of 16 mod 64 spreads them. A 32-byte pad trades that for whole 32-byte sectors.
+    At head_dim 96 the lanes read 8 bytes of K rows 96 apart (conflict-free unpadded) and 4 bytes
+    of V rows two apart, which a pitch of 16 mod 64 spreads.
     """
     row_bytes = head_dim * kv_bytes
     if swizzle:  # PagedKVStage

@@ -253,8 +253,19 @@ FJ_INLINE void merge_if_last(const Args& a, const WorkItem& item, const CtaCoord
                                         cta.row_tile, tid);
 }
 
-// Where chunk (16 bytes) `chunk` of shared-memory row `row` sits in a swizzled ring (PagedKVStage).
-FJ_INLINE u32 swizzled_chunk(u32 row, u32 chunk) { return chunk ^ (row % 8); }
+// Where chunk (16 bytes) `chunk` of shared-memory row `row` sits in a swizzled ring (PagedKVStage):
+// inside its 128-byte block, XORed with the row's low 3 bits, so the same chunk of eight
+// consecutive rows falls in eight different 16-byte bank groups. A row of whole blocks and a half
+// (16-bit head_dim 96: 192 bytes) starts 64 bytes into a block on odd rows; its last half block
+// (4 chunks) is XORed with (row / 2) % 4 instead: the even rows then spread over one half of the
+// banks and the odd rows over the other. Either XOR keeps chunks 2m and 2m + 1 in one aligned 32 bytes.
+FJ_INLINE u32 swizzled_chunk(u32 row, u32 chunk) {
+  constexpr u32 ROW_CHUNKS = cfg::HEAD_DIM * sizeof(kv_t) / 16;
+  if constexpr (ROW_CHUNKS % 8 == 4) {
+    if (chunk >= ROW_CHUNKS - 4) return chunk ^ (row / 2 % 4);
+  }
+  return chunk ^ (row % 8);
+}
 
 // The dynamic shared memory from its first RING_ALIGN-aligned byte: the static shared memory before
 // it leaves it only 16-byte aligned, and a cp.async whose 32-byte sector lands 16 bytes off a
@@ -292,6 +303,11 @@ struct PagedKVStage {
   // increasing there (docs/masks.md): the keys are consecutive iff the last is LOADS - 1 past the
   // first, and two kv_position calls test a run.
   static constexpr bool RUN_BY_ENDS = EVEN && cfg::PAGE_SIZE % LOADS == 0;
+  // A LOADS that is no power of two (6 at head_dim 96, 3 for its fp8 rows) divides no power-of-two
+  // page, so every few runs straddle a page boundary: consecutive keys over two pages then make a
+  // run as well, split at the boundary (split_at: the first key on run_page_2).
+  // (An enum: a static constexpr member would add a symbol to every cubin.)
+  enum : bool { TWO_PAGE_RUNS = EVEN && !RUN_BY_ENDS && (LOADS & (LOADS - 1)) != 0 && 2 * cfg::PAGE_SIZE >= LOADS };
   static_assert(CPR * ELEMS == cfg::HEAD_DIM, "a K/V row is whole 16-byte chunks");
 
   const Args& a;
@@ -302,6 +318,7 @@ struct PagedKVStage {
   int phys[LOADS];  // physical token (page * PAGE_SIZE + slot) of each key, -1: zero-fill
   bool run;         // EVEN: the keys are consecutive tokens of one page: run_page's slots from run_slot
   int run_page, run_slot;  // the page index as loaded: issue() consumes it, a stage later
+  int run_page_2, split_at;  // TWO_PAGE_RUNS: the run's second page, and its first key there (LOADS: none)
 
   FJ_INLINE PagedKVStage(const Args& a, const MaskParams& params, int kv_head, unsigned char* k_smem,
                          unsigned char* v_smem, int tid, const WorkItem& item)
@@ -339,7 +356,18 @@ struct PagedKVStage {
       const int vpos = tile_v0 + key(i);
       pos[i] = owns(i) && vpos >= v_begin && vpos < v_end ? mask_kv_position(params, request, vpos) : -1;
     }
-    if constexpr (EVEN && !RUN_BY_ENDS) {
+    if constexpr (TWO_PAGE_RUNS) {
+      const int page_0 = pos[0] / cfg::PAGE_SIZE, page_1 = pos[LOADS - 1] / cfg::PAGE_SIZE;
+      bool consecutive = pos[0] >= 0 && pos[LOADS - 1] < kv_len && page_1 - page_0 <= 1;
+#pragma unroll
+      for (int i = 1; i < LOADS; ++i) consecutive = consecutive && pos[i] == pos[0] + i;
+      if (consecutive) {
+        start_run(pos[0]);
+        split_at = page_1 == page_0 ? LOADS : cfg::PAGE_SIZE - run_slot;
+        run_page_2 = page_1 == page_0 ? run_page : __ldg(a.page_indices + page_begin + page_1);
+        return;
+      }
+    } else if constexpr (EVEN && !RUN_BY_ENDS) {
       bool consecutive = pos[0] >= 0 && pos[LOADS - 1] < kv_len && pos[0] / cfg::PAGE_SIZE == pos[LOADS - 1] / cfg::PAGE_SIZE;
 #pragma unroll
       for (int i = 1; i < LOADS; ++i) consecutive = consecutive && pos[i] == pos[0] + i;
@@ -363,6 +391,19 @@ struct PagedKVStage {
   }
 
   FJ_INLINE void issue(int stage) {
+    if constexpr (TWO_PAGE_RUNS) {
+      if (run) {
+        const i64 column_offset = column(0) * ELEMS;
+        const i64 first = token_offset(a, run_page, run_slot) + column_offset;
+        const i64 second = token_offset(a, run_page_2, 0) + column_offset;  // slot 0 of the next page
+#pragma unroll
+        for (int i = 0; i < LOADS; ++i) {
+          const i64 at = i < split_at ? first + i * (int)a.slot_stride : second + (i - split_at) * (int)a.slot_stride;
+          copy(stage, i, k_head + at, v_head + at, true);
+        }
+        return;
+      }
+    }
     if (EVEN && run) {
       const i64 offset = token_offset(a, run_page, run_slot) + column(0) * ELEMS;
       const kv_t* k_src = k_head + offset;

@@ -36,10 +36,15 @@ constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and sw
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
 constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // head_dim 512: Q's fragments in shared memory, not registers
+// Rows of whole 128-byte blocks and a half (head_dim 96): the last k-steps and n-tile pairs read the
+// half block, which swizzled_chunk XORs with (row / 2) % 4 rather than row % 8. (An enum: a
+// constexpr variable would add a symbol to every cubin.)
+enum : bool { HALF_BLOCK = D * 2 % 128 == 64 };
 using mma_t = kv_t;
 
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit queries and K/V");
 static_assert(WARPS % COL_SPLIT == 0 && (COL_SPLIT == 1 || NTILES % 8 == 0), "whole 128-byte column blocks per warp");
+static_assert(D * 2 % 128 == 0 || (HALF_BLOCK && COL_SPLIT == 1), "rows of whole blocks, or one warp per slice");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the slices' reduction fits in the ring");
 static_assert(!Q_IN_SMEM || cfg::Q_SMEM_BYTES == KSTEPS * 32 * 16, "one 16-byte fragment per k-step and lane");
 
@@ -115,6 +120,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const int k_ld = (slice * 16 + mrow + (mat >> 1) * 8) * K_PITCH, k_chunk = (mat & 1) ^ swizzle;  // K: [keys][dims]
   const int v_ld = (slice * 16 + mrow + (mat & 1) * 8) * V_PITCH + col_part * NTILES * 16,
             v_chunk = (mat >> 1) ^ swizzle;  // V: transposed
+  // HALF_BLOCK: the chunks of the last half block (k-steps from KSTEPS - 2, n-tiles from NTILES - 4).
+  const int half_swizzle = SWIZZLE ? mrow / 2 % 4 : 0;
+  const int k_chunk_half = (mat & 1) ^ half_swizzle, v_chunk_half = (mat >> 1) ^ half_swizzle;
 
   stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [] {}, [&](int stage, int t) {
     const int key0 = item.tile_begin + t * TILE + slice * 16;  // this warp's first key
@@ -126,7 +134,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
 #pragma unroll
       for (int k = 0; k < KSTEPS; ++k) {
         u32 kb[4];
-        ldmatrix_x4(kb, ks + k_ld + (k / 4) * 128 + ((2 * k % 8) ^ k_chunk) * 16);
+        const int kc = HALF_BLOCK && k >= KSTEPS - 2 ? k_chunk_half : k_chunk;
+        ldmatrix_x4(kb, ks + k_ld + (k / 4) * 128 + ((2 * k % 8) ^ kc) * 16);
         if constexpr (Q_IN_SMEM) {
           const uint4 f = q_frags[k * 32 + lane];
           const u32 qf[4] = {f.x, f.y, f.z, f.w};
@@ -192,7 +201,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
 #pragma unroll
       for (int n = 0; n < NTILES; n += 2) {
         u32 vb[4];
-        ldmatrix_x4_trans(vb, vs + v_ld + (n / 8) * 128 + ((n % 8) ^ v_chunk) * 16);
+        const int vc = HALF_BLOCK && n >= NTILES - 4 ? v_chunk_half : v_chunk;
+        ldmatrix_x4_trans(vb, vs + v_ld + (n / 8) * 128 + ((n % 8) ^ vc) * 16);
         Mma<mma_t>::run(o[n], pa, vb[0], vb[1]);
         Mma<mma_t>::run(o[n + 1], pa, vb[2], vb[3]);
       }

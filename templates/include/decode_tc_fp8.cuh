@@ -14,7 +14,7 @@
 //   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh and
 //   decode_tc_common.cuh.
 //
-// fp8 bytes are read from shared memory with 16-byte loads (8 at head_dim 64), bank-conflict free
+// fp8 bytes are read from shared memory with 16-byte loads (8 at head_dim 64; 8 and 4 at 96), bank-conflict free
 // for the pitches of flashjit.jit.tiling.tc_row_pitches, and converted to f16 in registers. The head
 // dims run in permuted orders, in blocks of BLOCK dims (lane g = lane / 4, t = lane % 4):
 //   K: k-step ks of S^T takes, in lane t, the 4 consecutive bytes at k_byte(ks, t) of its key rows
@@ -44,7 +44,9 @@ constexpr int TILE = 16 * SLICES;         // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 constexpr int STEPS = D / 16;             // k-steps of S^T, and m-tiles of O^T
-constexpr int BLOCK = D < 128 ? D : 128;  // head dims the lane layouts repeat over
+// Head dims the lane layouts repeat over: head_dim 96 takes three blocks of 32 (8-byte K and
+// 4-byte V pieces per lane), the others one of 64 or blocks of 128.
+constexpr int BLOCK = D == 96 ? 32 : D < 128 ? D : 128;
 constexpr int BLOCK_STEPS = BLOCK / 16;
 constexpr int K_BYTES = BLOCK / 4;        // bytes of a key row one lane reads per block
 constexpr int V_BYTES = BLOCK / 8;        // bytes of a value row one lane reads per block
@@ -53,7 +55,7 @@ constexpr int PART_STEPS = PART_BLOCKS * BLOCK_STEPS;  // O^T's m-tiles per warp
 
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 1, "16-bit queries, fp8 K/V");
 static_assert(M == 8, "one n-tile of query rows");
-static_assert(D % BLOCK == 0 && (BLOCK == 64 || BLOCK == 128), "head_dim 64, 128 or 256");
+static_assert(D % BLOCK == 0 && (BLOCK == 64 || BLOCK == 128 || (BLOCK == 32 && D == 96)), "head_dim 64, 96, 128, 256 or 512");
 static_assert(WARPS % COL_SPLIT == 0 && (D / BLOCK) % COL_SPLIT == 0, "whole blocks of head dims per warp");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the slices' reduction fits in the ring");
 
@@ -75,6 +77,20 @@ FJ_INLINE void scores(float* s, const u32 (*qb)[2], const unsigned char* keys, i
   float odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int b = 0; b < D / BLOCK; ++b) {
+    if constexpr (K_BYTES == 8) {  // one 8-byte load per key row covers the block's 2 k-steps
+      const unsigned char* row = keys + g * K_PITCH + swizzled_offset(BLOCK * b + K_BYTES * t, g);
+      const uint2 k0 = *reinterpret_cast<const uint2*>(row);
+      const uint2 k1 = *reinterpret_cast<const uint2*>(row + 8 * K_PITCH);
+      const u32 w0[2] = {k0.x, k0.y}, w1[2] = {k1.x, k1.y};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int ks = BLOCK_STEPS * b + j;
+        u32 ka[4];
+        Fp8<kv_t>::to_f16x4(w0[j], ka[0], ka[2]);
+        Fp8<kv_t>::to_f16x4(w1[j], ka[1], ka[3]);
+        Mma<half_t>::run(ks % 2 ? odd : s, ka, qb[ks][0], qb[ks][1]);
+      }
+    }
 #pragma unroll
     for (int c = 0; c < K_BYTES / 16; ++c) {  // one 16-byte load per key row covers 4 k-steps
       const unsigned char* row = keys + g * K_PITCH + swizzled_offset(BLOCK * b + K_BYTES * t + 16 * c, g);
@@ -111,6 +127,8 @@ FJ_INLINE void accumulate(float (*o)[4], const u32* pb, const unsigned char* val
       if constexpr (WORDS == 4) {
         const uint4 x = *reinterpret_cast<const uint4*>(p);
         w[k][0] = x.x; w[k][1] = x.y; w[k][2] = x.z; w[k][3] = x.w;
+      } else if constexpr (WORDS == 1) {  // head_dim 96: 4 bytes of each key row per block
+        w[k][0] = *reinterpret_cast<const u32*>(p);
       } else {
         const uint2 x = *reinterpret_cast<const uint2*>(p);
         w[k][0] = x.x; w[k][1] = x.y;
