@@ -129,6 +129,18 @@ class NativeTables:
         return self.kv_scratch[:self.batch]
 
     @property
+    def page_indptr(self) -> np.ndarray:
+        """indptr as numpy (a view of the caller's tensor)."""
+        return self._indptr.numpy()
+
+    @property
+    def query_indptr(self) -> np.ndarray:
+        """The query-token offsets [B+1] as numpy."""
+        if self._qo_indptr is None:
+            return np.arange(self.batch + 1, dtype=np.int64) * (1 if self._q_len is None else self._q_len)
+        return self._qo_indptr.numpy()
+
+    @property
     def q_lens(self) -> np.ndarray:
         if self._qo_indptr is None:
             return np.full(self.batch, 1 if self._q_len is None else self._q_len, dtype=np.int64)
@@ -182,6 +194,9 @@ class HostPlanner:
             return
         for name in ("fj_read", "fj_plan", "fj_fill"):
             getattr(library, name).restype = ctypes.c_int
+        library.fj_neighbour_prefixes.restype = ctypes.c_int64
+        library.fj_neighbour_prefixes.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
+        self._prefix = np.empty(0, dtype=np.int64)
         library.fj_id_range.restype = None
         self.params = p = _Params()
         self._parts = SPLIT_CANDIDATES.astype(np.int64)
@@ -215,6 +230,22 @@ class HostPlanner:
                 if not self.library.fj_read(ctypes.byref(p)):
                     return NativeTables(self, indptr, qo_indptr, q_len, batch, scratch)
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
+
+    def neighbour_prefixes(self, tables, ids: np.ndarray, page_size: int, causal: bool):
+        """shared_prefix.neighbour_prefixes of NativeTables, in C (a view of a scratch array, valid
+        until the next call); NotImplemented for other tables or without the library."""
+        if self.library is None or not isinstance(tables, NativeTables):
+            return NotImplemented
+        batch = tables.batch
+        if len(self._prefix) < batch:
+            self._prefix = np.empty(max(batch, 2 * len(self._prefix)), dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+        qo = tables._qo_indptr
+        sharing = self.library.fj_neighbour_prefixes(
+            tables._indptr.data_ptr(), ids.ctypes.data, tables.kv_lens.ctypes.data,
+            None if qo is None else qo.data_ptr(), 1 if tables._q_len is None else tables._q_len, batch, page_size,
+            int(bool(causal)), self._prefix.ctypes.data)
+        return self._prefix[:batch - 1] if sharing else None
 
     def id_range(self, ids, count: int) -> tuple[int, int]:
         """(smallest, largest) of the first count (>= 1) values of ids, an int32 CPU tensor."""

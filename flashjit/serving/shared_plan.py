@@ -108,6 +108,7 @@ class SharedTables:
         self.batch, self.num_tokens, self.max_q_len = tables.batch, tables.num_tokens, tables.max_q_len
         self.num_page_ids = tables.num_page_ids
         self.kv_lens = np.array(tables.kv_lens)  # a copy: the native planner's scratch is reused
+        self.kv_scratch = getattr(tables, "kv_scratch", None)  # which scratch a later read must not reuse
         self.q_lens = tables.q_lens
 
     def write(self, host: np.ndarray, starts: tuple, staging_pointer: int):

@@ -1,0 +1,74 @@
+"""plan()'s shared-prefix step: whether a batch may share, what it shares, and the plan's work list then.
+
+A plan shares when every condition below holds, and otherwise plans per request as without it:
+  * share_prefixes=True (the default) and the host plans the work (not the GPU planner of
+    CUDA-graph mode, whose fixed kernel is the per-request one);
+  * the planner picks the split (no chunk_tokens, fixed_split_tokens or disable_split_kv: those
+    promise a per-request cut);
+  * the kernel is the 16-bit tensor-core one, with mask none or causal and no variant: then every
+    query sees a shared span whole (causal: the span ends at or before each member's first query
+    position, which detection enforces), so one chunk's softmax state is the same for every member;
+  * two neighbouring requests share a full first page (shared_prefix.neighbour_prefixes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .buffers import Capacity
+from .shared_plan import SharedTables, plan_shared_work
+from .shared_prefix import neighbour_prefixes, spans_from_prefixes
+
+SHARING_MASKS = ("none", "causal")
+
+
+def may_share(setup, rule, graph, batch: int, num_page_ids: int) -> bool:
+    """The conditions on the plan's arguments (the module docstring's first three)."""
+    spec = setup.spec
+    return (graph is None and not rule.one_item and rule.chunk_tokens is None and batch >= 2 and num_page_ids > 1
+            and spec.tensor_cores and not spec.kv_is_fp8 and spec.mask in SHARING_MASKS and spec.variant == "none")
+
+
+def host_page_table(tables) -> tuple[np.ndarray, np.ndarray]:
+    """(indptr, qo_indptr) of the host tables as numpy arrays (views where the tables hold tensors)."""
+    indptr = getattr(tables, "indptr_h", None)
+    if indptr is None:
+        indptr = tables.page_indptr
+    qo = getattr(tables, "qo_h", None)
+    if qo is None:
+        qo = tables.query_indptr
+    return indptr, qo
+
+
+def host_page_ids(indices, num_page_ids: int, page_range, landed: int) -> np.ndarray:
+    """The plan's page ids on the host: the page-id range's copy when it holds them all, else a copy
+    (which waits for the stream)."""
+    if landed == num_page_ids and landed <= len(page_range.host):
+        return page_range.host.numpy()[:num_page_ids]
+    return indices[:num_page_ids].cpu().numpy()
+
+
+def shared_prefixes(host_planner, tables, ids: np.ndarray, page_size: int, causal: bool):
+    """neighbour_prefixes over the tables, in C where the host planner has its library."""
+    native = getattr(host_planner, "neighbour_prefixes", None)
+    if native is not None:
+        found = native(tables, ids, page_size, causal)
+        if found is not NotImplemented:
+            return found
+    indptr, _ = host_page_table(tables)
+    return neighbour_prefixes(indptr, ids, tables.kv_lens, tables.q_lens, page_size, causal=causal)
+
+
+def plan_sharing(setup, shared_setup_for, tables, prefix: np.ndarray):
+    """(setup, tables, work, capacity) of a batch whose neighbours share pages (prefix, [B-1] pages);
+    shared_setup_for() makes the shared_prefix kernel's setup."""
+    spans = spans_from_prefixes(prefix)
+    shared_setup = shared_setup_for()
+    tiling, loaded = shared_setup.kernel.tiling, shared_setup.loaded
+    indptr, qo = host_page_table(tables)
+    shared = plan_shared_work(spans, indptr, tables.kv_lens, qo, setup.page_size, group_size=setup.spec.group_size,
+                              row_tiles=tiling.row_tiles, ctas_per_item=setup.num_kv_heads * tiling.row_tiles,
+                              max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens)
+    shared_tables = SharedTables(tables, shared)
+    work = shared.work
+    return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, work.num_work)
