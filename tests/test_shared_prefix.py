@@ -237,3 +237,17 @@ def test_plans_that_cannot_share_plan_per_request(planner, options):
     decoder = cpu_decoder(planner)
     decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, **options)
     assert not decoder.spec.shared_prefix
+
+
+def test_benchmark_rows_share_their_prompts():
+    from benchmarks.shared_prefix import PAGE as BENCH_PAGE, ROWS, build_tables, floor_bytes
+
+    for row in ROWS:
+        t = build_tables(row)
+        batch = row.prompts * row.samples
+        kv = (np.diff(t.indptr) - 1) * BENCH_PAGE + t.last_page_len
+        assert kv.tolist() == [row.prompt_len + row.own_len] * batch
+        spans = find_shared_spans(t.indptr, t.indices, kv, np.ones(batch, int), BENCH_PAGE, causal=True)
+        assert spans.count.tolist() == [row.samples] * row.prompts
+        assert spans.end_page.tolist() == [row.prompt_len // BENCH_PAGE] * row.prompts
+        assert floor_bytes(row, t) > t.unique_pages * BENCH_PAGE * 8 * 128 * 4

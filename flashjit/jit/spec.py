@@ -177,10 +177,19 @@ class DecodeSpec:
             f"_{self.arch.replace('_', '')}{'_tc' if self.tensor_cores else ''}{'_sp' if self.shared_prefix else ''}"
         )
 
+    def _key_fields(self) -> list:
+        """(name, value) of the fields, shared_prefix only when set: the specs without it keep the
+        reprs, digests and cache keys they have always had."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name != "shared_prefix" or self.shared_prefix]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}({', '.join(f'{name}={value!r}' for name, value in self._key_fields())})"
+
     @property
     def digest(self) -> str:
         """Content digest of the fields (not of the generated code; the cache key covers that)."""
-        return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr(tuple(value for _, value in self._key_fields())).encode()).hexdigest()[:16]
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeSpec":
