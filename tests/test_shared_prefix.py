@@ -12,7 +12,7 @@ import torch
 
 from flashjit.serving.host_planner import HostPlanner
 from flashjit.serving.shared_plan import members_per_record, plan_shared_work
-from flashjit.serving.shared_prefix import find_shared_spans, neighbour_prefixes, spans_from_prefixes
+from flashjit.serving.shared_prefix import find_shared_spans
 from test_decode_plan import cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
 
 PAGE = 4
@@ -83,11 +83,12 @@ def test_native_detection_equals_numpy(seed):
     tables = planner.read(torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), PAGE,
                           q_len=q_len)
     for causal in (False, True):
-        expected = neighbour_prefixes(indptr, ids, kv, np.full(len(kv), q_len), PAGE, causal=causal)
-        got = planner.neighbour_prefixes(tables, ids, PAGE, causal)
+        expected = find_shared_spans(indptr, ids, kv, np.full(len(kv), q_len), PAGE, causal=causal)
+        got = planner.shared_spans(tables, ids, PAGE, causal, 4)
         assert (got is None) == (expected is None)
         if got is not None:
-            assert got.tolist() == expected.tolist()
+            for name in expected._fields:
+                assert getattr(got, name).tolist() == getattr(expected, name).tolist(), name
 
 
 def test_detection_cost(capsys):
@@ -106,8 +107,7 @@ def test_detection_cost(capsys):
     for name, ids in (("none shared", alone), ("16 x 16 shared", shared)):
         start, n = time.perf_counter(), 200
         for _ in range(n):
-            prefix = planner.neighbour_prefixes(tables, ids, PAGE, True)
-            spans = None if prefix is None else spans_from_prefixes(prefix)
+            spans = planner.shared_spans(tables, ids, PAGE, True, 4)
         with capsys.disabled():
             print(f"\nshared-prefix detection, 256 requests, {name}: {(time.perf_counter() - start) / n * 1e6:.1f} us")
         assert (spans is None) == (name == "none shared")

@@ -31,7 +31,7 @@ from .plan_setup import MAX_SETUPS, Setup, make_setup
 from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
 from .plan_state import Plan, fixed_split_items, graph_capacity, prepare_launches, split_rule, split_work
 from .run_checks import NO_CACHE, scale_key
-from .shared_decode import host_page_ids, may_share, plan_sharing, shared_prefixes
+from .shared_decode import host_page_ids, may_share, plan_sharing, shared_spans
 from .split_plan import WorkPlan
 from .streams import stream_getter
 
@@ -219,11 +219,11 @@ class BatchDecode:
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
         if share_prefixes and device_planner is None and may_share(setup, rule, graph, tables.batch, num_page_ids):
             ids = host_page_ids(indices, num_page_ids, page_range, landed)
-            prefix = shared_prefixes(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
-            if prefix is not None:  # else nothing is shared: the plan above stands
+            spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
+            if spans is not None:  # else nothing is shared: the plan above stands
                 setup, tables, work, capacity = plan_sharing(
                     setup, lambda: self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params),
-                    tables, prefix)
+                    tables, spans)
         buffers = self._buffers_for(capacity, setup, previous)
 
         # Every argument is valid, every value checked to fit the C type it goes into (nothing below

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import validation
 from ..jit.abi import ITEM_INTS  # int32 per work-item record
+from .shared_prefix import SharedSpans
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
 from ..small_arrays import largest, smallest
 
@@ -194,9 +195,8 @@ class HostPlanner:
             return
         for name in ("fj_read", "fj_plan", "fj_fill"):
             getattr(library, name).restype = ctypes.c_int
-        library.fj_neighbour_prefixes.restype = ctypes.c_int64
-        library.fj_neighbour_prefixes.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
-        self._prefix = np.empty(0, dtype=np.int64)
+        library.fj_neighbour_prefixes.restype = library.fj_shared_groups.restype = ctypes.c_int64
+        self._shared_scratch = np.empty(0, dtype=np.int64)
         library.fj_id_range.restype = None
         self.params = p = _Params()
         self._parts = SPLIT_CANDIDATES.astype(np.int64)
@@ -231,21 +231,33 @@ class HostPlanner:
                     return NativeTables(self, indptr, qo_indptr, q_len, batch, scratch)
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
 
-    def neighbour_prefixes(self, tables, ids: np.ndarray, page_size: int, causal: bool):
-        """shared_prefix.neighbour_prefixes of NativeTables, in C (a view of a scratch array, valid
+    def shared_spans(self, tables, ids: np.ndarray, page_size: int, causal: bool, max_levels: int):
+        """shared_prefix.find_shared_spans over NativeTables, in C (views of a scratch array, valid
         until the next call); NotImplemented for other tables or without the library."""
         if self.library is None or not isinstance(tables, NativeTables):
             return NotImplemented
         batch = tables.batch
-        if len(self._prefix) < batch:
-            self._prefix = np.empty(max(batch, 2 * len(self._prefix)), dtype=np.int64)
-        ids = np.ascontiguousarray(ids, dtype=np.int32)
-        qo = tables._qo_indptr
-        sharing = self.library.fj_neighbour_prefixes(
-            tables._indptr.data_ptr(), ids.ctypes.data, tables.kv_lens.ctypes.data,
-            None if qo is None else qo.data_ptr(), 1 if tables._q_len is None else tables._q_len, batch, page_size,
-            int(bool(causal)), self._prefix.ctypes.data)
-        return self._prefix[:batch - 1] if sharing else None
+        # scratch: prefix [B], then groups [2B] each of first, count, begin, end, level, then shared
+        # and done [B]: a laminar family of runs over B - 1 pairs has fewer than 2B members.
+        if len(self._shared_scratch) < 13 * batch:
+            self._shared_scratch = np.empty(13 * max(batch, 64), dtype=np.int64)
+        scratch = self._shared_scratch
+        if ids.dtype != np.int32 or not ids.flags.c_contiguous:
+            ids = np.ascontiguousarray(ids, dtype=np.int32)
+        qo, base = tables._qo_indptr, scratch.ctypes.data
+        i64, lib = ctypes.c_int64, self.library
+        sharing = lib.fj_neighbour_prefixes(
+            ctypes.c_void_p(tables._indptr.data_ptr()), ctypes.c_void_p(ids.ctypes.data),
+            ctypes.c_void_p(tables.kv_lens.ctypes.data), ctypes.c_void_p(None if qo is None else qo.data_ptr()),
+            i64(1 if tables._q_len is None else tables._q_len), i64(batch), i64(page_size), i64(int(causal)),
+            ctypes.c_void_p(base))
+        if not sharing:
+            return None
+        starts = [batch * k for k in (0, 1, 3, 5, 7, 9, 11, 12)]
+        at = [ctypes.c_void_p(base + 8 * start) for start in starts]
+        groups = lib.fj_shared_groups(at[0], i64(batch), i64(max_levels), i64(2 * batch), *at[1:])
+        view = lambda start: scratch[start:start + groups]  # noqa: E731
+        return SharedSpans(*(view(start) for start in starts[1:6]), scratch[starts[6]:starts[6] + batch])
 
     def id_range(self, ids, count: int) -> tuple[int, int]:
         """(smallest, largest) of the first count (>= 1) values of ids, an int32 CPU tensor."""

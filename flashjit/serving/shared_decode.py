@@ -17,7 +17,7 @@ import numpy as np
 
 from .buffers import Capacity
 from .shared_plan import SharedTables, plan_shared_work
-from .shared_prefix import neighbour_prefixes, spans_from_prefixes
+from .shared_prefix import MAX_LEVELS, find_shared_spans
 
 SHARING_MASKS = ("none", "causal")
 
@@ -48,21 +48,21 @@ def host_page_ids(indices, num_page_ids: int, page_range, landed: int) -> np.nda
     return indices[:num_page_ids].cpu().numpy()
 
 
-def shared_prefixes(host_planner, tables, ids: np.ndarray, page_size: int, causal: bool):
-    """neighbour_prefixes over the tables, in C where the host planner has its library."""
-    native = getattr(host_planner, "neighbour_prefixes", None)
+def shared_spans(host_planner, tables, ids: np.ndarray, page_size: int, causal: bool):
+    """find_shared_spans over the tables, in C where the host planner has its library; None when
+    nothing is shared."""
+    native = getattr(host_planner, "shared_spans", None)
     if native is not None:
-        found = native(tables, ids, page_size, causal)
+        found = native(tables, ids, page_size, causal, MAX_LEVELS)
         if found is not NotImplemented:
             return found
     indptr, _ = host_page_table(tables)
-    return neighbour_prefixes(indptr, ids, tables.kv_lens, tables.q_lens, page_size, causal=causal)
+    return find_shared_spans(indptr, ids, tables.kv_lens, tables.q_lens, page_size, causal=causal)
 
 
-def plan_sharing(setup, shared_setup_for, tables, prefix: np.ndarray):
-    """(setup, tables, work, capacity) of a batch whose neighbours share pages (prefix, [B-1] pages);
+def plan_sharing(setup, shared_setup_for, tables, spans):
+    """(setup, tables, work, capacity) of a batch with shared spans (shared_prefix.SharedSpans);
     shared_setup_for() makes the shared_prefix kernel's setup."""
-    spans = spans_from_prefixes(prefix)
     shared_setup = shared_setup_for()
     tiling, loaded = shared_setup.kernel.tiling, shared_setup.loaded
     indptr, qo = host_page_table(tables)

@@ -1,14 +1,14 @@
 """The work list of a batch with shared prefixes (shared_prefix.SharedSpans): shared records, member slots, own items.
 
 Layout of the work list (positions are grid positions and partial slots alike):
-  * [req_work_indptr[b], req_work_indptr[b+1]): request b's range, as without sharing, which the
-    merge reads. It starts with one slot per chunk of every group b belongs to (outermost level
-    first), then b's own items over [shared end, kv_len). A slot's record is padding (request -1:
-    its CTAs exit at once); the shared record of its chunk writes the partial there.
-  * [req_work_indptr[B], W): the shared records, each one chunk of a group's span for a run of
+  * [0, req_work_indptr[0]): the shared records, each one chunk of a group's span for a run of
     consecutive members (as many as the CTA's row tiles hold: rows = GQA group x members x query
     tokens), the runs of one chunk next to each other so their CTAs read the chunk from HBM once
-    and from L2 after.
+    and from L2 after. First in the grid: they are the longest work.
+  * [req_work_indptr[b], req_work_indptr[b+1]): request b's range, which the merge reads. It starts
+    with one slot per chunk of every group b belongs to (outermost level first), then b's own items
+    over [shared end, kv_len). A slot's record is padding (request -1: its CTAs exit at once); the
+    shared record of its chunk writes the partial there.
 
 A shared record reuses the 12 fields of abi.WORK_ITEM_FIELDS: request = its first member, the
 chunk's [v_begin, v_end), kv_len = the span's end, page_begin = the first member's page offset (the
@@ -48,7 +48,7 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     batch = len(kv_lens)
     own_begin = np.minimum(spans.shared_pages * page_size, kv_lens)
     span_tokens = (spans.end_page - spans.begin_page) * page_size
-    per_record = np.array([members_per_record(group_size, int(q_lens[f]), row_tiles) for f in spans.first])
+    per_record = np.maximum(1, (row_tiles * 16) // (group_size * q_lens[spans.first]))  # members_per_record
     subsets = -(-spans.count // per_record)
     # One chunk for own and shared spans alike, priced with each shared span once per member run.
     lens = np.concatenate([kv_lens - own_begin, np.repeat(span_tokens, subsets)])
@@ -67,37 +67,37 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     slots = np.cumsum(slots)[:-1]
     own = plan_work(own_begin, kv_lens, qo, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
                     granularity=granularity, chunk_tokens=chunk)
-    own_items = np.diff(own.req_work_indptr).astype(np.int64)
-    req_work_indptr = np.zeros(batch + 1, dtype=np.int64)
-    np.cumsum(slots + own_items, out=req_work_indptr[1:])
-    members_end = int(req_work_indptr[-1])
-
     # The shared records: group by group, chunk by chunk, member run by member run.
-    rows = []
-    for g in range(spans.num_groups):
-        first, count, step = int(spans.first[g]), int(spans.count[g]), int(per_record[g])
-        begin, end = int(spans.begin_page[g]) * page_size, int(spans.end_page[g]) * page_size
-        for c in range(int(chunks[g])):
-            v0 = begin + c * chunk
-            v1 = min(v0 + chunk, end)
-            for m in range(first, first + count, step):
-                members = min(step, first + count - m)
-                rows.append((m, v0, v1, end, indptr[m], offsets[g] + c, q_lens[m], -members, 0, v0, v1, 1))
-    shared = np.array(rows, dtype=np.int64).reshape(-1, ITEM_INTS)
-    num_work = members_end + len(shared)
+    per_chunk = subsets
+    records_of = chunks * per_chunk
+    group = np.repeat(np.arange(spans.num_groups), records_of)
+    within = np.arange(int(records_of.sum())) - np.repeat(np.cumsum(records_of) - records_of, records_of)
+    chunk_index, run = within // per_chunk[group], within % per_chunk[group]
+    first = spans.first[group] + run * per_record[group]
+    begin = spans.begin_page[group] * page_size + chunk_index * chunk
+    end = spans.end_page[group] * page_size
+    members = np.minimum(per_record[group], spans.first[group] + spans.count[group] - first)
+    shared = np.stack([first, begin, np.minimum(begin + chunk, end), end, indptr[first], offsets[group] + chunk_index,
+                       q_lens[first], -members, np.zeros_like(first), begin, np.minimum(begin + chunk, end),
+                       np.ones_like(first)], axis=1)
+    num_shared = len(shared)
+    own_items = np.diff(own.req_work_indptr).astype(np.int64)
+    req_work_indptr = np.full(batch + 1, num_shared, dtype=np.int64)
+    req_work_indptr[1:] += np.cumsum(slots + own_items)
+    num_work = int(req_work_indptr[-1])
     records = np.zeros((num_work, ITEM_INTS), dtype=np.int64)
-    records[:, 0] = -1  # member slots: padding records
+    records[:num_shared] = shared
+    records[num_shared:, 0] = -1  # member slots: padding records
     # Own items after each request's slots.
     r = own.work_request.astype(np.int64)
     own_pos = req_work_indptr[r] + slots[r] + (np.arange(own.num_work) - own.req_work_indptr[r])
     splits = np.diff(req_work_indptr)
     records[own_pos] = np.stack([r, own.work_begin, own.work_end, kv_lens[r], indptr[r], qo[r], q_lens[r], splits[r],
                                  np.zeros_like(r), own.work_begin, own.work_end, np.ones_like(r)], axis=1)
-    records[members_end:] = shared
     work_request = records[:, 0].astype(np.int32)
     work = WorkPlan(work_request, records[:, 1].astype(np.int32), records[:, 2].astype(np.int32),
                     req_work_indptr.astype(np.int32), qo.astype(np.int32), own.token_request, chunk, False)
-    return SharedWork(work, records.astype(np.int32), spans, len(shared))
+    return SharedWork(work, records.astype(np.int32), spans, num_shared)
 
 
 class SharedTables:

@@ -240,3 +240,39 @@ int64_t fj_neighbour_prefixes(const int32_t *indptr, const int32_t *ids, const i
     }
     return sharing;
 }
+
+/* The nested groups of the neighbours' shared prefixes (prefix[batch - 1], from fj_neighbour_prefixes;
+ * overwritten: it ends holding each pair's pages shared by its groups), as
+ * shared_prefix.spans_from_prefixes makes them: level by level, each maximal run of pairs still
+ * sharing pages is a group of the run's requests over the fewest pages they share beyond the
+ * enclosing groups'. Writes up to capacity groups (first, count, begin, end, level; outermost level
+ * first) and shared[batch], each request's pages read by its groups; returns the number of groups,
+ * or -1 when more than capacity were found. */
+int64_t fj_shared_groups(int64_t *prefix, int64_t batch, int64_t max_levels, int64_t capacity, int64_t *first,
+                         int64_t *count, int64_t *begin, int64_t *end, int64_t *level, int64_t *shared, int64_t *done) {
+    const int64_t pairs = batch - 1;
+    int64_t groups = 0;
+    for (int64_t b = 0; b < pairs; ++b) done[b] = 0;
+    for (int64_t depth = 0; depth < max_levels; ++depth) {
+        int64_t found = 0;
+        for (int64_t b = 0; b < pairs;) {
+            if (prefix[b] - done[b] <= 0) { ++b; continue; }
+            int64_t stop = b, least = prefix[b] - done[b];
+            while (stop < pairs && prefix[stop] - done[stop] > 0) {
+                least = min64(least, prefix[stop] - done[stop]);
+                ++stop;
+            }
+            if (groups == capacity) return -1;
+            first[groups] = b; count[groups] = stop - b + 1;
+            begin[groups] = done[b]; end[groups] = done[b] + least; level[groups] = depth;
+            ++groups;
+            ++found;
+            for (int64_t i = b; i < stop; ++i) done[i] += least;
+            b = stop;
+        }
+        if (!found) break;
+    }
+    for (int64_t b = 0; b < batch; ++b)
+        shared[b] = max64(b > 0 ? done[b - 1] : 0, b < pairs ? done[b] : 0);
+    return groups;
+}
