@@ -84,7 +84,7 @@ def test_native_detection_equals_numpy(seed):
                           q_len=q_len)
     for causal in (False, True):
         expected = find_shared_spans(indptr, ids, kv, np.full(len(kv), q_len), PAGE, causal=causal)
-        got = planner.shared_spans(tables, ids, PAGE, causal, 4)
+        got = planner.shared_spans(tables, torch.from_numpy(ids), PAGE, causal, 4)
         assert (got is None) == (expected is None)
         if got is not None:
             for name in expected._fields:
@@ -104,7 +104,7 @@ def test_detection_cost(capsys):
     alone = np.random.default_rng(0).permutation(batch * pages).astype(np.int32)
     shared = np.concatenate([np.concatenate([np.arange(64) + 1000 * (r // 16), 10 ** 6 + r * 100 + np.arange(36)])
                              for r in range(batch)]).astype(np.int32)
-    for name, ids in (("none shared", alone), ("16 x 16 shared", shared)):
+    for name, ids in (("none shared", torch.from_numpy(alone)), ("16 x 16 shared", torch.from_numpy(shared))):
         start, n = time.perf_counter(), 200
         for _ in range(n):
             spans = planner.shared_spans(tables, ids, PAGE, True, 4)
@@ -225,9 +225,29 @@ def test_plan_shares_by_default_and_not_when_told(planner):
 
 def test_plans_without_sharing_are_unchanged(planner):
     lists = [[0, 1, 2], [3, 4, 5], [6, 7]]
+    works = []
+    for share in (True, False):
+        decoder = cpu_decoder(planner)
+        decoder.plan(*plan_args(lists, [PAGE, 1, 2]), 32, 8, 128, PAGE, share_prefixes=share)
+        assert not decoder.spec.shared_prefix
+        works.append(decoder.current_plan.buffers.host.copy())
+    assert np.array_equal(*works)
+
+
+def test_the_staging_buffer_holds_the_shared_records(planner):
+    from flashjit.serving.host_planner import item_records
+
     decoder = cpu_decoder(planner)
-    decoder.plan(*plan_args(lists, [PAGE, 1, 2]), 32, 8, 128, PAGE)
-    assert not decoder.spec.shared_prefix
+    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, mask="causal")
+    plan = decoder.current_plan
+    shared = plan.tables.shared
+    staged = item_records(plan.buffers.host, plan.buffers.starts)
+    assert np.array_equal(staged[:shared.work.num_work], shared.records)
+    starts = plan.buffers.starts
+    assert plan.buffers.host[starts[3]:starts[3] + len(SHARED_BATCH[0]) + 1].tolist() == \
+        shared.work.req_work_indptr.tolist()
+    # The device buffer got the same words (a plain copy on the CPU device).
+    assert np.array_equal(plan.buffers.device_buffer.numpy(), plan.buffers.host)
 
 
 @pytest.mark.parametrize("options", [dict(kv_dtype="float8_e4m3fn"), dict(mask="sliding_window", window_left=8),

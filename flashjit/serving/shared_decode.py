@@ -40,15 +40,15 @@ def host_page_table(tables) -> tuple[np.ndarray, np.ndarray]:
     return indptr, qo
 
 
-def host_page_ids(indices, num_page_ids: int, page_range, landed: int) -> np.ndarray:
-    """The plan's page ids on the host: the page-id range's copy when it holds them all, else a copy
-    (which waits for the stream)."""
+def host_page_ids(indices, num_page_ids: int, page_range, landed: int):
+    """The plan's page ids on the host (a contiguous int32 CPU tensor): the page-id range's copy when
+    it holds them all, else a copy (which waits for the stream)."""
     if landed == num_page_ids and landed <= len(page_range.host):
-        return page_range.host.numpy()[:num_page_ids]
-    return indices[:num_page_ids].cpu().numpy()
+        return page_range.host[:num_page_ids]
+    return indices[:num_page_ids].cpu().contiguous()
 
 
-def shared_spans(host_planner, tables, ids: np.ndarray, page_size: int, causal: bool):
+def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
     """find_shared_spans over the tables, in C where the host planner has its library; None when
     nothing is shared."""
     native = getattr(host_planner, "shared_spans", None)
@@ -57,7 +57,7 @@ def shared_spans(host_planner, tables, ids: np.ndarray, page_size: int, causal: 
         if found is not NotImplemented:
             return found
     indptr, _ = host_page_table(tables)
-    return find_shared_spans(indptr, ids, tables.kv_lens, tables.q_lens, page_size, causal=causal)
+    return find_shared_spans(indptr, ids.numpy(), tables.kv_lens, tables.q_lens, page_size, causal=causal)
 
 
 def plan_sharing(setup, shared_setup_for, tables, spans):
