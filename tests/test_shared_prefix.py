@@ -132,7 +132,7 @@ def emulate(records, req_work_indptr, qo, q, k, v, ids, group, causal):
             continue
         members = -splits if splits < 0 else 1
         for m in range(r, r + members):
-            slot = req_work_indptr[m] + q_begin if splits < 0 else w
+            slot = req_work_indptr[m] + q_begin if splits < 0 else _rest[0]
             tokens = range(qo[m], qo[m] + q_len)
             pos = np.arange(v0, v1)
             phys = ids[page_begin + pos // PAGE] * PAGE + pos % PAGE

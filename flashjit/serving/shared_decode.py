@@ -71,4 +71,5 @@ def plan_sharing(setup, shared_setup_for, tables, spans):
                               max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens)
     shared_tables = SharedTables(tables, shared)
     work = shared.work
-    return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, work.num_work)
+    # Capacity.work sizes the records' buffer and the partials: the slots outnumber the records.
+    return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, max(shared.num_slots, work.num_work))

@@ -1,20 +1,21 @@
 """The work list of a batch with shared prefixes (shared_prefix.SharedSpans): shared records, member slots, own items.
 
-Layout of the work list (positions are grid positions and partial slots alike):
-  * [0, req_work_indptr[0]): the shared records, each one chunk of a group's span for a run of
-    consecutive members (as many as the CTA's row tiles hold: rows = GQA group x members x query
-    tokens), the runs of one chunk next to each other so their CTAs read the chunk from HBM once
-    and from L2 after. First in the grid: they are the longest work.
-  * [req_work_indptr[b], req_work_indptr[b+1]): request b's range, which the merge reads. It starts
-    with one slot per chunk of every group b belongs to (outermost level first), then b's own items
-    over [shared end, kv_len). A slot's record is padding (request -1: its CTAs exit at once); the
-    shared record of its chunk writes the partial there.
+The grid runs the records; the merge reads partial slots, which here are not grid positions:
+  * The records: first the shared ones, each one chunk of a group's span for a run of consecutive
+    members (as many as the CTA's row tiles hold: rows = GQA group x members x query tokens), the
+    runs of one chunk next to each other so their CTAs read the chunk from HBM once and from L2
+    after (first in the grid: they are the longest work); then every request's own items over
+    [shared end, kv_len), each naming its slot in its share field.
+  * Request b's slots [req_work_indptr[b], req_work_indptr[b+1]), which the merge reads: one per
+    chunk of every group b belongs to (outermost level first), then one per own item. The shared
+    record of a chunk writes each member's partial into that member's slot of the chunk.
 
 A shared record reuses the 12 fields of abi.WORK_ITEM_FIELDS: request = its first member, the
 chunk's [v_begin, v_end), kv_len = the span's end, page_begin = the first member's page offset (the
 members' first pages are the same ids), q_begin = the slot offset k (member m's partial goes to
 position req_work_indptr[m] + k), q_len = the members' query tokens, splits = -(members); the
-sharing group is the item alone. Only a kernel built with shared_prefix reads them.
+sharing group is the item alone. Only a kernel built with shared_prefix reads them (and the own
+items' slots).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from .split_plan import WorkPlan, choose_chunk, plan_work
 class SharedWork:
     """One batch's shared-prefix work list: the WorkPlan the merge and tests read, and the records."""
 
-    def __init__(self, work: WorkPlan, records: np.ndarray, spans: SharedSpans, num_shared: int):
+    def __init__(self, work: WorkPlan, records: np.ndarray, spans: SharedSpans, num_shared: int, num_slots: int):
         self.work, self.records, self.spans, self.num_shared = work, records, spans, num_shared
+        self.num_slots = num_slots  # partial slots: the merge's ranges cover [0, num_slots)
 
 
 def members_per_record(group_size: int, q_len: int, row_tiles: int, rows_per_tile: int = 16) -> int:
@@ -82,22 +84,20 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
                        np.ones_like(first)], axis=1)
     num_shared = len(shared)
     own_items = np.diff(own.req_work_indptr).astype(np.int64)
-    req_work_indptr = np.full(batch + 1, num_shared, dtype=np.int64)
-    req_work_indptr[1:] += np.cumsum(slots + own_items)
-    num_work = int(req_work_indptr[-1])
-    records = np.zeros((num_work, ITEM_INTS), dtype=np.int64)
-    records[:num_shared] = shared
-    records[num_shared:, 0] = -1  # member slots: padding records
-    # Own items after each request's slots.
+    req_work_indptr = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum(slots + own_items, out=req_work_indptr[1:])
+    # Own items after the shared records in the grid; each writes its partial to its slot (the
+    # record's share field, which a shared_prefix kernel reads: its tiling shares no tiles).
     r = own.work_request.astype(np.int64)
-    own_pos = req_work_indptr[r] + slots[r] + (np.arange(own.num_work) - own.req_work_indptr[r])
+    own_slot = req_work_indptr[r] + slots[r] + (np.arange(own.num_work) - own.req_work_indptr[r])
     splits = np.diff(req_work_indptr)
-    records[own_pos] = np.stack([r, own.work_begin, own.work_end, kv_lens[r], indptr[r], qo[r], q_lens[r], splits[r],
-                                 np.zeros_like(r), own.work_begin, own.work_end, np.ones_like(r)], axis=1)
-    work_request = records[:, 0].astype(np.int32)
-    work = WorkPlan(work_request, records[:, 1].astype(np.int32), records[:, 2].astype(np.int32),
-                    req_work_indptr.astype(np.int32), qo.astype(np.int32), own.token_request, chunk, False)
-    return SharedWork(work, records.astype(np.int32), spans, num_shared)
+    own_records = np.stack([r, own.work_begin, own.work_end, kv_lens[r], indptr[r], qo[r], q_lens[r], splits[r],
+                            own_slot, own.work_begin, own.work_end, np.ones_like(r)], axis=1)
+    records = np.concatenate([shared, own_records]).astype(np.int32)
+    work = WorkPlan(records[:, 0].copy(), records[:, 1].copy(), records[:, 2].copy(), req_work_indptr.astype(np.int32),
+                    qo.astype(np.int32), own.token_request, chunk, False)
+    return SharedWork(work, records, spans, num_shared, int(req_work_indptr[-1]))
+
 
 
 class SharedTables:
@@ -116,7 +116,7 @@ class SharedTables:
         first, num_tokens, qo, work_indptr, token_request = starts
         records = host[first:num_tokens].reshape(-1, ITEM_INTS)
         records[:work.num_work] = self.shared.records
-        records[work.num_work:, 0] = -1
+        records[work.num_work:, 0] = -1  # padding, past the grid
         host[num_tokens] = work.num_tokens
         for start, values in ((qo, work.req_qo_indptr), (work_indptr, work.req_work_indptr),
                               (token_request, work.token_request)):

@@ -65,10 +65,13 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   // A shared-prefix record (serving/shared_plan.py; its splits field is -members): the rows are
   // the GQA groups x query tokens of `members` requests from item.request on, over a span every
   // one of their queries sees whole (the planner shares nothing else). 0: an ordinary item.
-  int members = 0;
+  // slot: where an ordinary item's partial goes, its record's share field (such a kernel's tiling
+  // shares no tiles, serving/shared_plan.py); else its grid position.
+  int members = 0, slot = w;
   if constexpr (cfg::SHARED_PREFIX) {
     const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
     members = splits < 0 ? -splits : 0;
+    slot = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).x;
   }
 
   // The two query rows this thread's fragments touch: quad and quad + 8; row_token: the row's
@@ -235,7 +238,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   }
   __syncthreads();
 
-  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, vparams, members);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, vparams, members, slot);
 }
 
 }  // namespace decode

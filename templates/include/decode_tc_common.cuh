@@ -46,19 +46,21 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
 // (unnormalized O in head-dim order), red_m / red_d [STATES][M] (base-2 max and sum). Rows merge
 // by the online-softmax rule; each thread finishes 4 columns of some rows and writes the output
 // (a request's only item) or a normalized fp32 partial and its base-2 LSE for the merge kernel;
-// the variant's sink joins the rows of split 0 (fold_sink). members > 0 (cfg::SHARED_PREFIX): a
-// shared-prefix record's rows, each member's partial in its slot req_work_indptr[member] + q_begin.
+// the variant's sink joins the rows of split 0 (fold_sink). cfg::SHARED_PREFIX: members > 0, a
+// shared-prefix record's rows, each member's partial in its slot req_work_indptr[member] + q_begin;
+// else the item's partial goes to slot (its grid position in other kernels).
 template <int M, int STATES>
 FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales& scales, const CtaCoords& cta,
                            const float* red_o, const float (*red_m)[M], const float (*red_d)[M],
-                           const VariantParams& vparams, int members = 0) {
+                           const VariantParams& vparams, int members = 0, int slot = -1) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4;
   for (int cell = threadIdx.x; cell < M * COLS4; cell += 32 * cfg::WARPS) {
     const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
     const int row = cta.row_tile * M + row_in;
     int q_tok = row / cfg::GROUP_SIZE;
-    int slot_item = cta.work;  // the work-list position whose partial slot the row writes
+    int slot_item = cta.work;  // the partial slot the row writes
     if constexpr (cfg::SHARED_PREFIX) {
+      slot_item = slot;
       if (members > 0) {
         const int member = q_tok / item.q_len;
         if (member >= members) continue;
