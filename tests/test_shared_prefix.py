@@ -252,7 +252,8 @@ def test_the_staging_buffer_holds_the_shared_records(planner):
 
 @pytest.mark.parametrize("options", [dict(kv_dtype="float8_e4m3fn"), dict(mask="sliding_window", window_left=8),
                                      dict(chunk_tokens=64), dict(disable_split_kv=True), dict(tensor_cores=False),
-                                     dict(logits_soft_cap=30.0)])
+                                     dict(logits_soft_cap=30.0),
+                                     dict(check_page_ids=False)])
 def test_plans_that_cannot_share_plan_per_request(planner, options):
     decoder = cpu_decoder(planner)
     decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, **options)

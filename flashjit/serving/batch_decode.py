@@ -217,7 +217,8 @@ class BatchDecode:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
-        if share_prefixes and device_planner is None and may_share(setup, rule, graph, tables.batch, num_page_ids):
+        if (share_prefixes and device_planner is None
+                and may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids)):
             ids = host_page_ids(indices, num_page_ids, page_range, landed)
             spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
             if spans is not None:  # else nothing is shared: the plan above stands

@@ -3,6 +3,8 @@
 A plan shares when every condition below holds, and otherwise plans per request as without it:
   * share_prefixes=True (the default) and the host plans the work (not the GPU planner of
     CUDA-graph mode, whose fixed kernel is the per-request one);
+  * check_page_ids=True: detection reads the page ids on the host, which waits for the stream, and
+    check_page_ids=False promises plan() no wait (plan() reads the ids back then anyway);
   * the planner picks the split (no chunk_tokens, fixed_split_tokens or disable_split_kv: those
     promise a per-request cut);
   * the kernel is the 16-bit tensor-core one, with mask none or causal and no variant: then every
@@ -22,11 +24,12 @@ from .shared_prefix import MAX_LEVELS, find_shared_spans
 SHARING_MASKS = ("none", "causal")
 
 
-def may_share(setup, rule, graph, batch: int, num_page_ids: int) -> bool:
-    """The conditions on the plan's arguments (the module docstring's first three)."""
+def may_share(setup, rule, graph, batch: int, num_page_ids: int, check_page_ids: bool) -> bool:
+    """The conditions on the plan's arguments (the module docstring's)."""
     spec = setup.spec
-    return (graph is None and not rule.one_item and rule.chunk_tokens is None and batch >= 2 and num_page_ids > 1
-            and spec.tensor_cores and not spec.kv_is_fp8 and spec.mask in SHARING_MASKS and spec.variant == "none")
+    return (check_page_ids and graph is None and not rule.one_item and rule.chunk_tokens is None and batch >= 2
+            and num_page_ids > 1 and spec.tensor_cores and not spec.kv_is_fp8 and spec.mask in SHARING_MASKS
+            and spec.variant == "none")
 
 
 def host_page_table(tables) -> tuple[np.ndarray, np.ndarray]:
