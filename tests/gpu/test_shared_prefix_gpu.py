@@ -169,3 +169,29 @@ def test_replanning_between_sharing_and_not_reuses_the_decoder(engine, cache):
         out = decoder.run(q, (k, v))
         ref, _ = decode_reference(q, k, v, *t)
         assert not out.isnan().any() and rel_error(out, ref) < TOLERANCE, pattern
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (16, 2), (32, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shapes_and_dtypes(engine, heads, kv_heads, head_dim, dtype):
+    """GQA groups of 1, 8 and 4 (16, 2 and 4 members per 16-row tile), three head_dims, both 16-bit types."""
+    rng = random.Random(head_dim + heads)
+    gen = torch.Generator().manual_seed(head_dim)
+    pages = 600
+    k = torch.randn(pages, PAGE, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+    v = torch.randn(pages, PAGE, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+    pool = iter(rng.sample(range(pages), pages))
+    prompt = [next(pool) for _ in range(40)]
+    lists = []
+    for _ in range(3):
+        beam = prompt + [next(pool) for _ in range(rng.randint(1, 8))]
+        lists += [beam + [next(pool) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(2, 6))]
+    indptr, ids, last_t = tables(lists, [rng.randint(1, PAGE) for _ in lists])
+    q = torch.randn(len(lists), heads, head_dim, generator=gen).to(dtype).cuda()
+    decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, heads, kv_heads, head_dim, PAGE, mask="causal",
+                                                q_dtype=dtype, tensor_cores=True)
+    assert decoder.spec.shared_prefix
+    out = decoder.run(q, (k, v))
+    ref, _ = decode_reference(q, k, v, indptr, ids, last_t, mask="causal")
+    assert not out.isnan().any() and rel_error(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
