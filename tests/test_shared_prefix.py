@@ -272,3 +272,11 @@ def test_benchmark_rows_share_their_prompts():
         assert spans.count.tolist() == [row.samples] * row.prompts
         assert spans.end_page.tolist() == [row.prompt_len // BENCH_PAGE] * row.prompts
         assert floor_bytes(row, t) > t.unique_pages * BENCH_PAGE * 8 * 128 * 4
+
+
+def test_a_group_of_one_head_shares_on_tensor_cores(planner):
+    decoder = cpu_decoder(planner)
+    decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE)  # one row per request: CUDA cores alone
+    assert decoder.spec.shared_prefix and decoder.spec.tensor_cores
+    decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE, share_prefixes=False)
+    assert not decoder.spec.tensor_cores

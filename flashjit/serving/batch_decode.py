@@ -218,7 +218,7 @@ class BatchDecode:
             if landed:  # run() checks the cache against the largest id
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
         if (share_prefixes and device_planner is None
-                and may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids)):
+                and may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids, tensor_cores)):
             ids = host_page_ids(indices, num_page_ids, page_range, landed)
             spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
             if spans is not None:  # else nothing is shared: the plan above stands
@@ -258,10 +258,12 @@ class BatchDecode:
         return self
 
     def _shared_setup(self, setup: Setup, scalars, mask_params, kernel_q_len: int, key, variant_params) -> Setup:
-        """The setup of the shared-prefix kernel beside setup (memoized with it, at (kernel_q_len, True))."""
+        """The setup of the shared-prefix kernel beside setup (memoized with it, at (kernel_q_len, True)):
+        a tensor-core one, whatever plan() would have picked for rows of one request."""
         memo = None if key is None else self._setup_for_scalars.get(key)
         found = None if memo is None else memo.get((kernel_q_len, True))
         if found is None or found.mask_generation != setup.mask_generation:
+            scalars = scalars[:10] + (True,) + scalars[11:]  # tensor_cores
             found = make_setup(scalars, mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
                                device=self.device, load_kernel=self._load_kernel, variant_params=variant_params,
                                shared_prefix=True)

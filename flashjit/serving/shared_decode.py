@@ -7,7 +7,9 @@ A plan shares when every condition below holds, and otherwise plans per request 
     check_page_ids=False promises plan() no wait (plan() reads the ids back then anyway);
   * the planner picks the split (no chunk_tokens, fixed_split_tokens or disable_split_kv: those
     promise a per-request cut);
-  * the kernel is the 16-bit tensor-core one, with mask none or causal and no variant: then every
+  * the kernel is the 16-bit tensor-core one (or the CUDA-core one chosen for few rows per request,
+    where plan() left tensor_cores to it: a shared record's rows are many), with mask none or
+    causal and no variant: then every
     query sees a shared span whole (causal: the span ends at or before each member's first query
     position, which detection enforces), so one chunk's softmax state is the same for every member;
   * two neighbouring requests share a full first page (shared_prefix.neighbour_prefixes).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..jit.spec import TENSOR_CORE_HEAD_DIMS
 from .buffers import Capacity
 from .shared_plan import SharedTables, plan_shared_work
 from .shared_prefix import MAX_LEVELS, find_shared_spans
@@ -24,11 +27,12 @@ from .shared_prefix import MAX_LEVELS, find_shared_spans
 SHARING_MASKS = ("none", "causal")
 
 
-def may_share(setup, rule, graph, batch: int, num_page_ids: int, check_page_ids: bool) -> bool:
-    """The conditions on the plan's arguments (the module docstring's)."""
+def may_share(setup, rule, graph, batch: int, num_page_ids: int, check_page_ids: bool, tensor_cores) -> bool:
+    """The conditions on the plan's arguments (the module docstring's); tensor_cores: plan()'s."""
     spec = setup.spec
+    cores_ok = spec.tensor_cores or (tensor_cores is None and spec.head_dim in TENSOR_CORE_HEAD_DIMS)
     return (check_page_ids and graph is None and not rule.one_item and rule.chunk_tokens is None and batch >= 2
-            and num_page_ids > 1 and spec.tensor_cores and not spec.kv_is_fp8 and spec.mask in SHARING_MASKS
+            and num_page_ids > 1 and cores_ok and not spec.kv_is_fp8 and spec.mask in SHARING_MASKS
             and spec.variant == "none")
 
 

@@ -190,7 +190,7 @@ def test_shapes_and_dtypes(engine, heads, kv_heads, head_dim, dtype):
     indptr, ids, last_t = tables(lists, [rng.randint(1, PAGE) for _ in lists])
     q = torch.randn(len(lists), heads, head_dim, generator=gen).to(dtype).cuda()
     decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, heads, kv_heads, head_dim, PAGE, mask="causal",
-                                                q_dtype=dtype, tensor_cores=True)
+                                                q_dtype=dtype)
     assert decoder.spec.shared_prefix
     out = decoder.run(q, (k, v))
     ref, _ = decode_reference(q, k, v, indptr, ids, last_t, mask="causal")
