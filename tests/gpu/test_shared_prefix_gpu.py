@@ -124,9 +124,9 @@ def test_fp8_cache_falls_back_and_stays_exact(engine, cache):
     q = torch.randn(len(lists), HEADS, DIM, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
     decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="float8_e4m3fn")
     assert not decoder.spec.shared_prefix
-    out = decoder.run(q, (k8, v8))
+    out = decoder.run(q, (k8, v8), k_scale=1.0, v_scale=1.0)
     plain = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="float8_e4m3fn",
-                                              share_prefixes=False).run(q, (k8, v8))
+                                              share_prefixes=False).run(q, (k8, v8), k_scale=1.0, v_scale=1.0)
     assert torch.equal(out, plain)
     ref, _ = decode_reference(q, k8.bfloat16(), v8.bfloat16(), indptr, ids, last_t)
     assert not out.isnan().any() and rel_error(out, ref) < 5e-2
