@@ -33,7 +33,7 @@ ITEM_INTS = len(WORK_ITEM_FIELDS)
 
 # The GPU planner's shared memory: PLAN_SMEM_INTS int32 per request (plus one), for at most
 # PLAN_MAX_BATCH requests (a larger CUDA-graph batch plans on the host).
-PLAN_SMEM_INTS, PLAN_MAX_BATCH = 6, 4096
+PLAN_SMEM_INTS, PLAN_MAX_BATCH = 7, 4096
 PLAN_MAX_SMEM_BYTES = 4 * PLAN_SMEM_INTS * (PLAN_MAX_BATCH + 1)
 
 # The split counts both planners try for the longest span (the render defines FJ_SPLIT_CANDIDATES).

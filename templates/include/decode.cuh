@@ -60,6 +60,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const bool row_valid = ty < ROWS && row < ROWS_TOTAL && q_tok < item.q_len;
   const int q_pos = item.kv_len - item.q_len + q_tok;
   const HeadScales scales(a, kv_head);
+  const float sink2 = row_sink2(vparams, qo_head);  // used in the epilogue: loaded now, its latency hidden
 
   float q[VEC];
   if (row_valid && tx < CPR) {
@@ -159,7 +160,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   if (holds_row) {
     float inv = dsum > 0.f ? scales.value / dsum : 0.f;
     float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
-    fold_sink(vparams, item, qo_head, lse2, inv);
+    fold_sink(item, sink2, lse2, inv);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) o[i] *= inv;
     const int token = item.q_begin + q_tok;

@@ -87,7 +87,9 @@ struct WorkItem {
     share = 0;
     first_of_request = true;
     if constexpr (VARIANT_SINK) {  // a sink joins the state of the request's first item only
-      first_of_request = direct || (request >= 0 && __ldg(a.req_work_indptr + request) == w);
+      // A request's items are consecutive records: the first is the one whose predecessor belongs
+      // to another request. Record w - 1 loads beside record w, so this adds no dependent load.
+      first_of_request = direct || w == 0 || __ldg(a.work_items + RECORD_INT4S * (w - 1)).x != request;
     }
     if constexpr (cfg::STATIC_SHARE < 100) {
       const int4 group = __ldg(a.work_items + RECORD_INT4S * w + 2);
@@ -106,15 +108,21 @@ FJ_INLINE float variant_logits2(const VariantParams& vparams, float score2, int 
   return variant_logits(vparams, score2 * FJ_LN2, q_pos, kv_pos, qo_head) * FJ_LOG2E;
 }
 
+// The variant's sink logit of a query head in base 2 (-inf without a sink). The kernels load it
+// as a CTA starts and use it in the epilogue: the load's latency hides behind the main loop.
+FJ_INLINE float row_sink2(const VariantParams& vparams, int qo_head) {
+  if constexpr (VARIANT_SINK) return variant_sink(vparams, qo_head) * FJ_LOG2E;
+  return FJ_NEG_INF;
+}
+
 // The variant's sink logit joins one row's softmax: lse2 (base 2, -inf for a row without visible
 // keys) becomes log2(2^lse2 + 2^sink2) and the output's factor inv shrinks by 2^(lse2 - that).
 // Each row's sink enters once, in the state of its request's first work item: the other
 // partials and the merges are unchanged, and the merge of sink-and-partial-0 with the rest is the
 // softmax over every key and the sink. A row without keys gets o = 0 and lse = sink.
-FJ_INLINE void fold_sink(const VariantParams& vparams, const WorkItem& item, int qo_head, float& lse2, float& inv) {
+FJ_INLINE void fold_sink(const WorkItem& item, float sink2, float& lse2, float& inv) {
   if constexpr (VARIANT_SINK) {
     if (!item.first_of_request) return;
-    const float sink2 = variant_sink(vparams, qo_head) * FJ_LOG2E;
     const float top = fmaxf(lse2, sink2);
     if (top == FJ_NEG_INF) return;
     const float total = top + log2_approx(exp2_approx(lse2 - top) + exp2_approx(sink2 - top));
@@ -122,6 +130,23 @@ FJ_INLINE void fold_sink(const VariantParams& vparams, const WorkItem& item, int
     lse2 = total;
   }
 }
+
+// The sink logits of a tensor-core CTA's M rows: thread t < M loads row t's as the CTA starts and
+// publishes it to shared memory before the epilogue's barrier (finish_rows reads them there).
+template <int M>
+struct RowSinks {
+  float mine;
+  FJ_INLINE RowSinks(const VariantParams& vparams, const CtaCoords& cta) {
+    mine = FJ_NEG_INF;
+    if constexpr (VARIANT_SINK)
+      if (threadIdx.x < M)
+        mine = row_sink2(vparams, cta.kv_head * cfg::GROUP_SIZE + (cta.row_tile * M + threadIdx.x) % cfg::GROUP_SIZE);
+  }
+  FJ_INLINE void publish(float* rows) const {
+    if constexpr (VARIANT_SINK)
+      if (threadIdx.x < M) rows[threadIdx.x] = mine;
+  }
+};
 
 // Index of the (request, KV head, row tile) group in merge_counters and tile_counters.
 FJ_INLINE i64 group_index(int num_qo_heads, int request, int kv_head, int row_tile, int row_tiles) {

@@ -49,12 +49,13 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   unsigned char* q_smem = smem + STAGES * TILE * (K_PITCH + V_PITCH);  // Q_IN_SMEM: after the ring
-  __shared__ float red_m[SLICES][M], red_d[SLICES][M];
+  __shared__ float red_m[SLICES][M], red_d[SLICES][M], row_sinks[M];
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
+  const RowSinks<M> sinks(vparams, cta);
   const MaskParams params = mask_bind(unbound, item.request);
   const int tid = threadIdx.x, lane = tid % 32;
   const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // the warp's keys, and O's columns
@@ -236,9 +237,10 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
       *reinterpret_cast<float2*>(red_row + 8 * n + pair) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
     }
   }
+  sinks.publish(row_sinks);
   __syncthreads();
 
-  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, vparams, members, slot);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks, members, slot);
 }
 
 }  // namespace decode

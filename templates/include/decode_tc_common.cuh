@@ -46,13 +46,14 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
 // (unnormalized O in head-dim order), red_m / red_d [STATES][M] (base-2 max and sum). Rows merge
 // by the online-softmax rule; each thread finishes 4 columns of some rows and writes the output
 // (a request's only item) or a normalized fp32 partial and its base-2 LSE for the merge kernel;
-// the variant's sink joins the rows of split 0 (fold_sink). cfg::SHARED_PREFIX: members > 0, a
-// shared-prefix record's rows, each member's partial in its slot req_work_indptr[member] + q_begin;
-// else the item's partial goes to slot (its grid position in other kernels).
+// the variant's sink (row_sinks [M], published by RowSinks) joins the rows of the request's first
+// item (fold_sink). cfg::SHARED_PREFIX: members > 0, a shared-prefix record's rows, each member's
+// partial in its slot req_work_indptr[member] + q_begin; else the item's partial goes to own_slot
+// (its grid position in other kernels).
 template <int M, int STATES>
 FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales& scales, const CtaCoords& cta,
                            const float* red_o, const float (*red_m)[M], const float (*red_d)[M],
-                           const VariantParams& vparams, int members = 0, int slot = -1) {
+                           const float* row_sinks, int members = 0, int own_slot = -1) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4;
   for (int cell = threadIdx.x; cell < M * COLS4; cell += 32 * cfg::WARPS) {
     const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
@@ -60,7 +61,7 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
     int q_tok = row / cfg::GROUP_SIZE;
     int slot_item = cta.work;  // the partial slot the row writes
     if constexpr (cfg::SHARED_PREFIX) {
-      slot_item = slot;
+      slot_item = own_slot;
       if (members > 0) {
         const int member = q_tok / item.q_len;
         if (member >= members) continue;
@@ -87,7 +88,7 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
     }
     float inv = d_all > 0.f ? scales.value / d_all : 0.f;
     float lse2 = d_all > 0.f ? m_ref + log2_approx(d_all) : FJ_NEG_INF;
-    fold_sink(vparams, item, qo_head, lse2, inv);
+    fold_sink(item, row_sinks[row_in], lse2, inv);
     const int token = item.q_begin + q_tok;
     if (item.direct) {
       store_out4(a.out, a.out_stride, a.lse, a.num_qo_heads, token, qo_head, col, acc, inv, lse2);

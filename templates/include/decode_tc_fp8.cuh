@@ -132,12 +132,13 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
-  __shared__ float red_m[SLICES][M], red_d[SLICES][M];
+  __shared__ float red_m[SLICES][M], red_d[SLICES][M], row_sinks[M];
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
+  const RowSinks<M> sinks(vparams, cta);
   const MaskParams params = mask_bind(unbound, item.request);
   const int tid = threadIdx.x, lane = tid % 32;
   const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // the warp's keys, and O^T's blocks
@@ -255,9 +256,10 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     for (int mt = 0; mt < PART_STEPS; ++mt)  // C fragment: dims o_dim(mt0 + mt, g) and + 1 (row g + 8)
       *reinterpret_cast<float2*>(red_row + o_dim(mt0 + mt, g)) = make_float2(o[mt][c], o[mt][2 + c]);
   }
+  sinks.publish(row_sinks);
   __syncthreads();
 
-  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, vparams);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks);
 }
 
 }  // namespace decode

@@ -38,35 +38,46 @@ constexpr int THREADS = 1024, WARPS = THREADS / 32;
 constexpr int PARTS[] = {FJ_SPLIT_CANDIDATES};  // split_plan.SPLIT_CANDIDATES
 constexpr int NUM_PARTS = sizeof(PARTS) / sizeof(PARTS[0]);
 // Dynamic shared memory, per request (plus one): its span's length and begin, kv_len, query tokens,
-// and the offsets of its work items and query tokens. The host sizes it by this count.
-static_assert(FJ_PLAN_SMEM_INTS == 6, "ABI: plan::Requests keeps 6 ints per request, not "
+// first page, and the offsets of its work items and query tokens. The host sizes it by this count.
+static_assert(FJ_PLAN_SMEM_INTS == 7, "ABI: plan::Requests keeps 7 ints per request, not "
                                       "flashjit.jit.abi.PLAN_SMEM_INTS");
 
 FJ_INLINE i64 ceil_div64(i64 a, i64 b) { return (a + b - 1) / b; }
 
+// One request's page-table entries, as loaded.
+struct RequestEntry {
+  int first_page, end_page, last, q_begin, q_end;
+};
+
 // The requests as the planner sees them, in shared memory: read from the page table once.
 struct Requests {
-  int *len, *begin, *kv_len, *q_len, *work_at, *tokens_at;  // work_at, tokens_at: [batch + 1] offsets
+  int *len, *begin, *kv_len, *q_len, *page_begin, *work_at, *tokens_at;  // work_at, tokens_at: [batch + 1] offsets
   FJ_INLINE Requests(int* smem, int capacity) {
     const int n = capacity + 1;
-    len = smem; begin = smem + n; kv_len = smem + 2 * n; q_len = smem + 3 * n; work_at = smem + 4 * n;
-    tokens_at = smem + 5 * n;
+    len = smem; begin = smem + n; kv_len = smem + 2 * n; q_len = smem + 3 * n; page_begin = smem + 4 * n;
+    work_at = smem + 5 * n; tokens_at = smem + 6 * n;
+  }
+  // Request b's entries: b below the buffer's capacity, so the loads need not wait for the batch
+  // size (they go out beside its load; entries past the batch are never used).
+  FJ_INLINE static RequestEntry fetch(const Args& a, int b) {
+    return {__ldg(a.indptr + b), __ldg(a.indptr + b + 1), __ldg(a.last_page_len + b), __ldg(a.qo_indptr + b),
+            __ldg(a.qo_indptr + b + 1)};
   }
   // Request b's span worth reading and query tokens; an inverted span is empty, inputs are clamped.
-  FJ_INLINE void load(const Args& a, const MaskParams& params, int b) {
-    const int first_page = __ldg(a.indptr + b), end_page = __ldg(a.indptr + b + 1);
-    const int last = min(max(__ldg(a.last_page_len + b), 1), a.page_size);
-    const int q_begin = __ldg(a.qo_indptr + b), q_end = __ldg(a.qo_indptr + b + 1);
-    const i64 pages = max(end_page - first_page, 0);
+  FJ_INLINE void store(const Args& a, const MaskParams& params, int b, const RequestEntry& e) {
+    const int last = min(max(e.last, 1), a.page_size);
+    const i64 pages = max(e.end_page - e.first_page, 0);
     const int n = (int)min(pages ? (pages - 1) * a.page_size + last : (i64)0, (i64)0x7fffffff);
-    const int q = max(q_end - q_begin, 0);
+    const int q = max(e.q_end - e.q_begin, 0);
     const int span_begin = mask_span_begin(params, n, q);
     kv_len[b] = n; q_len[b] = q; begin[b] = span_begin; len[b] = max(n, span_begin) - span_begin;
+    page_begin[b] = e.first_page;
   }
 };
 
 // Block-wide reductions and scans, through one word per warp.
 __shared__ i64 warp_values[WARPS];
+__shared__ int warp_sums[2][WARPS];
 
 FJ_INLINE i64 block_max(i64 x) {
   for (int o = 16; o > 0; o >>= 1) x = max(x, (i64)__shfl_xor_sync(0xffffffffu, x, o));
@@ -79,75 +90,95 @@ FJ_INLINE i64 block_max(i64 x) {
   return m;
 }
 
-// Inclusive prefix sum of x over the block's threads in order, and the block's total.
-FJ_INLINE int block_scan(int x, int& total) {
+// Inclusive prefix sums of x and of y over the block's threads in order, and the block's totals:
+// the two scans share their barriers.
+FJ_INLINE int2 block_scan2(int x, int y, int2& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
+    const int xo = __shfl_up_sync(0xffffffffu, x, o), yo = __shfl_up_sync(0xffffffffu, y, o);
+    if (lane >= o) x += xo, y += yo;
   }
-  if (lane == 31) warp_values[warp] = x;
+  if (lane == 31) warp_sums[0][warp] = x, warp_sums[1][warp] = y;
   __syncthreads();
-  int before = 0;
-  total = 0;
+  int2 before = make_int2(0, 0);
+  total = make_int2(0, 0);
 #pragma unroll
   for (int w = 0; w < WARPS; ++w) {
-    before += w < warp ? (int)warp_values[w] : 0;
-    total += (int)warp_values[w];
+    const int wx = warp_sums[0][w], wy = warp_sums[1][w];
+    if (w < warp) before.x += wx, before.y += wy;
+    total.x += wx; total.y += wy;
   }
   __syncthreads();
-  return x + before;
+  return make_int2(x + before.x, y + before.y);
 }
 
-// split_plan.makespans for one chunk, reduced over the requests by one warp.
-__device__ double makespan(const Args& a, const Requests& r, int batch, int chunk) {
+// split_plan.makespans for one chunk, reduced over the requests by a group of LANES lanes of a
+// warp (lane: this thread's index in it). Integer parts in 32 bits (lengths and chunks are below
+// 2^31, so len + chunk and twice a remainder fit), which give the host's exact values:
+// floor(len / chunk + 1/2) is the quotient plus one where twice the remainder reaches the chunk.
+template <int LANES>
+__device__ double makespan(const Args& a, const Requests& r, int batch, int chunk, double share, int lane) {
+  const unsigned c = (unsigned)chunk;
   i64 items = 0, long_items = 0, total = 0;
-  for (int b = threadIdx.x % 32; b < batch; b += 32) {
-    const i64 len = r.len[b];
-    items += len ? ceil_div64(len, chunk) : 1;
-    long_items += (2 * len + chunk) / (2 * (i64)chunk);  // floor(len / chunk + 1/2)
+  for (int b = lane; b < batch; b += LANES) {
+    const unsigned len = (unsigned)r.len[b], whole = len / c, rest = len - whole * c;
+    items += len ? whole + (rest != 0) : 1;
+    long_items += whole + (2 * rest >= c);
     total += len;
   }
-  for (int o = 16; o > 0; o >>= 1) {
+  for (int o = LANES / 2; o > 0; o >>= 1) {
     items += __shfl_xor_sync(0xffffffffu, items, o);
     long_items += __shfl_xor_sync(0xffffffffu, long_items, o);
     total += __shfl_xor_sync(0xffffffffu, total, o);
   }
   if (items > a.work_capacity) return __longlong_as_double(0x7ff0000000000000ll);  // +inf
-  const double share = __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas);
   const double fluid = __dmul_rn((double)(total + items * a.item_overhead), share);
   const double waves = ceil(__ddiv_rn(__dmul_rn((double)long_items, (double)a.ctas_per_item), (double)a.max_ctas));
   const double quantized = __dmul_rn(waves, (double)(chunk + a.item_overhead));
   return __dadd_rn(fluid > quantized ? fluid : quantized, items > batch ? (double)a.merge_cost : 0.0);
 }
 
-// split_plan.choose_chunk: each warp prices some of the candidates, thread 0 takes the first minimum.
+// split_plan.choose_chunk: every candidate is priced at once, by a half-warp each (no warp prices
+// two in turn), and warp 0 takes the first minimum by shuffles.
 __device__ int choose_chunk(const Args& a, const Requests& r, int batch, i64 longest) {
+  constexpr int LANES = 16, GROUPS = THREADS / LANES;
+  static_assert(NUM_PARTS <= GROUPS && NUM_PARTS <= 64, "a half-warp per candidate, two per lane of warp 0");
   const i64 g = a.granularity;
   if (longest <= a.min_chunk) return (int)(ceil_div64(max(longest, (i64)1), g) * g);
   const i64 floor_chunk = max(ceil_div64(a.min_chunk, g) * g, g);
   const int max_parts = max(1, a.max_ctas / a.ctas_per_item);
+  const double share = __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas);
   __shared__ double costs[NUM_PARTS];
   __shared__ int chunks[NUM_PARTS];
-  for (int i = threadIdx.x / 32; i < NUM_PARTS; i += WARPS) {
-    const i64 chunk = max(ceil_div64(ceil_div64(longest, PARTS[i]), g) * g, floor_chunk);
-    const i64 previous = i ? max(ceil_div64(ceil_div64(longest, PARTS[i - 1]), g) * g, floor_chunk) : 0;
+  const int i = threadIdx.x / LANES, lane = threadIdx.x % LANES;
+  if (threadIdx.x / 32 < (NUM_PARTS + 1) / 2) {  // whole warps: makespan's shuffles take all 32 lanes
+    const int part = min(i, NUM_PARTS - 1);  // an odd count's spare half-warp prices the last again
+    const i64 chunk = max(ceil_div64(ceil_div64(longest, PARTS[part]), g) * g, floor_chunk);
+    const i64 previous = part ? max(ceil_div64(ceil_div64(longest, PARTS[part - 1]), g) * g, floor_chunk) : 0;
     // The host's loop stops past max_parts and after the floor, and skips a repeated chunk.
-    const bool priced = PARTS[i] <= max_parts && (i == 0 || (previous != chunk && previous != floor_chunk));
-    const double cost = priced ? makespan(a, r, batch, (int)chunk) : 0.0;
-    if (threadIdx.x % 32 == 0) {
+    const bool priced = PARTS[part] <= max_parts && (part == 0 || (previous != chunk && previous != floor_chunk));
+    const double cost = makespan<LANES>(a, r, batch, (int)chunk, share, lane);  // priced or not: no divergence
+    if (lane == 0 && i < NUM_PARTS) {
       costs[i] = cost;
       chunks[i] = priced ? (int)chunk : 0;
     }
   }
   __syncthreads();
   __shared__ int best;
-  if (threadIdx.x == 0) {
-    int found = 0;
-    double best_cost = 0.0;
-    for (int i = 0; i < NUM_PARTS; ++i)
-      if (chunks[i] && (!found || costs[i] < best_cost)) found = chunks[i], best_cost = costs[i];
-    best = found;
+  if (threadIdx.x < 32) {
+    // The first priced candidate of least cost: the least (unpriced, cost, index), two per lane.
+    int index = -1;
+    double cost = 0.0;
+    for (int k = threadIdx.x; k < NUM_PARTS; k += 32) {
+      if (chunks[k] && (index < 0 || costs[k] < cost)) index = k, cost = costs[k];
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      const int other = __shfl_xor_sync(0xffffffffu, index, o);
+      const double other_cost = __shfl_xor_sync(0xffffffffu, cost, o);
+      if (other >= 0 && (index < 0 || other_cost < cost || (other_cost == cost && other < index)))
+        index = other, cost = other_cost;
+    }
+    if (threadIdx.x == 0) best = index < 0 ? 0 : chunks[index];
   }
   __syncthreads();
   return best;
@@ -163,29 +194,32 @@ FJ_INLINE int last_at_most(const int* values, int n, int x) {
   return low;
 }
 
-// The whole plan: one round of loads from the page table, the rest in shared memory.
+// The whole plan: one round of loads from the page table (issued with the batch size's), the rest
+// in shared memory.
 __device__ void build(const Args& a, const MaskParams& params) {
   extern __shared__ int smem[];
   Requests r(smem, a.batch_capacity);
+  RequestEntry first{};  // the entries of this thread's first request, fetched before the batch is known
+  if (threadIdx.x < a.batch_capacity) first = Requests::fetch(a, threadIdx.x);
   const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
   i64 longest = 0;
   for (int b = threadIdx.x; b < batch; b += THREADS) {
-    r.load(a, params, b);
+    r.store(a, params, b, b < THREADS ? first : Requests::fetch(a, b));
     longest = max(longest, (i64)r.len[b]);
   }
   longest = block_max(longest);  // its barrier also publishes the requests
   int chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? (int)max(longest, (i64)1)
                                                                           : choose_chunk(a, r, batch, longest);
   for (int pass = 0; pass < 2; ++pass) {  // a second pass only when a forced chunk overflows the capacity
-    int work_carry = 0, token_carry = 0, total;
+    int work_carry = 0, token_carry = 0;
     for (int base = 0; base < batch; base += THREADS) {
       const int b = base + threadIdx.x;
       const int items = b < batch ? max((int)ceil_div64(r.len[b], chunk), 1) : 0, tokens = b < batch ? r.q_len[b] : 0;
-      const int work_end = work_carry + block_scan(items, total);
-      work_carry += total;
-      const int token_end = token_carry + block_scan(tokens, total);
-      token_carry += total;
-      if (b < batch) r.work_at[b + 1] = work_end, r.tokens_at[b + 1] = token_end;
+      int2 total;
+      const int2 ends = block_scan2(items, tokens, total);
+      if (b < batch) r.work_at[b + 1] = work_carry + ends.x, r.tokens_at[b + 1] = token_carry + ends.y;
+      work_carry += total.x;
+      token_carry += total.y;
     }
     if (work_carry <= a.work_capacity || pass) break;
     chunk = (int)max(longest, (i64)1);  // one item per request: batch <= batch_capacity <= work_capacity
@@ -204,7 +238,7 @@ __device__ void build(const Args& a, const MaskParams& params) {
     const int begin = r.begin[b], end = begin + r.len[b], first = begin + i * chunk;
     const int last = (int)min((i64)first + chunk, (i64)end), items = r.work_at[b + 1] - r.work_at[b];
     records[3 * w] = make_int4(b, first, last, r.kv_len[b]);
-    records[3 * w + 1] = make_int4(__ldg(a.indptr + b), r.tokens_at[b], r.q_len[b], items);
+    records[3 * w + 1] = make_int4(r.page_begin[b], r.tokens_at[b], r.q_len[b], items);
     records[3 * w + 2] = a.fixed_split ? make_int4(0, first, last, 1) : make_int4(i, begin, end, items);
   }
   for (int b = threadIdx.x; b <= batch; b += THREADS) {
