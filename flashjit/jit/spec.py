@@ -36,7 +36,7 @@ _DTYPE_ALIASES = {
 }
 _SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32"}
 _NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)(?:-(?P<variant>\w+?))?"
-                           r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?")
+                           r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?(?P<sp>_sp)?")
 
 
 def normalize_dtype(value, field: str = "dtype", accepted=QUERY_DTYPES) -> str:
@@ -88,6 +88,9 @@ class DecodeSpec:
     arch: str | None = None
     tensor_cores: bool | None = None  # None: chosen from the rows per CTA and head_dim
     variant: str = "none"  # how visible scores become weights (flashjit.masks.variants): soft_cap, sinks, ...
+    # The kernel also reads shared-prefix records (serving/shared_plan.py): one chunk of a span many
+    # requests share, for the rows of all of them. 16-bit tensor cores, masks without per-request state.
+    shared_prefix: bool = False
 
     def __post_init__(self):
         set_ = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen dataclass)
@@ -113,6 +116,8 @@ class DecodeSpec:
             raise SpecError("tensor_cores", self.tensor_cores,
                             f"None or True at head_dim {self.head_dim} (CUDA-core kernels take head_dim in "
                             f"{CUDA_CORE_HEAD_DIMS})")
+        if self.shared_prefix not in (True, False) or (self.shared_prefix and (not self.tensor_cores or self.kv_is_fp8)):
+            raise SpecError("shared_prefix", self.shared_prefix, "False, or True for tensor cores over a 16-bit cache")
         from ..masks.registry import masks  # late import: the registry imports nothing from here
 
         if self.mask not in masks:
@@ -125,7 +130,7 @@ class DecodeSpec:
 
     @classmethod
     def cached(cls, head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch,
-               tensor_cores, variant="none") -> "DecodeSpec":
+               tensor_cores, variant="none", shared_prefix=False) -> "DecodeSpec":
         """DecodeSpec(...) of these exact arguments, validated once: plan() asks for the same spec at
         every step, and validation costs more than the rest of a planned step's bookkeeping.
 
@@ -134,7 +139,7 @@ class DecodeSpec:
         specs of arch=None (that is the current GPU's arch, which is not an argument).
         """
         args = (head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch, tensor_cores,
-                variant)
+                variant, shared_prefix)
         key = (args, tuple(map(type, args)))
         try:
             return _CACHED_SPECS[key]
@@ -165,19 +170,28 @@ class DecodeSpec:
     def name(self) -> str:
         """A readable, unique name, e.g. decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc.
 
-        The suffix _tc marks the tensor-core kernel; a variant follows the mask after a hyphen
+        The suffix _tc marks the tensor-core kernel (_tc_sp: one that reads shared-prefix records); a variant follows the mask after a hyphen
         (decode_d64_bf16_kvbf16_sliding_window-sinks_p16_g8_q1_nhd_sm90_tc), and "none" is left out."""
         variant = "" if self.variant == "none" else f"-{self.variant}"
         return (
             f"decode_d{self.head_dim}_{_SHORT[self.dtype]}_kv{_SHORT[self.kv_dtype]}_{self.mask}{variant}"
             f"_p{self.page_size}_g{self.group_size}_q{self.max_q_len}_{self.kv_layout.lower()}"
-            f"_{self.arch.replace('_', '')}{'_tc' if self.tensor_cores else ''}"
+            f"_{self.arch.replace('_', '')}{'_tc' if self.tensor_cores else ''}{'_sp' if self.shared_prefix else ''}"
         )
+
+    def _key_fields(self) -> list:
+        """(name, value) of the fields, shared_prefix only when set: the specs without it keep the
+        reprs, digests and cache keys they have always had."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name != "shared_prefix" or self.shared_prefix]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__qualname__}({', '.join(f'{name}={value!r}' for name, value in self._key_fields())})"
 
     @property
     def digest(self) -> str:
         """Content digest of the fields (not of the generated code; the cache key covers that)."""
-        return hashlib.sha256(repr(dataclasses.astuple(self)).encode()).hexdigest()[:16]
+        return hashlib.sha256(repr(tuple(value for _, value in self._key_fields())).encode()).hexdigest()[:16]
 
     @classmethod
     def from_name(cls, name: str) -> "DecodeSpec":
@@ -188,7 +202,7 @@ class DecodeSpec:
         g = match.groupdict()
         return cls(head_dim=int(g["d"]), dtype=g["dtype"], kv_dtype=g["kv"], mask=g["mask"], page_size=int(g["p"]),
                    group_size=int(g["g"]), max_q_len=int(g["q"]), kv_layout=g["layout"], arch="sm_" + g["arch"],
-                   tensor_cores=bool(g["tc"]), variant=g["variant"] or "none")
+                   tensor_cores=bool(g["tc"]), variant=g["variant"] or "none", shared_prefix=bool(g["sp"]))
 
     def replace(self, **changes) -> "DecodeSpec":
         return dataclasses.replace(self, **changes)

@@ -229,12 +229,15 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
         reduction = slices * rows * spec.head_dim * 4  # the slices' fp32 states, in the same memory
         q_smem = MMA_M * spec.head_dim * 2 if row.q_in_smem and not spec.kv_is_fp8 else 0  # 16 rows of 16-bit Q
         smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + q_smem + table.ring_align - 16
-        static_share = row.static_share if table.fused_merge else 100  # the fused merge resets the claims
+        # A shared-prefix kernel's records write partials of several requests: the separate merge
+        # kernel combines them (the fused merge counts one request's arrivals).
+        fused_merge = table.fused_merge and not spec.shared_prefix
+        static_share = row.static_share if fused_merge else 100  # the fused merge resets the claims
         return DecodeTiling(vec=VEC, chunks_per_row=spec.head_dim // VEC, bdx=32 * row.warps, rows=rows, rows_pad=1,
                             bdz=1, row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=row.stages,
                             tensor_cores=True, smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch,
                             l2_prefetch=table.l2_prefetch, swizzle=row.swizzle, ring_align=table.ring_align,
-                            heads_first=table.heads_first, fused_merge=table.fused_merge, static_share=static_share,
+                            heads_first=table.heads_first, fused_merge=fused_merge, static_share=static_share,
                             min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk,
                             q_smem_bytes=q_smem, **merge)
     cc = table.cuda_cores

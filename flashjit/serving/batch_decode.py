@@ -31,6 +31,7 @@ from .plan_setup import MAX_SETUPS, Setup, make_setup
 from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
 from .plan_state import Plan, fixed_split_items, graph_capacity, prepare_launches, split_rule, split_work
 from .run_checks import NO_CACHE, scale_key
+from .shared_decode import host_page_ids, may_share, plan_sharing, shared_spans
 from .split_plan import WorkPlan
 from .streams import stream_getter
 
@@ -130,7 +131,7 @@ class BatchDecode:
              chunk_tokens: int | None = None, disable_split_kv: bool = False,
              fixed_split_tokens: int | None = None, tensor_cores: bool | None = None,
              check_page_ids: bool = True, variant: str | None = None, variant_params: dict | None = None,
-             logits_soft_cap: float | None = None, sinks=None) -> "BatchDecode":
+             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool = True) -> "BatchDecode":
         """Plans a batch for every layer's run(); see docs/api.md for the arguments.
 
         check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
@@ -146,8 +147,13 @@ class BatchDecode:
         variant="sinks", variant_params={"sinks": t}. FlashInfer's names select the built-ins:
         logits_soft_cap=50.0 (soft_cap; 0.0 or None: none) and sinks=t (a float32 tensor of one
         logit per query head), both together soft_cap_sinks.
+        share_prefixes: neighbouring requests whose page lists start with the same page ids read
+        those pages once for all of them (docs/shared_prefix.md); False plans every request alone.
         """
         import torch
+
+        if not isinstance(share_prefixes, bool):
+            validation.fail("share_prefixes", "True or False", share_prefixes)
 
         rule = split_rule(chunk_tokens, fixed_split_tokens, disable_split_kv)
 
@@ -211,6 +217,14 @@ class BatchDecode:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
+        if (share_prefixes and device_planner is None
+                and may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids, tensor_cores)):
+            ids = host_page_ids(indices, num_page_ids, page_range, landed)
+            spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
+            if spans is not None:  # else nothing is shared: the plan above stands
+                setup, tables, work, capacity = plan_sharing(
+                    setup, lambda: self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params),
+                    tables, spans)
         buffers = self._buffers_for(capacity, setup, previous)
 
         # Every argument is valid, every value checked to fit the C type it goes into (nothing below
@@ -242,6 +256,20 @@ class BatchDecode:
         self._plan = Plan(setup, tables, buffers, page_ids, max_page, tables.batch, num_tokens, query_form, a,
                           buffers.merge_args, decode_launch, merge_prepared, merge_launch)
         return self
+
+    def _shared_setup(self, setup: Setup, scalars, mask_params, kernel_q_len: int, key, variant_params) -> Setup:
+        """The setup of the shared-prefix kernel beside setup (memoized with it, at (kernel_q_len, True)):
+        a tensor-core one, whatever plan() would have picked for rows of one request."""
+        memo = None if key is None else self._setup_for_scalars.get(key)
+        found = None if memo is None else memo.get((kernel_q_len, True))
+        if found is None or found.mask_generation != setup.mask_generation:
+            scalars = scalars[:10] + (True,) + scalars[11:]  # tensor_cores
+            found = make_setup(scalars, mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
+                               device=self.device, load_kernel=self._load_kernel, variant_params=variant_params,
+                               shared_prefix=True)
+            if memo is not None:
+                memo[(kernel_q_len, True)] = found
+        return found
 
     def _buffers_for(self, capacity, setup: Setup, previous: Plan | None) -> PlanBuffers:
         """The previous plan's buffers where the new one fits in them, else new ones (never in CUDA-graph mode)."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import validation
 from ..jit.abi import ITEM_INTS  # int32 per work-item record
+from .shared_prefix import SharedSpans
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
 from ..small_arrays import largest, smallest
 
@@ -118,6 +119,7 @@ class NativeTables:
         self._indptr = indptr  # read again by write(): kept alive
         self.kv_scratch = kv_scratch
         p = planner.params
+        self.kv_pointer = p.kv_lens  # kv_scratch's address, which the read has just set
         self.batch, self.num_tokens, self.max_q_len = batch, p.num_tokens, p.max_q_len
         self.num_page_ids = p.num_page_ids
         self._spans = None  # keeps the span arrays alive while the C code points at them
@@ -127,6 +129,18 @@ class NativeTables:
     def kv_lens(self) -> np.ndarray:
         """A view of the planner's scratch: valid until a later read() that does not keep these tables."""
         return self.kv_scratch[:self.batch]
+
+    @property
+    def page_indptr(self) -> np.ndarray:
+        """indptr as numpy (a view of the caller's tensor)."""
+        return self._indptr.numpy()
+
+    @property
+    def query_indptr(self) -> np.ndarray:
+        """The query-token offsets [B+1] as numpy."""
+        if self._qo_indptr is None:
+            return np.arange(self.batch + 1, dtype=np.int64) * (1 if self._q_len is None else self._q_len)
+        return self._qo_indptr.numpy()
 
     @property
     def q_lens(self) -> np.ndarray:
@@ -182,6 +196,10 @@ class HostPlanner:
             return
         for name in ("fj_read", "fj_plan", "fj_fill"):
             getattr(library, name).restype = ctypes.c_int
+        library.fj_neighbour_prefixes.restype = library.fj_shared_groups.restype = ctypes.c_int64
+        library.fj_neighbour_prefixes.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
+        library.fj_shared_groups.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7
+        self._shared_scratch, self._shared_pointer = np.empty(0, dtype=np.int64), 0
         library.fj_id_range.restype = None
         self.params = p = _Params()
         self._parts = SPLIT_CANDIDATES.astype(np.int64)
@@ -215,6 +233,30 @@ class HostPlanner:
                 if not self.library.fj_read(ctypes.byref(p)):
                     return NativeTables(self, indptr, qo_indptr, q_len, batch, scratch)
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
+
+    def shared_spans(self, tables, ids, page_size: int, causal: bool, max_levels: int):
+        """shared_prefix.find_shared_spans over NativeTables and ids (a contiguous int32 CPU tensor),
+        in C (views of a scratch array, valid until the next call); NotImplemented for other tables
+        or without the library."""
+        if self.library is None or not isinstance(tables, NativeTables):
+            return NotImplemented
+        batch = tables.batch
+        # scratch: prefix [B], then groups [2B] each of first, count, begin, end, level, then shared
+        # and done [B]: a laminar family of runs over B - 1 pairs has fewer than 2B members.
+        if len(self._shared_scratch) < 13 * batch:
+            self._shared_scratch = np.empty(13 * max(batch, 64), dtype=np.int64)
+            self._shared_pointer = self._shared_scratch.ctypes.data
+        scratch, base, qo = self._shared_scratch, self._shared_pointer, tables._qo_indptr
+        sharing = self.library.fj_neighbour_prefixes(
+            tables._indptr.data_ptr(), ids.data_ptr(), tables.kv_pointer, None if qo is None else qo.data_ptr(),
+            1 if tables._q_len is None else tables._q_len, batch, page_size, int(causal), base)
+        if not sharing:
+            return None
+        starts = [batch * k for k in (0, 1, 3, 5, 7, 9, 11, 12)]
+        groups = self.library.fj_shared_groups(base, batch, max_levels, 2 * batch,
+                                               *(base + 8 * start for start in starts[1:]))
+        view = lambda start: scratch[start:start + groups]  # noqa: E731
+        return SharedSpans(*(view(start) for start in starts[1:6]), scratch[starts[6]:starts[6] + batch])
 
     def id_range(self, ids, count: int) -> tuple[int, int]:
         """(smallest, largest) of the first count (>= 1) values of ids, an int32 CPU tensor."""

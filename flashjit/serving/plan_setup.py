@@ -37,7 +37,7 @@ class Setup(typing.NamedTuple):
 
 
 def make_setup(scalars: tuple, mask_params, kernel_q_len: int, *, engine, arch: str, device,
-               load_kernel, variant_params=None) -> Setup:
+               load_kernel, variant_params=None, shared_prefix: bool = False) -> Setup:
     """A plan's scalars validated, the spec compiled (or found) and loaded with load_kernel(kernel, device index)."""
     (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout, sm_scale,
      tensor_cores, *variant) = scalars
@@ -45,7 +45,7 @@ def make_setup(scalars: tuple, mask_params, kernel_q_len: int, *, engine, arch: 
     validation.head_counts(num_qo_heads, num_kv_heads, page_size)
     generation = masks.generation  # before the lookups: a mask registered meanwhile makes a new setup
     spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
-                             kernel_q_len, kv_layout, arch, tensor_cores, variant)
+                             kernel_q_len, kv_layout, arch, tensor_cores, variant, shared_prefix)
     kernel = engine.get_kernel(spec)
     loaded = load_kernel(kernel, device.index)
     params = checked_mask_params(kernel.mask, window_left, mask_params, device)

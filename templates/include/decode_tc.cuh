@@ -68,8 +68,21 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
 
   const HeadScales scales(a, kv_head);
 
-  // The two query rows this thread's fragments touch: quad and quad + 8.
-  int row_tok[2], row_head[2], row_pos[2];
+  // A shared-prefix record (serving/shared_plan.py; its splits field is -members): the rows are
+  // the GQA groups x query tokens of `members` requests from item.request on, over a span every
+  // one of their queries sees whole (the planner shares nothing else). 0: an ordinary item.
+  // slot: where an ordinary item's partial goes, its record's share field (such a kernel's tiling
+  // shares no tiles, serving/shared_plan.py); else its grid position.
+  int members = 0, slot = w;
+  if constexpr (cfg::SHARED_PREFIX) {
+    const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
+    members = splits < 0 ? -splits : 0;
+    slot = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).x;
+  }
+
+  // The two query rows this thread's fragments touch: quad and quad + 8; row_token: the row's
+  // query token in q.
+  int row_tok[2], row_head[2], row_pos[2], row_token[2];
   bool row_valid[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -78,6 +91,16 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     row_head[h] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     row_valid[h] = row < ROWS_TOTAL && row_tok[h] < item.q_len;
     row_pos[h] = item.kv_len - item.q_len + row_tok[h];
+    if constexpr (cfg::SHARED_PREFIX) {
+      row_token[h] = item.q_begin + row_tok[h];
+      if (members > 0) {
+        const int member = row_tok[h] / item.q_len;
+        row_tok[h] -= member * item.q_len;
+        row_valid[h] = member < members;
+        row_pos[h] = 0x3fffffff;  // past every key: the whole span is visible
+        row_token[h] = row_valid[h] ? __ldg(a.req_qo_indptr + item.request + member) + row_tok[h] : 0;
+      }
+    }
   }
 
   // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)]. Loaded first:
@@ -89,7 +112,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const auto q_fragment = [&](int k, int r) -> u32 {
     const int h = r & 1, col = 16 * k + pair + (r >> 1) * 8;
     return row_valid[h] ? QueryPair<q_t, mma_t>::convert(*reinterpret_cast<const u32*>(
-                              a.q + (i64)(item.q_begin + row_tok[h]) * a.q_stride + row_head[h] * D + col))
+                              a.q + (i64)(cfg::SHARED_PREFIX ? row_token[h] : item.q_begin + row_tok[h]) * a.q_stride +
+                              row_head[h] * D + col))
                         : 0u;
   };
   u32 qa[Q_IN_SMEM ? 1 : KSTEPS][4];
@@ -226,7 +250,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   sinks.publish(row_sinks);
   __syncthreads();
 
-  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks, members, slot);
 }
 
 }  // namespace decode

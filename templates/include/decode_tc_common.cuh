@@ -47,17 +47,32 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
 // by the online-softmax rule; each thread finishes 4 columns of some rows and writes the output
 // (a request's only item) or a normalized fp32 partial and its base-2 LSE for the merge kernel;
 // the variant's sink (row_sinks [M], published by RowSinks) joins the rows of the request's first
-// item (fold_sink).
+// item (fold_sink). cfg::SHARED_PREFIX: members > 0, a shared-prefix record's rows, each member's
+// partial in its slot req_work_indptr[member] + q_begin; else the item's partial goes to own_slot
+// (its grid position in other kernels).
 template <int M, int STATES>
 FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales& scales, const CtaCoords& cta,
                            const float* red_o, const float (*red_m)[M], const float (*red_d)[M],
-                           const float* row_sinks) {
+                           const float* row_sinks, int members = 0, int own_slot = -1) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4;
   for (int cell = threadIdx.x; cell < M * COLS4; cell += 32 * cfg::WARPS) {
     const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
     const int row = cta.row_tile * M + row_in;
-    const int q_tok = row / cfg::GROUP_SIZE;
-    if (row >= cfg::GROUP_SIZE * cfg::MAX_Q_LEN || q_tok >= item.q_len) continue;
+    int q_tok = row / cfg::GROUP_SIZE;
+    int slot_item = cta.work;  // the partial slot the row writes
+    if constexpr (cfg::SHARED_PREFIX) {
+      slot_item = own_slot;
+      if (members > 0) {
+        const int member = q_tok / item.q_len;
+        if (member >= members) continue;
+        q_tok -= member * item.q_len;
+        slot_item = __ldg(a.req_work_indptr + item.request + member) + item.q_begin;
+      } else if (row >= cfg::GROUP_SIZE * cfg::MAX_Q_LEN || q_tok >= item.q_len) {
+        continue;
+      }
+    } else if (row >= cfg::GROUP_SIZE * cfg::MAX_Q_LEN || q_tok >= item.q_len) {
+      continue;
+    }
     const int qo_head = cta.kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     float m_all = FJ_NEG_INF;
 #pragma unroll
@@ -78,7 +93,7 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
     if (item.direct) {
       store_out4(a.out, a.out_stride, a.lse, a.num_qo_heads, token, qo_head, col, acc, inv, lse2);
     } else {
-      const i64 slot = ((i64)cta.work * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
+      const i64 slot = ((i64)slot_item * cfg::MAX_Q_LEN + q_tok) * a.num_qo_heads + qo_head;
       *reinterpret_cast<float4*>(a.tmp_o + slot * D + col) = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
       if (col == 0) a.tmp_lse[slot] = lse2;
     }

@@ -209,3 +209,70 @@ void fj_id_range(const int32_t *ids, int64_t n, int64_t *low_high) {
     low_high[0] = low;
     low_high[1] = high;
 }
+
+/* Pages requests b and b + 1 share from their first page on (prefix[b], b < batch - 1), at most
+ * the full pages every query of either sees (causal: those before its first query position), and
+ * 0 between requests of different query counts. The numpy reference is
+ * flashjit/serving/shared_prefix.py (neighbour_prefixes); the comparison stops at the first
+ * differing page, so a batch without sharing costs one comparison per neighbour. Returns how many
+ * neighbours share a page. qo_indptr NULL: q_len tokens each. */
+int64_t fj_neighbour_prefixes(const int32_t *indptr, const int32_t *ids, const int64_t *kv_lens,
+                              const int32_t *qo_indptr, int64_t q_len, int64_t batch, int64_t page_size,
+                              int64_t causal, int64_t *prefix) {
+    int64_t sharing = 0, prev_visible = 0, prev_q = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t q = qo_indptr ? qo_indptr[b + 1] - qo_indptr[b] : q_len;
+        const int64_t pages = indptr[b + 1] - indptr[b];
+        int64_t visible = (causal ? kv_lens[b] - q + 1 : kv_lens[b]);
+        visible = visible > 0 ? min64(visible / page_size, pages) : 0;
+        if (b > 0) {
+            int64_t shared = 0;
+            const int64_t limit = min64(prev_visible, visible);
+            if (q == prev_q && limit > 0) {
+                const int32_t *left = ids + indptr[b - 1], *right = ids + indptr[b];
+                while (shared < limit && left[shared] == right[shared]) ++shared;
+            }
+            prefix[b - 1] = shared;
+            sharing += shared > 0;
+        }
+        prev_visible = visible;
+        prev_q = q;
+    }
+    return sharing;
+}
+
+/* The nested groups of the neighbours' shared prefixes (prefix[batch - 1], from fj_neighbour_prefixes;
+ * overwritten: it ends holding each pair's pages shared by its groups), as
+ * shared_prefix.spans_from_prefixes makes them: level by level, each maximal run of pairs still
+ * sharing pages is a group of the run's requests over the fewest pages they share beyond the
+ * enclosing groups'. Writes up to capacity groups (first, count, begin, end, level; outermost level
+ * first) and shared[batch], each request's pages read by its groups; returns the number of groups,
+ * or -1 when more than capacity were found. */
+int64_t fj_shared_groups(int64_t *prefix, int64_t batch, int64_t max_levels, int64_t capacity, int64_t *first,
+                         int64_t *count, int64_t *begin, int64_t *end, int64_t *level, int64_t *shared, int64_t *done) {
+    const int64_t pairs = batch - 1;
+    int64_t groups = 0;
+    for (int64_t b = 0; b < pairs; ++b) done[b] = 0;
+    for (int64_t depth = 0; depth < max_levels; ++depth) {
+        int64_t found = 0;
+        for (int64_t b = 0; b < pairs;) {
+            if (prefix[b] - done[b] <= 0) { ++b; continue; }
+            int64_t stop = b, least = prefix[b] - done[b];
+            while (stop < pairs && prefix[stop] - done[stop] > 0) {
+                least = min64(least, prefix[stop] - done[stop]);
+                ++stop;
+            }
+            if (groups == capacity) return -1;
+            first[groups] = b; count[groups] = stop - b + 1;
+            begin[groups] = done[b]; end[groups] = done[b] + least; level[groups] = depth;
+            ++groups;
+            ++found;
+            for (int64_t i = b; i < stop; ++i) done[i] += least;
+            b = stop;
+        }
+        if (!found) break;
+    }
+    for (int64_t b = 0; b < batch; ++b)
+        shared[b] = max64(b > 0 ? done[b - 1] : 0, b < pairs ? done[b] : 0);
+    return groups;
+}

@@ -1,0 +1,228 @@
+"""Shared-prefix decode benchmark: batches of samples whose page tables start with their prompt's pages.
+
+    python -m benchmarks.shared_prefix [--iters 50] [--flush dirty|clean] [--no-graph] [--json out.json]
+
+Rows (32 q / 8 kv heads, head_dim 128, bf16, page 16; the L2 flushed before each timed call, CUDA
+events around the call, the median of --iters; benchmarks/timing.py):
+  "16 samples, 8192 + 512"      one prompt of 8192 tokens, 16 requests each with 512 own tokens
+  "16 samples, 32768 + 1024"
+  "4 prompts x 16 samples, 4096 + 256"
+  "64 samples, 2048 + 128"
+Columns: flashjit (sharing, the default), flashjit per request (share_prefixes=False), FlashInfer's
+tensor-core decode and its MultiLevelCascadeAttentionWrapper with 2 levels (prompt, own pages) when
+FlashInfer imports, and the read-once floor: every shared page once plus each request's own pages,
+streamed under the same flush and timing (benchmarks/read_floor.py). Each implementation's output
+is checked against flashjit.serving.reference before it is timed. The graph columns replay a CUDA
+graph of the step (flashjit in its CUDA-graph mode, planned before capture and again before the
+replays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+
+import numpy as np
+
+HEADS_QO, HEADS_KV, HEAD_DIM, PAGE = 32, 8, 128, 16
+
+
+class Row(typing.NamedTuple):
+    name: str
+    prompts: int
+    samples: int     # per prompt
+    prompt_len: int  # tokens, a multiple of PAGE
+    own_len: int     # tokens each request adds after its prompt
+
+
+ROWS = [
+    Row("16 samples, 8192 + 512", 1, 16, 8192, 512),
+    Row("16 samples, 32768 + 1024", 1, 16, 32768, 1024),
+    Row("4 prompts x 16 samples, 4096 + 256", 4, 16, 4096, 256),
+    Row("64 samples, 2048 + 128", 1, 64, 2048, 128),
+]
+
+
+class Tables(typing.NamedTuple):
+    indptr: np.ndarray         # [B+1]
+    indices: np.ndarray        # page ids (a shuffled pool)
+    last_page_len: np.ndarray  # [B]
+    prompt_pages: list         # per prompt, its page ids
+    own_pages: list            # per request, its own page ids
+    unique_pages: int          # pages the batch reads at least once
+
+
+def build_tables(row: Row, seed: int = 0) -> Tables:
+    """The page table of a row: prompt pages shared by its samples, then each request's own pages,
+    over a shuffled pool (no two rows of the cache neighbours by accident)."""
+    rng = np.random.default_rng(seed)
+    prompt_n, own_n = row.prompt_len // PAGE, -(-row.own_len // PAGE)
+    total = row.prompts * prompt_n + row.prompts * row.samples * own_n
+    pool = rng.permutation(total).astype(np.int32)
+    prompts = [pool[p * prompt_n:(p + 1) * prompt_n] for p in range(row.prompts)]
+    start = row.prompts * prompt_n
+    owns, lists = [], []
+    for p in range(row.prompts):
+        for _ in range(row.samples):
+            own = pool[start:start + own_n]
+            start += own_n
+            owns.append(own)
+            lists.append(np.concatenate([prompts[p], own]))
+    indptr = np.concatenate([[0], np.cumsum([len(x) for x in lists])]).astype(np.int32)
+    last = row.own_len - (own_n - 1) * PAGE if own_n else PAGE
+    return Tables(indptr, np.concatenate(lists), np.full(len(lists), last, dtype=np.int32), prompts, owns, total)
+
+
+def floor_bytes(row: Row, tables: Tables) -> int:
+    """Bytes a read-once kernel must read: every page once (K and V), plus q and out."""
+    page_bytes = 2 * PAGE * HEADS_KV * HEAD_DIM * 2
+    batch = row.prompts * row.samples
+    return tables.unique_pages * page_bytes + 2 * batch * HEADS_QO * HEAD_DIM * 2
+
+
+def _flashinfer_cascade(torch, flashinfer, row: Row, tables: Tables, q, cache):
+    """MultiLevelCascadeAttentionWrapper over 2 levels: each prompt's pages for its samples' queries,
+    then each request's own pages."""
+    device = q.device
+    i32 = lambda a: torch.tensor(np.asarray(a), dtype=torch.int32, device=device)  # noqa: E731
+    prompt_n = row.prompt_len // PAGE
+    qo_prompt = i32(np.arange(row.prompts + 1) * row.samples)
+    kv_prompt = i32(np.arange(row.prompts + 1) * prompt_n)
+    idx_prompt = i32(np.concatenate(tables.prompt_pages))
+    last_prompt = i32(np.full(row.prompts, PAGE))
+    batch = row.prompts * row.samples
+    own_lens = [len(x) for x in tables.own_pages]
+    qo_own = i32(np.arange(batch + 1))
+    kv_own = i32(np.concatenate([[0], np.cumsum(own_lens)]))
+    idx_own = i32(np.concatenate(tables.own_pages))
+    last_own = i32(tables.last_page_len)
+    workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.MultiLevelCascadeAttentionWrapper(2, workspace, "NHD")
+    wrapper.plan([qo_prompt, qo_own], [kv_prompt, kv_own], [idx_prompt, idx_own], [last_prompt, last_own],
+                 HEADS_QO, HEADS_KV, HEAD_DIM, PAGE, causal=False, q_data_type=torch.bfloat16)
+    return lambda: wrapper.run(q, cache)
+
+
+def _flashinfer_decode(torch, flashinfer, tables: Tables, q, cache):
+    device = q.device
+    workspace = torch.zeros(256 * 2**20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    wrapper.plan(torch.tensor(tables.indptr, device=device), torch.tensor(tables.indices, device=device),
+                 torch.tensor(tables.last_page_len, device=device), HEADS_QO, HEADS_KV, HEAD_DIM, PAGE,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    out = torch.empty_like(q)
+    return lambda: wrapper.run(q, cache, out=out)
+
+
+def _flashjit_graph(torch, engine, tables: Tables, q, cache, capture, share: bool):
+    """flashjit in CUDA-graph mode: (a replay, the output it writes)."""
+    import flashjit
+
+    indptr, last = torch.tensor(tables.indptr), torch.tensor(tables.last_page_len)
+    ids = torch.tensor(tables.indices).cuda()
+    decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=len(last), max_num_pages=len(ids))
+
+    def plan():
+        decoder.plan(indptr, ids, last, HEADS_QO, HEADS_KV, HEAD_DIM, PAGE, share_prefixes=share)
+
+    plan()
+    out = torch.empty_like(q)
+    graph, _ = capture(torch, lambda: decoder.run(q, cache, out=out))
+    plan()
+    return graph.replay, out
+
+
+def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed: int = 0) -> dict:
+    import flashjit
+    from flashjit.serving.reference import decode_reference
+
+    tables = build_tables(row, seed)
+    gen = torch.Generator().manual_seed(seed)
+    pages = tables.unique_pages
+    k = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, generator=gen).bfloat16().cuda()
+    v = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, generator=gen).bfloat16().cuda()
+    batch = len(tables.last_page_len)
+    q = torch.randn(batch, HEADS_QO, HEAD_DIM, generator=gen).bfloat16().cuda()
+    indptr, last = torch.tensor(tables.indptr), torch.tensor(tables.last_page_len)
+    ids = torch.tensor(tables.indices).cuda()
+    ref, _ = decode_reference(q, k, v, indptr, ids, last)
+
+    def checked(name, fn, out=None):
+        got = fn() if out is None else (fn(), out)[1]
+        torch.cuda.synchronize()
+        error = ((got.float() - ref).norm() / ref.norm()).item()
+        if not error < 2e-2 or got.isnan().any():
+            return f"wrong output (relative error {error:.3g})"
+        return None
+
+    result = {"row": row.name, "batch": batch, "impls": {}, "notes": []}
+
+    def time_it(name, fn, out=None):
+        problem = checked(name, fn, out)
+        result["impls"][name] = problem if problem else round(timer.median_us(fn), 1)
+
+    for share in (True, False):
+        decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last, HEADS_QO, HEADS_KV, HEAD_DIM, PAGE,
+                                                    share_prefixes=share)
+        out = torch.empty_like(q)
+        name = "flashjit" if share else "flashjit per request"
+        if share and not decoder.spec.shared_prefix:
+            result["notes"].append("flashjit found no shared prefix")
+        time_it(name, lambda: decoder.run(q, (k, v), out=out), out)
+        if graphs:
+            replay, graph_out = _flashjit_graph(torch, engine, tables, q, (k, v), capture, share)
+            time_it(name + " (graph)", replay, graph_out)
+    try:
+        import flashinfer
+    except ImportError:
+        result["notes"].append("FlashInfer does not import: its columns are left out")
+    else:
+        for name, make in (("FlashInfer TC decode", lambda: _flashinfer_decode(torch, flashinfer, tables, q, (k, v))),
+                           ("FlashInfer cascade (2 levels)",
+                            lambda: _flashinfer_cascade(torch, flashinfer, row, tables, q, (k, v)))):
+            try:
+                time_it(name, make())
+            except Exception as exc:  # a peer's failure is reported in the row, not fatal
+                result["impls"][name] = f"failed: {type(exc).__name__}: {exc}"[:200]
+    result["impls"]["read-once floor"] = round(floor.us(timer, floor_bytes(row, tables)), 1)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--flush", choices=("dirty", "clean"), default="dirty")
+    parser.add_argument("--no-graph", action="store_true")
+    parser.add_argument("--only", default="", help="rows whose name contains this")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    import torch
+
+    import flashjit
+    from benchmarks.read_floor import ReadFloor
+    from benchmarks.timing import Timer, capture
+
+    engine = flashjit.Engine()
+    timer, floor = Timer(torch, args.iters, args.flush), ReadFloor(torch)
+    results = []
+    for row in ROWS:
+        if args.only and args.only not in row.name:
+            continue
+        r = bench_row(torch, row, engine, timer, floor, capture, not args.no_graph)
+        results.append(r)
+        impls = r["impls"]
+        cells = ", ".join(f"{k}: {v}" for k, v in impls.items())
+        fi = impls.get("FlashInfer TC decode")
+        ours = impls.get("flashjit")
+        ratio = f" | x{fi / ours:.2f} vs FlashInfer TC" if isinstance(fi, float) and isinstance(ours, float) else ""
+        share = impls["read-once floor"] / ours if isinstance(ours, float) else None
+        print(f"{row.name}: {cells}{ratio}" + (f" | floor/flashjit {share:.0%}" if share else "")
+              + ("".join(f" [{n}]" for n in r["notes"])), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

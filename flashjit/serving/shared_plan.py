@@ -1,0 +1,126 @@
+"""The work list of a batch with shared prefixes (shared_prefix.SharedSpans): shared records, member slots, own items.
+
+The grid runs the records; the merge reads partial slots, which here are not grid positions:
+  * The records: first the shared ones, each one chunk of a group's span for a run of consecutive
+    members (as many as the CTA's row tiles hold: rows = GQA group x members x query tokens), the
+    runs of one chunk next to each other so their CTAs read the chunk from HBM once and from L2
+    after (first in the grid: they are the longest work); then every request's own items over
+    [shared end, kv_len), each naming its slot in its share field.
+  * Request b's slots [req_work_indptr[b], req_work_indptr[b+1]), which the merge reads: one per
+    chunk of every group b belongs to (outermost level first), then one per own item. The shared
+    record of a chunk writes each member's partial into that member's slot of the chunk.
+
+A shared record reuses the 12 fields of abi.WORK_ITEM_FIELDS: request = its first member, the
+chunk's [v_begin, v_end), kv_len = the span's end, page_begin = the first member's page offset (the
+members' first pages are the same ids), q_begin = the slot offset k (member m's partial goes to
+position req_work_indptr[m] + k), q_len = the members' query tokens, splits = -(members); the
+sharing group is the item alone. Only a kernel built with shared_prefix reads them (and the own
+items' slots).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit.abi import ITEM_INTS
+from .shared_prefix import SharedSpans
+from .split_plan import WorkPlan, choose_chunk, plan_work
+
+
+class SharedWork:
+    """One batch's shared-prefix work list: the WorkPlan the merge and tests read, and the records."""
+
+    def __init__(self, work: WorkPlan, records: np.ndarray, spans: SharedSpans, num_shared: int, num_slots: int):
+        self.work, self.records, self.spans, self.num_shared = work, records, spans, num_shared
+        self.num_slots = num_slots  # partial slots: the merge's ranges cover [0, num_slots)
+
+
+def members_per_record(group_size: int, q_len: int, row_tiles: int, rows_per_tile: int = 16) -> int:
+    """Members one shared record's CTAs hold: their rows (group x q_len each) fill the row tiles."""
+    return max(1, (row_tiles * rows_per_tile) // (group_size * q_len))
+
+
+def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray,
+                     page_size: int, *, group_size: int, row_tiles: int, ctas_per_item: int, max_ctas: int,
+                     granularity: int) -> SharedWork:
+    indptr = np.asarray(indptr, dtype=np.int64)
+    kv_lens = np.asarray(kv_lens, dtype=np.int64)
+    qo = np.asarray(qo_indptr, dtype=np.int64)
+    q_lens = qo[1:] - qo[:-1]
+    batch = len(kv_lens)
+    own_begin = np.minimum(spans.shared_pages * page_size, kv_lens)
+    span_tokens = (spans.end_page - spans.begin_page) * page_size
+    per_record = np.maximum(1, (row_tiles * 16) // (group_size * q_lens[spans.first]))  # members_per_record
+    subsets = -(-spans.count // per_record)
+    # One chunk for own and shared spans alike, priced with each shared span once per member run.
+    lens = np.concatenate([kv_lens - own_begin, np.repeat(span_tokens, subsets)])
+    chunk = choose_chunk(lens, ctas_per_item, max_ctas, granularity)
+    chunks = -(-span_tokens // chunk)
+    # Slots per request, and each group's slot offset: the chunks of its enclosing groups.
+    slots = np.zeros(batch + 1, dtype=np.int64)
+    offsets = np.zeros(spans.num_groups, dtype=np.int64)
+    for level in range(int(spans.level.max()) + 1):
+        at = spans.level == level
+        offsets[at] = np.cumsum(slots)[:-1][spans.first[at]] if level else 0
+        delta = np.zeros(batch + 1, dtype=np.int64)
+        np.add.at(delta, spans.first[at], chunks[at])
+        np.add.at(delta, spans.first[at] + spans.count[at], -chunks[at])
+        slots += delta  # a difference array: cumsum gives each request's slots of this level and above
+    slots = np.cumsum(slots)[:-1]
+    own = plan_work(own_begin, kv_lens, qo, ctas_per_item=ctas_per_item, max_ctas=max_ctas,
+                    granularity=granularity, chunk_tokens=chunk)
+    # The shared records: group by group, chunk by chunk, member run by member run.
+    per_chunk = subsets
+    records_of = chunks * per_chunk
+    group = np.repeat(np.arange(spans.num_groups), records_of)
+    within = np.arange(int(records_of.sum())) - np.repeat(np.cumsum(records_of) - records_of, records_of)
+    chunk_index, run = within // per_chunk[group], within % per_chunk[group]
+    first = spans.first[group] + run * per_record[group]
+    begin = spans.begin_page[group] * page_size + chunk_index * chunk
+    end = spans.end_page[group] * page_size
+    members = np.minimum(per_record[group], spans.first[group] + spans.count[group] - first)
+    shared = np.stack([first, begin, np.minimum(begin + chunk, end), end, indptr[first], offsets[group] + chunk_index,
+                       q_lens[first], -members, np.zeros_like(first), begin, np.minimum(begin + chunk, end),
+                       np.ones_like(first)], axis=1)
+    num_shared = len(shared)
+    own_items = np.diff(own.req_work_indptr).astype(np.int64)
+    req_work_indptr = np.zeros(batch + 1, dtype=np.int64)
+    np.cumsum(slots + own_items, out=req_work_indptr[1:])
+    # Own items after the shared records in the grid; each writes its partial to its slot (the
+    # record's share field, which a shared_prefix kernel reads: its tiling shares no tiles).
+    r = own.work_request.astype(np.int64)
+    own_slot = req_work_indptr[r] + slots[r] + (np.arange(own.num_work) - own.req_work_indptr[r])
+    splits = np.diff(req_work_indptr)
+    own_records = np.stack([r, own.work_begin, own.work_end, kv_lens[r], indptr[r], qo[r], q_lens[r], splits[r],
+                            own_slot, own.work_begin, own.work_end, np.ones_like(r)], axis=1)
+    records = np.concatenate([shared, own_records]).astype(np.int32)
+    work = WorkPlan(records[:, 0].copy(), records[:, 1].copy(), records[:, 2].copy(), req_work_indptr.astype(np.int32),
+                    qo.astype(np.int32), own.token_request, chunk, False)
+    return SharedWork(work, records, spans, num_shared, int(req_work_indptr[-1]))
+
+
+
+class SharedTables:
+    """A plan's tables (host_planner's) with a shared-prefix work list: what plan() writes instead."""
+
+    def __init__(self, tables, shared: SharedWork):
+        self.base, self.shared = tables, shared
+        self.batch, self.num_tokens, self.max_q_len = tables.batch, tables.num_tokens, tables.max_q_len
+        self.num_page_ids = tables.num_page_ids
+        self.kv_lens = np.array(tables.kv_lens)  # a copy: the native planner's scratch is reused
+        self.kv_scratch = getattr(tables, "kv_scratch", None)  # which scratch a later read must not reuse
+        self.q_lens = tables.q_lens
+
+    def write(self, host: np.ndarray, starts: tuple, staging_pointer: int):
+        work = self.shared.work
+        first, num_tokens, qo, work_indptr, token_request = starts
+        records = host[first:num_tokens].reshape(-1, ITEM_INTS)
+        records[:work.num_work] = self.shared.records
+        records[work.num_work:, 0] = -1  # padding, past the grid
+        host[num_tokens] = work.num_tokens
+        for start, values in ((qo, work.req_qo_indptr), (work_indptr, work.req_work_indptr),
+                              (token_request, work.token_request)):
+            host[start:start + len(values)] = values
+
+    def work_plan(self, host: np.ndarray, starts: tuple) -> WorkPlan:
+        return self.shared.work

@@ -1,0 +1,197 @@
+"""Shared-prefix decode on the GPU: random sharing patterns against per-request decode
+(share_prefixes=False) and the float32 reference, eager and in a CUDA graph, fp8 and multi-token."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import zlib
+
+import pytest
+import torch
+
+import flashjit
+from flashjit.serving.reference import decode_reference
+
+from .batches import rel_error
+
+PAGE, HEADS, KV_HEADS, DIM = 16, 32, 8, 128
+POOL = 4000
+TOLERANCE = 1e-2  # bf16
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return flashjit.Engine(cache_dir=tmp_path_factory.mktemp("shared-prefix-kernels"))
+
+
+@pytest.fixture(scope="module")
+def cache():
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(POOL, PAGE, KV_HEADS, DIM, generator=gen).bfloat16().cuda()
+    v = torch.randn(POOL, PAGE, KV_HEADS, DIM, generator=gen).bfloat16().cuda()
+    return k, v
+
+
+def sharing_batch(pattern: str, rng: random.Random):
+    """(page lists, last page lengths) of one sharing pattern over distinct pool pages."""
+    pool = iter(rng.sample(range(POOL), POOL))
+    fresh = lambda n: [next(pool) for _ in range(n)]  # noqa: E731
+    if pattern == "none":
+        lists = [fresh(rng.randint(1, 30)) for _ in range(7)]
+    elif pattern == "full":  # every request the same pages
+        prompt = fresh(40)
+        lists = [list(prompt) for _ in range(6)]
+    elif pattern == "samples":  # one prompt, own pages after it
+        prompt = fresh(rng.randint(20, 200))
+        lists = [prompt + fresh(rng.randint(0, 20)) for _ in range(16)]
+    elif pattern == "two_levels":  # prompt -> beams -> children, sharing ending at different depths
+        prompt = fresh(64)
+        lists = []
+        for _ in range(3):
+            beam = prompt + fresh(rng.randint(1, 12))
+            lists += [beam + fresh(rng.randint(0, 6)) for _ in range(rng.randint(1, 5))]
+        lists.append(fresh(10))  # a group of one
+    elif pattern == "prefix_of_another":
+        prompt = fresh(50)
+        lists = [prompt + fresh(5), prompt[:30], prompt + fresh(2), fresh(3)]
+    elif pattern == "many_prompts":  # 4 prompts x 8 samples
+        lists = []
+        for _ in range(4):
+            prompt = fresh(rng.randint(10, 60))
+            lists += [prompt + fresh(rng.randint(1, 8)) for _ in range(8)]
+    else:
+        raise ValueError(pattern)
+    last = [rng.randint(1, PAGE) for _ in lists]
+    return lists, last
+
+
+def tables(lists, last):
+    indptr = torch.tensor([0] + list(itertools.accumulate(len(p) for p in lists)), dtype=torch.int32)
+    ids = torch.tensor([i for p in lists for i in p], dtype=torch.int32).cuda()
+    return indptr, ids, torch.tensor(last, dtype=torch.int32)
+
+
+PATTERNS = ["none", "full", "samples", "two_levels", "prefix_of_another", "many_prompts"]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q_len):
+    rng = random.Random(zlib.crc32(f"{pattern} {mask} {q_len}".encode()))
+    k, v = cache
+    lists, last = sharing_batch(pattern, rng)
+    indptr, ids, last_t = tables(lists, last)
+    batch = len(lists)
+    qo = torch.arange(batch + 1, dtype=torch.int32) * q_len
+    q = torch.randn(batch * q_len, HEADS, DIM, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
+    outs = {}
+    for share in (True, False):
+        decoder = flashjit.BatchDecode(engine)
+        decoder.plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, mask=mask, qo_indptr=qo, share_prefixes=share)
+        assert decoder.spec.shared_prefix == (share and pattern != "none")
+        outs[share] = decoder.run(q, (k, v), return_lse=True)
+    ref, ref_lse = decode_reference(q, k, v, indptr, ids, last_t, qo_indptr=qo, mask=mask)
+    (out, lse), (plain, plain_lse) = outs[True], outs[False]
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert rel_error(out, ref) < TOLERANCE
+    assert rel_error(out, plain.float()) < TOLERANCE
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+    torch.testing.assert_close(lse, plain_lse, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("pattern", ["samples", "two_levels"])
+def test_random_seeds_of_deep_sharing(engine, cache, pattern):
+    k, v = cache
+    for seed in range(6):
+        rng = random.Random(100 + seed)
+        lists, last = sharing_batch(pattern, rng)
+        indptr, ids, last_t = tables(lists, last)
+        q = torch.randn(len(lists), HEADS, DIM, generator=torch.Generator().manual_seed(seed)).bfloat16().cuda()
+        decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, mask="causal")
+        assert decoder.spec.shared_prefix
+        out = decoder.run(q, (k, v))
+        ref, _ = decode_reference(q, k, v, indptr, ids, last_t, mask="causal")
+        assert not out.isnan().any() and rel_error(out, ref) < TOLERANCE, f"seed {seed}"
+
+
+def test_fp8_cache_falls_back_and_stays_exact(engine, cache):
+    k, v = cache
+    lists, last = sharing_batch("samples", random.Random(1))
+    indptr, ids, last_t = tables(lists, last)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    q = torch.randn(len(lists), HEADS, DIM, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
+    decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="float8_e4m3fn")
+    assert not decoder.spec.shared_prefix
+    out = decoder.run(q, (k8, v8), k_scale=1.0, v_scale=1.0)
+    plain = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="float8_e4m3fn",
+                                              share_prefixes=False).run(q, (k8, v8), k_scale=1.0, v_scale=1.0)
+    assert torch.equal(out, plain)
+    ref, _ = decode_reference(q, k8.bfloat16(), v8.bfloat16(), indptr, ids, last_t)
+    assert not out.isnan().any() and rel_error(out, ref) < 5e-2
+
+
+def test_cuda_graph_replay_with_shared_page_tables(engine, cache):
+    """CUDA-graph mode plans per request (its kernel is fixed at capture): replays stay exact."""
+    k, v = cache
+    rng = random.Random(9)
+    decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=32, max_num_pages=POOL)
+    q_static = torch.zeros(32, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    out_static = torch.zeros_like(q_static)
+    lists, last = sharing_batch("samples", rng)
+    decoder.plan(*tables(lists, last), HEADS, KV_HEADS, DIM, PAGE, mask="causal")
+    decoder.run(q_static, (k, v), out=out_static)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.run(q_static, (k, v), out=out_static)
+    for pattern in ("samples", "two_levels", "many_prompts"):
+        lists, last = sharing_batch(pattern, rng)
+        t = tables(lists, last)
+        decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, mask="causal")
+        n = len(lists)
+        q_static.copy_(torch.randn(q_static.shape, generator=torch.Generator().manual_seed(n)).bfloat16())
+        out_static.fill_(float("nan"))
+        graph.replay()
+        ref, _ = decode_reference(q_static[:n], k, v, *t, mask="causal")
+        assert not out_static[:n].isnan().any() and rel_error(out_static[:n], ref) < TOLERANCE, pattern
+
+
+def test_replanning_between_sharing_and_not_reuses_the_decoder(engine, cache):
+    k, v = cache
+    rng = random.Random(4)
+    decoder = flashjit.BatchDecode(engine)
+    for pattern in ("samples", "none", "two_levels", "none", "many_prompts"):
+        lists, last = sharing_batch(pattern, rng)
+        t = tables(lists, last)
+        q = torch.randn(len(lists), HEADS, DIM, generator=torch.Generator().manual_seed(len(lists))).bfloat16().cuda()
+        decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE)
+        out = decoder.run(q, (k, v))
+        ref, _ = decode_reference(q, k, v, *t)
+        assert not out.isnan().any() and rel_error(out, ref) < TOLERANCE, pattern
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (16, 2), (32, 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shapes_and_dtypes(engine, heads, kv_heads, head_dim, dtype):
+    """GQA groups of 1, 8 and 4 (16, 2 and 4 members per 16-row tile), three head_dims, both 16-bit types."""
+    rng = random.Random(head_dim + heads)
+    gen = torch.Generator().manual_seed(head_dim)
+    pages = 600
+    k = torch.randn(pages, PAGE, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+    v = torch.randn(pages, PAGE, kv_heads, head_dim, generator=gen).to(dtype).cuda()
+    pool = iter(rng.sample(range(pages), pages))
+    prompt = [next(pool) for _ in range(40)]
+    lists = []
+    for _ in range(3):
+        beam = prompt + [next(pool) for _ in range(rng.randint(1, 8))]
+        lists += [beam + [next(pool) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(2, 6))]
+    indptr, ids, last_t = tables(lists, [rng.randint(1, PAGE) for _ in lists])
+    q = torch.randn(len(lists), heads, head_dim, generator=gen).to(dtype).cuda()
+    decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, heads, kv_heads, head_dim, PAGE, mask="causal",
+                                                q_dtype=dtype)
+    assert decoder.spec.shared_prefix
+    out = decoder.run(q, (k, v))
+    ref, _ = decode_reference(q, k, v, indptr, ids, last_t, mask="causal")
+    assert not out.isnan().any() and rel_error(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)

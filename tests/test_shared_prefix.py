@@ -1,0 +1,282 @@
+"""Shared-prefix decode on the CPU: detection (C against numpy), the work list (emulated against
+attention over each request's whole cache), and plan()'s choice of when to share."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from flashjit.serving.host_planner import HostPlanner
+from flashjit.serving.shared_plan import members_per_record, plan_shared_work
+from flashjit.serving.shared_prefix import find_shared_spans
+from test_decode_plan import cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
+
+PAGE = 4
+
+
+def page_table(lists, last_page_len=None):
+    indptr = np.cumsum([0] + [len(pages) for pages in lists])
+    ids = np.concatenate([np.asarray(p, dtype=np.int32) for p in lists]) if indptr[-1] else np.zeros(0, np.int32)
+    last = [PAGE if p else 0 for p in lists] if last_page_len is None else last_page_len
+    kv = np.array([max(0, (len(p) - 1) * PAGE + l) if p else 0 for p, l in zip(lists, last)])
+    return indptr, ids, kv, np.array(last)
+
+
+def random_tree(rng: random.Random, batch: int):
+    """Page lists with random sharing: prompts, samples of each, children of some samples; partial
+    last pages, a request that is a prefix of another, requests alone."""
+    next_id = iter(range(10 ** 6))
+    fresh = lambda n: [next(next_id) for _ in range(n)]  # noqa: E731
+    lists = []
+    while len(lists) < batch:
+        prompt = fresh(rng.randint(0, 6))
+        for _ in range(rng.choice([1, 1, 2, 3, 5])):
+            beam = prompt + fresh(rng.randint(0, 3))
+            for _ in range(rng.choice([1, 2, 3])):
+                lists.append(beam + fresh(rng.randint(0, 3)))
+    lists = lists[:batch]
+    if rng.random() < 0.3 and len(lists) > 1 and lists[0]:
+        lists[1] = lists[0][:rng.randint(1, len(lists[0]))]  # a prefix of its neighbour
+    last = [rng.randint(1, PAGE) if p else 0 for p in lists]
+    return lists, last
+
+
+def test_nested_groups_of_a_tree():
+    lists = [[0, 1, 2, 3, 4, 10, 11, 20], [0, 1, 2, 3, 4, 10, 11, 21], [0, 1, 2, 3, 4, 30], [0, 1, 2, 3, 4, 40],
+             [50, 51], [50, 52], [60]]
+    indptr, ids, kv, _ = page_table(lists)
+    spans = find_shared_spans(indptr, ids, kv, np.ones(7, int), PAGE, causal=False)
+    assert spans.first.tolist() == [0, 4, 0] and spans.count.tolist() == [4, 2, 2]
+    assert spans.begin_page.tolist() == [0, 0, 5] and spans.end_page.tolist() == [5, 1, 7]
+    assert spans.level.tolist() == [0, 0, 1]
+    assert spans.shared_pages.tolist() == [7, 7, 5, 5, 1, 1, 0]
+
+
+def test_only_full_visible_pages_from_the_first_on_are_shared():
+    # An equal later page with different first pages shares nothing; a partial last page is not shared.
+    indptr, ids, kv, _ = page_table([[1, 2, 3], [9, 2, 3]])
+    assert find_shared_spans(indptr, ids, kv, np.ones(2, int), PAGE, causal=False) is None
+    indptr, ids, kv, _ = page_table([[1, 2, 3], [1, 2, 3]], last_page_len=[PAGE, 1])
+    assert find_shared_spans(indptr, ids, kv, np.ones(2, int), PAGE, causal=False).end_page.tolist() == [2]
+    # Causal: the span ends at or before every member's first query (q_len 2: kv_len - 1).
+    indptr, ids, kv, _ = page_table([[1, 2, 3], [1, 2, 3]])
+    assert find_shared_spans(indptr, ids, kv, np.full(2, 2), PAGE, causal=True).end_page.tolist() == [2]
+    assert find_shared_spans(indptr, ids, kv, np.full(2, 1), PAGE, causal=True).end_page.tolist() == [3]
+    # Different query counts: no shared record can hold both.
+    assert find_shared_spans(indptr, ids, kv, np.array([1, 2]), PAGE, causal=False) is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_native_detection_equals_numpy(seed):
+    library = native_library()
+    if library is None:
+        pytest.skip("no C compiler: the numpy detection is the only one")
+    rng = random.Random(seed)
+    lists, last = random_tree(rng, rng.randint(2, 40))
+    indptr, ids, kv, _ = page_table(lists, last)
+    q_len = rng.choice([1, 2])
+    planner = HostPlanner(library)
+    tables = planner.read(torch.tensor(indptr, dtype=torch.int32), torch.tensor(last, dtype=torch.int32), PAGE,
+                          q_len=q_len)
+    for causal in (False, True):
+        expected = find_shared_spans(indptr, ids, kv, np.full(len(kv), q_len), PAGE, causal=causal)
+        got = planner.shared_spans(tables, torch.from_numpy(ids), PAGE, causal, 4)
+        assert (got is None) == (expected is None)
+        if got is not None:
+            for name in expected._fields:
+                assert getattr(got, name).tolist() == getattr(expected, name).tolist(), name
+
+
+def test_detection_cost(capsys):
+    """256 requests of 100 pages: none shared, and 16 prompts x 16 samples (timed, reported)."""
+    library = native_library()
+    if library is None:
+        pytest.skip("no C compiler")
+    batch, pages = 256, 100
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages
+    last = torch.full((batch,), PAGE, dtype=torch.int32)
+    planner = HostPlanner(library)
+    tables = planner.read(indptr, last, PAGE)
+    alone = np.random.default_rng(0).permutation(batch * pages).astype(np.int32)
+    shared = np.concatenate([np.concatenate([np.arange(64) + 1000 * (r // 16), 10 ** 6 + r * 100 + np.arange(36)])
+                             for r in range(batch)]).astype(np.int32)
+    for name, ids in (("none shared", torch.from_numpy(alone)), ("16 x 16 shared", torch.from_numpy(shared))):
+        start, n = time.perf_counter(), 200
+        for _ in range(n):
+            spans = planner.shared_spans(tables, ids, PAGE, True, 4)
+        with capsys.disabled():
+            print(f"\nshared-prefix detection, 256 requests, {name}: {(time.perf_counter() - start) / n * 1e6:.1f} us")
+        assert (spans is None) == (name == "none shared")
+
+
+def attend(q, keys, values):
+    """Softmax attention of q [rows, D] over keys/values [n, D] in float64: (o, natural lse)."""
+    if len(keys) == 0:
+        return np.zeros_like(q), np.full(len(q), -np.inf)
+    s = q @ keys.T
+    top = s.max(axis=1, keepdims=True)
+    p = np.exp(s - top)
+    return (p @ values) / p.sum(axis=1, keepdims=True), (top[:, 0] + np.log(p.sum(axis=1)))
+
+
+def emulate(records, req_work_indptr, qo, q, k, v, ids, group, causal):
+    """What the shared-prefix kernel and the merge compute from a work list, in float64."""
+    heads = q.shape[1]
+    partial = {}
+    for w, (r, v0, v1, kv_len, page_begin, q_begin, q_len, splits, *_rest) in enumerate(records):
+        if r < 0:
+            continue
+        members = -splits if splits < 0 else 1
+        for m in range(r, r + members):
+            slot = req_work_indptr[m] + q_begin if splits < 0 else _rest[0]
+            tokens = range(qo[m], qo[m] + q_len)
+            pos = np.arange(v0, v1)
+            phys = ids[page_begin + pos // PAGE] * PAGE + pos % PAGE
+            for t_i, t in enumerate(tokens):
+                seen = pos if splits < 0 or not causal else pos[pos <= kv_len - q_len + t_i]
+                ph = phys[: len(seen)] if splits >= 0 else phys
+                for h in range(heads):
+                    partial[(slot, t, h)] = attend(q[t, h][None], k[ph, h // group], v[ph, h // group])
+    out = np.zeros_like(q)
+    for b in range(len(qo) - 1):
+        for t in range(qo[b], qo[b + 1]):
+            for h in range(heads):
+                parts = [partial[(w, t, h)] for w in range(req_work_indptr[b], req_work_indptr[b + 1])]
+                lse = np.array([p[1][0] for p in parts])
+                top = lse.max()
+                if top == -np.inf:
+                    continue
+                weights = np.exp(lse - top)
+                out[t, h] = sum(wt * p[0][0] for wt, p in zip(weights, parts)) / weights.sum()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_shared_work_list_equals_whole_attention(seed):
+    rng = random.Random(seed)
+    lists, last = random_tree(rng, rng.randint(2, 12))
+    indptr, ids, kv, _ = page_table(lists, last)
+    batch, group, kv_heads, dim = len(lists), rng.choice([1, 2, 4]), 2, 8
+    q_len = rng.choice([1, 1, 2])
+    causal = rng.random() < 0.5
+    qo = np.arange(batch + 1) * q_len
+    spans = find_shared_spans(indptr, ids, kv, np.full(batch, q_len), PAGE, causal=causal)
+    if spans is None:
+        pytest.skip("this pattern shares nothing")  # seeds are fixed: most share (checked below)
+    row_tiles = -(-group * q_len // 16)
+    shared = plan_shared_work(spans, indptr, kv, qo, PAGE, group_size=group, row_tiles=row_tiles,
+                              ctas_per_item=kv_heads * row_tiles, max_ctas=8, granularity=PAGE)
+    work = shared.work
+    assert shared.num_shared > 0 and work.num_work == len(shared.records)
+    step = members_per_record(group, q_len, row_tiles)
+    assert all(-s <= step for s in shared.records[:, 7] if s < 0)
+    data = np.random.default_rng(seed)
+    pages = int(ids.max()) + 1 if len(ids) else 1
+    q = data.standard_normal((batch * q_len, kv_heads * group, dim))
+    k = data.standard_normal((pages * PAGE, kv_heads, dim))
+    v = data.standard_normal((pages * PAGE, kv_heads, dim))
+    got = emulate(shared.records, work.req_work_indptr, qo, q, k, v, ids, group, causal)
+    for b in range(batch):
+        pos = np.arange(kv[b])
+        phys = ids[indptr[b] + pos // PAGE] * PAGE + pos % PAGE if kv[b] else np.zeros(0, int)
+        for i in range(q_len):
+            seen = phys[: kv[b] - q_len + i + 1] if causal else phys
+            for h in range(kv_heads * group):
+                want = attend(q[b * q_len + i, h][None], k[seen, h // group], v[seen, h // group])[0][0]
+                np.testing.assert_allclose(got[b * q_len + i, h], want, atol=1e-9)
+
+
+def test_most_random_patterns_share():
+    shared = 0
+    for seed in range(12):
+        rng = random.Random(seed)
+        lists, last = random_tree(rng, rng.randint(2, 12))
+        indptr, ids, kv, _ = page_table(lists, last)
+        rng.choice([1, 2, 4]), rng.choice([1, 1, 2]), rng.random()
+        shared += find_shared_spans(indptr, ids, kv, np.ones(len(kv), int), PAGE, causal=False) is not None
+    assert shared >= 8
+
+
+def plan_args(lists, last):
+    indptr, ids, kv, last = page_table(lists, last)
+    return (torch.tensor(indptr, dtype=torch.int32), torch.tensor(ids, dtype=torch.int32),
+            torch.tensor(last, dtype=torch.int32))
+
+
+SHARED_BATCH = ([[0, 1, 2, 3, 10], [0, 1, 2, 3, 11], [0, 1, 2, 3, 12], [20, 21]], [PAGE, 2, 1, 3])
+
+
+def test_plan_shares_by_default_and_not_when_told(planner):
+    decoder = cpu_decoder(planner)
+    args = plan_args(*SHARED_BATCH)
+    decoder.plan(*args, 32, 8, 128, PAGE, mask="causal")
+    assert decoder.spec.shared_prefix and not decoder.kernel.tiling.fused_merge
+    records = decoder.current_plan.tables.shared.records
+    assert (records[:, 7] < 0).any()  # shared records
+    decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=False)
+    assert not decoder.spec.shared_prefix and (decoder.work.work_request >= 0).all()
+    with pytest.raises(ValueError, match="share_prefixes"):
+        decoder.plan(*args, 32, 8, 128, PAGE, share_prefixes=1)
+
+
+def test_plans_without_sharing_are_unchanged(planner):
+    lists = [[0, 1, 2], [3, 4, 5], [6, 7]]
+    works = []
+    for share in (True, False):
+        decoder = cpu_decoder(planner)
+        decoder.plan(*plan_args(lists, [PAGE, 1, 2]), 32, 8, 128, PAGE, share_prefixes=share)
+        assert not decoder.spec.shared_prefix
+        works.append(decoder.current_plan.buffers.host.copy())
+    assert np.array_equal(*works)
+
+
+def test_the_staging_buffer_holds_the_shared_records(planner):
+    from flashjit.serving.host_planner import item_records
+
+    decoder = cpu_decoder(planner)
+    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, mask="causal")
+    plan = decoder.current_plan
+    shared = plan.tables.shared
+    staged = item_records(plan.buffers.host, plan.buffers.starts)
+    assert np.array_equal(staged[:shared.work.num_work], shared.records)
+    starts = plan.buffers.starts
+    assert plan.buffers.host[starts[3]:starts[3] + len(SHARED_BATCH[0]) + 1].tolist() == \
+        shared.work.req_work_indptr.tolist()
+    # The device buffer got the same words (a plain copy on the CPU device).
+    assert np.array_equal(plan.buffers.device_buffer.numpy(), plan.buffers.host)
+
+
+@pytest.mark.parametrize("options", [dict(kv_dtype="float8_e4m3fn"), dict(mask="sliding_window", window_left=8),
+                                     dict(chunk_tokens=64), dict(disable_split_kv=True), dict(tensor_cores=False),
+                                     dict(logits_soft_cap=30.0),
+                                     dict(check_page_ids=False)])
+def test_plans_that_cannot_share_plan_per_request(planner, options):
+    decoder = cpu_decoder(planner)
+    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, **options)
+    assert not decoder.spec.shared_prefix
+
+
+def test_benchmark_rows_share_their_prompts():
+    from benchmarks.shared_prefix import PAGE as BENCH_PAGE, ROWS, build_tables, floor_bytes
+
+    for row in ROWS:
+        t = build_tables(row)
+        batch = row.prompts * row.samples
+        kv = (np.diff(t.indptr) - 1) * BENCH_PAGE + t.last_page_len
+        assert kv.tolist() == [row.prompt_len + row.own_len] * batch
+        spans = find_shared_spans(t.indptr, t.indices, kv, np.ones(batch, int), BENCH_PAGE, causal=True)
+        assert spans.count.tolist() == [row.samples] * row.prompts
+        assert spans.end_page.tolist() == [row.prompt_len // BENCH_PAGE] * row.prompts
+        assert floor_bytes(row, t) > t.unique_pages * BENCH_PAGE * 8 * 128 * 4
+
+
+def test_a_group_of_one_head_shares_on_tensor_cores(planner):
+    decoder = cpu_decoder(planner)
+    decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE)  # one row per request: CUDA cores alone
+    assert decoder.spec.shared_prefix and decoder.spec.tensor_cores
+    decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE, share_prefixes=False)
+    assert not decoder.spec.tensor_cores
