@@ -8,7 +8,7 @@ events around the call, the median of --iters; benchmarks/timing.py):
   "16 samples, 32768 + 1024"
   "4 prompts x 16 samples, 4096 + 256"
   "64 samples, 2048 + 128"
-Columns: flashjit (sharing, the default), flashjit per request (share_prefixes=False), FlashInfer's
+Columns: flashjit (share_prefixes=True), flashjit per request (the default), FlashInfer's
 tensor-core decode and its MultiLevelCascadeAttentionWrapper with 2 levels (prompt, own pages) when
 FlashInfer imports, and the read-once floor: every shared page once plus each request's own pages,
 streamed under the same flush and timing (benchmarks/read_floor.py). Each implementation's output

@@ -210,10 +210,12 @@ def plan_args(lists, last):
 SHARED_BATCH = ([[0, 1, 2, 3, 10], [0, 1, 2, 3, 11], [0, 1, 2, 3, 12], [20, 21]], [PAGE, 2, 1, 3])
 
 
-def test_plan_shares_by_default_and_not_when_told(planner):
+def test_plan_shares_when_asked_and_not_by_default(planner):
     decoder = cpu_decoder(planner)
     args = plan_args(*SHARED_BATCH)
     decoder.plan(*args, 32, 8, 128, PAGE, mask="causal")
+    assert not decoder.spec.shared_prefix and (decoder.work.work_request >= 0).all()
+    decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
     assert decoder.spec.shared_prefix and not decoder.kernel.tiling.fused_merge
     records = decoder.current_plan.tables.shared.records
     assert (records[:, 7] < 0).any()  # shared records
@@ -238,7 +240,7 @@ def test_the_staging_buffer_holds_the_shared_records(planner):
     from flashjit.serving.host_planner import item_records
 
     decoder = cpu_decoder(planner)
-    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, mask="causal")
+    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
     plan = decoder.current_plan
     shared = plan.tables.shared
     staged = item_records(plan.buffers.host, plan.buffers.starts)
@@ -256,7 +258,7 @@ def test_the_staging_buffer_holds_the_shared_records(planner):
                                      dict(check_page_ids=False)])
 def test_plans_that_cannot_share_plan_per_request(planner, options):
     decoder = cpu_decoder(planner)
-    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, **options)
+    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, share_prefixes=True, **options)
     assert not decoder.spec.shared_prefix
 
 
@@ -276,7 +278,7 @@ def test_benchmark_rows_share_their_prompts():
 
 def test_a_group_of_one_head_shares_on_tensor_cores(planner):
     decoder = cpu_decoder(planner)
-    decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE)  # one row per request: CUDA cores alone
+    decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE, share_prefixes=True)  # one row per request
     assert decoder.spec.shared_prefix and decoder.spec.tensor_cores
     decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE, share_prefixes=False)
-    assert not decoder.spec.tensor_cores
+    assert not decoder.spec.shared_prefix

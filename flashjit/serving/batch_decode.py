@@ -131,7 +131,7 @@ class BatchDecode:
              chunk_tokens: int | None = None, disable_split_kv: bool = False,
              fixed_split_tokens: int | None = None, tensor_cores: bool | None = None,
              check_page_ids: bool = True, variant: str | None = None, variant_params: dict | None = None,
-             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool = True) -> "BatchDecode":
+             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool = False) -> "BatchDecode":
         """Plans a batch for every layer's run(); see docs/api.md for the arguments.
 
         check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
@@ -147,8 +147,9 @@ class BatchDecode:
         variant="sinks", variant_params={"sinks": t}. FlashInfer's names select the built-ins:
         logits_soft_cap=50.0 (soft_cap; 0.0 or None: none) and sinks=t (a float32 tensor of one
         logit per query head), both together soft_cap_sinks.
-        share_prefixes: neighbouring requests whose page lists start with the same page ids read
-        those pages once for all of them (docs/shared_prefix.md); False plans every request alone.
+        share_prefixes: True: neighbouring requests whose page lists start with the same page ids
+        read those pages once for all of them (docs/shared_prefix.md); False (the default) plans
+        every request alone.
         """
         import torch
 

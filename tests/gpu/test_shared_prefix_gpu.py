@@ -109,7 +109,8 @@ def test_random_seeds_of_deep_sharing(engine, cache, pattern):
         lists, last = sharing_batch(pattern, rng)
         indptr, ids, last_t = tables(lists, last)
         q = torch.randn(len(lists), HEADS, DIM, generator=torch.Generator().manual_seed(seed)).bfloat16().cuda()
-        decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, mask="causal")
+        decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, mask="causal",
+                                                    share_prefixes=True)
         assert decoder.spec.shared_prefix
         out = decoder.run(q, (k, v))
         ref, _ = decode_reference(q, k, v, indptr, ids, last_t, mask="causal")
@@ -122,7 +123,8 @@ def test_fp8_cache_falls_back_and_stays_exact(engine, cache):
     indptr, ids, last_t = tables(lists, last)
     k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
     q = torch.randn(len(lists), HEADS, DIM, generator=torch.Generator().manual_seed(2)).bfloat16().cuda()
-    decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="float8_e4m3fn")
+    decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="float8_e4m3fn",
+                                                share_prefixes=True)
     assert not decoder.spec.shared_prefix
     out = decoder.run(q, (k8, v8), k_scale=1.0, v_scale=1.0)
     plain = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, kv_dtype="float8_e4m3fn",
@@ -140,7 +142,7 @@ def test_cuda_graph_replay_with_shared_page_tables(engine, cache):
     q_static = torch.zeros(32, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     out_static = torch.zeros_like(q_static)
     lists, last = sharing_batch("samples", rng)
-    decoder.plan(*tables(lists, last), HEADS, KV_HEADS, DIM, PAGE, mask="causal")
+    decoder.plan(*tables(lists, last), HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=True)
     decoder.run(q_static, (k, v), out=out_static)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -148,7 +150,7 @@ def test_cuda_graph_replay_with_shared_page_tables(engine, cache):
     for pattern in ("samples", "two_levels", "many_prompts"):
         lists, last = sharing_batch(pattern, rng)
         t = tables(lists, last)
-        decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, mask="causal")
+        decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=True)
         n = len(lists)
         q_static.copy_(torch.randn(q_static.shape, generator=torch.Generator().manual_seed(n)).bfloat16())
         out_static.fill_(float("nan"))
@@ -165,7 +167,7 @@ def test_replanning_between_sharing_and_not_reuses_the_decoder(engine, cache):
         lists, last = sharing_batch(pattern, rng)
         t = tables(lists, last)
         q = torch.randn(len(lists), HEADS, DIM, generator=torch.Generator().manual_seed(len(lists))).bfloat16().cuda()
-        decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE)
+        decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, share_prefixes=True)
         out = decoder.run(q, (k, v))
         ref, _ = decode_reference(q, k, v, *t)
         assert not out.isnan().any() and rel_error(out, ref) < TOLERANCE, pattern
@@ -190,7 +192,7 @@ def test_shapes_and_dtypes(engine, heads, kv_heads, head_dim, dtype):
     indptr, ids, last_t = tables(lists, [rng.randint(1, PAGE) for _ in lists])
     q = torch.randn(len(lists), heads, head_dim, generator=gen).to(dtype).cuda()
     decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, heads, kv_heads, head_dim, PAGE, mask="causal",
-                                                q_dtype=dtype)
+                                                q_dtype=dtype, share_prefixes=True)
     assert decoder.spec.shared_prefix
     out = decoder.run(q, (k, v))
     ref, _ = decode_reference(q, k, v, indptr, ids, last_t, mask="causal")
