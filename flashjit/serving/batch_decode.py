@@ -24,6 +24,7 @@ from ..jit.spec import KV_DTYPES, normalize_dtype
 from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
 from . import run_checks, variant_args
+from .device_choice import decoder_device
 from .buffers import PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_planner import HostPlanner
@@ -92,13 +93,8 @@ class BatchDecode:
         import torch
 
         self.engine = engine or default_engine()
-        self.device = torch.device(device)
-        if self.device.type != "cuda" and (arch is None or self.device.type != "cpu"):
-            validation.fail("device", "a CUDA device", self.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device, self._arch = decoder_device(torch, device, arch)
         self._device_index = self.device.index
-        self._arch = arch if arch is not None else "sm_%d%d" % torch.cuda.get_device_capability(self.device)
         self._load_kernel = load_kernel or Kernel.loaded
         self._current_stream = current_stream or stream_getter()
         self.use_cuda_graph = use_cuda_graph

@@ -27,6 +27,7 @@ from ..jit.kernel import Kernel, LoadedKernel, PreparedLaunch
 from ..jit.mla_spec import MLASpec
 from ..small_arrays import largest
 from .batch_decode import default_engine
+from .device_choice import decoder_device
 from .buffers import Capacity, PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_planner import HostPlanner
@@ -94,12 +95,7 @@ class BatchDecodeMLA:
         import torch
 
         self.engine = engine or default_engine()
-        self.device = torch.device(device)
-        if self.device.type != "cuda" and (arch is None or self.device.type != "cpu"):
-            validation.fail("device", "a CUDA device", self.device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self._arch = arch if arch is not None else "sm_%d%d" % torch.cuda.get_device_capability(self.device)
+        self.device, self._arch = decoder_device(torch, device, arch)
         self._load_kernel = load_kernel or Kernel.loaded
         self._current_stream = current_stream or stream_getter()
         self.use_cuda_graph = use_cuda_graph
