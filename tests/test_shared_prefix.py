@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.serving.host_planner import HostPlanner
+from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.shared_plan import members_per_record, plan_shared_work
 from flashjit.serving.shared_prefix import find_shared_spans
 from test_decode_plan import cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
@@ -217,7 +217,8 @@ def test_plan_shares_when_asked_and_not_by_default(planner):
     assert not decoder.spec.shared_prefix and (decoder.work.work_request >= 0).all()
     decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
     assert decoder.spec.shared_prefix and not decoder.kernel.tiling.fused_merge
-    records = decoder.current_plan.tables.shared.records
+    plan = decoder.current_plan
+    records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
     assert (records[:, 7] < 0).any()  # shared records
     decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=False)
     assert not decoder.spec.shared_prefix and (decoder.work.work_request >= 0).all()
@@ -236,20 +237,29 @@ def test_plans_without_sharing_are_unchanged(planner):
     assert np.array_equal(*works)
 
 
-def test_the_staging_buffer_holds_the_shared_records(planner):
-    from flashjit.serving.host_planner import item_records
-
-    decoder = cpu_decoder(planner)
-    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
-    plan = decoder.current_plan
-    shared = plan.tables.shared
-    staged = item_records(plan.buffers.host, plan.buffers.starts)
-    assert np.array_equal(staged[:shared.work.num_work], shared.records)
-    starts = plan.buffers.starts
-    assert plan.buffers.host[starts[3]:starts[3] + len(SHARED_BATCH[0]) + 1].tolist() == \
-        shared.work.req_work_indptr.tolist()
-    # The device buffer got the same words (a plain copy on the CPU device).
-    assert np.array_equal(plan.buffers.device_buffer.numpy(), plan.buffers.host)
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_the_staging_buffer_holds_the_shared_records(planner, mask):
+    """plan() with the C planner stages the numpy planner's words (its reference), and the work
+    summary of the staged list."""
+    if native_library() is None:
+        pytest.skip("no C compiler: the numpy planner is the only one")
+    staged = []
+    for library in (native_library(), None):
+        decoder = cpu_decoder(planner, host_planner=HostPlanner(library))
+        decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, mask=mask, share_prefixes=True)
+        plan = decoder.current_plan
+        assert decoder.spec.shared_prefix
+        # The device buffer got the same words (a plain copy on the CPU device).
+        assert np.array_equal(plan.buffers.device_buffer.numpy(), plan.buffers.host)
+        work = decoder.work
+        records = item_records(plan.buffers.host, plan.buffers.starts)
+        assert work.work_request.tolist() == records[:work.num_work, 0].tolist()
+        assert (records[work.num_work:, 0] == -1).all()
+        staged.append((plan.buffers.host.copy(), plan.capacity, work.num_work, work.chunk_tokens,
+                       work.req_work_indptr.tolist(), work.token_request.tolist()))
+    native, reference = staged
+    assert native[1:] == reference[1:]
+    assert native[0].tobytes() == reference[0].tobytes()
 
 
 @pytest.mark.parametrize("options", [dict(kv_dtype="float8_e4m3fn"), dict(mask="sliding_window", window_left=8),

@@ -221,7 +221,7 @@ class BatchDecode:
             if spans is not None:  # else nothing is shared: the plan above stands
                 setup, tables, work, capacity = plan_sharing(
                     setup, lambda: self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params),
-                    tables, spans)
+                    tables, spans, self._host_planner)
         buffers = self._buffers_for(capacity, setup, previous)
 
         # Every argument is valid, every value checked to fit the C type it goes into (nothing below

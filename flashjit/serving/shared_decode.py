@@ -67,16 +67,23 @@ def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
     return find_shared_spans(indptr, ids.numpy(), tables.kv_lens, tables.q_lens, page_size, causal=causal)
 
 
-def plan_sharing(setup, shared_setup_for, tables, spans):
+def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None):
     """(setup, tables, work, capacity) of a batch with shared spans (shared_prefix.SharedSpans);
-    shared_setup_for() makes the shared_prefix kernel's setup."""
+    shared_setup_for() makes the shared_prefix kernel's setup. The work list is made in C where the
+    host planner can (HostPlanner.shared_tables), else in numpy (shared_plan, the reference)."""
     shared_setup = shared_setup_for()
     tiling, loaded = shared_setup.kernel.tiling, shared_setup.loaded
-    indptr, qo = host_page_table(tables)
-    shared = plan_shared_work(spans, indptr, tables.kv_lens, qo, setup.page_size, group_size=setup.spec.group_size,
-                              row_tiles=tiling.row_tiles, ctas_per_item=setup.num_kv_heads * tiling.row_tiles,
-                              max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens)
-    shared_tables = SharedTables(tables, shared)
-    work = shared.work
+    sizes = dict(group_size=setup.spec.group_size, row_tiles=tiling.row_tiles,
+                 ctas_per_item=setup.num_kv_heads * tiling.row_tiles, max_ctas=loaded.num_sms * loaded.ctas_per_sm,
+                 granularity=tiling.tile_tokens)
+    native = getattr(host_planner, "shared_tables", None)
+    found = NotImplemented if native is None else native(tables, spans, **sizes)
+    if found is not NotImplemented:  # the tables are their own work summary, as NativeTables are
+        shared_tables = work = found
+        num_slots = found.num_slots
+    else:
+        indptr, qo = host_page_table(tables)
+        shared = plan_shared_work(spans, indptr, tables.kv_lens, qo, setup.page_size, **sizes)
+        shared_tables, work, num_slots = SharedTables(tables, shared), shared.work, shared.num_slots
     # Capacity.work sizes the records' buffer and the partials: the slots outnumber the records.
-    return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, max(shared.num_slots, work.num_work))
+    return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, max(num_slots, work.num_work))
