@@ -137,24 +137,36 @@ static int fj_query_indptr(fj_plan_t *p) {
 /* Both of the above, in one call from Python: 0 when the page table and the query offsets pass. */
 int fj_read(fj_plan_t *p) { return fj_page_table(p) || fj_query_indptr(p); }
 
+/* A span of len positions cut into chunks of `chunk` (len, chunk < 2^31): adds its items (ceil(len /
+ * chunk), one for an empty span) and its items at least half a chunk long (floor(len / chunk + 1/2)),
+ * each times `times`, from one division of doubles (several times the speed of two 64-bit integer
+ * divisions). The quotient is correctly rounded, within len / chunk * 2^-53 of the exact one; an
+ * exact quotient that is not whole, or whole plus a half, lies at least 1 / (2 chunk) from one that
+ * is, farther than that error, so the floors, the comparison and the half's addition stay exact. */
+static void count_items(int64_t len, double whole, int64_t times, int64_t *items, int64_t *long_items) {
+    const double q = (double)len / whole;
+    const int64_t floor_q = (int64_t)q;  /* q >= 0: truncation is the floor */
+    *items += times * (floor_q + ((double)floor_q != q) + (len == 0));
+    *long_items += times * (int64_t)(q + 0.5);
+}
+
 /* plan.makespans for one chunk: the fluid and the quantized bound, the merge when split. s NULL:
  * over the requests' spans; else over their own spans and each group's span once per member run
  * (shared_plan.plan_shared_work's list of lengths, without a cap on the items). */
 static double makespan(const fj_plan_t *p, const fj_shared_t *s, int64_t chunk) {
     int64_t items = 0, long_items = 0, total = 0, spans = p->batch;
+    const double whole = (double)chunk;
     for (int64_t b = 0; b < p->batch; ++b) {
         int64_t begin, end;
         if (s) begin = own_begin(p, s, b), end = p->kv_lens[b];
         else span(p, b, &begin, &end);
         int64_t len = end - begin;
-        items += len ? ceil_div(len, chunk) : 1;
-        long_items += (2 * len + chunk) / (2 * chunk);  /* floor(len / chunk + 1/2) */
+        count_items(len, whole, 1, &items, &long_items);
         total += len;
     }
     for (int64_t g = 0; s && g < s->groups; ++g) {  /* a group's span is never empty */
         int64_t len = (s->end_page[g] - s->begin_page[g]) * p->page_size, runs = member_runs(p, s, g);
-        items += runs * ceil_div(len, chunk);
-        long_items += runs * ((2 * len + chunk) / (2 * chunk));
+        count_items(len, whole, runs, &items, &long_items);
         total += runs * len;
         spans += runs;
     }
