@@ -292,3 +292,39 @@ def test_a_group_of_one_head_shares_on_tensor_cores(planner):
     assert decoder.spec.shared_prefix and decoder.spec.tensor_cores
     decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE, share_prefixes=False)
     assert not decoder.spec.shared_prefix
+
+
+def test_the_page_id_range_copies_every_id_for_a_sharing_plan():
+    from flashjit.serving.buffers import PageIdRange
+
+    reader = PageIdRange(torch.device("cpu"), copy_ids=True)
+    many = torch.arange(PageIdRange.COPY_LIMIT + 5, dtype=torch.int32) * 3
+    for count, ids in ((len(many), True), (len(many), False), (100, True)):
+        reader.start(many, count, ids=ids)
+        assert reader.wait() == (2 if count > PageIdRange.COPY_LIMIT else count)
+        found = reader.ids_host(count)
+        if count > PageIdRange.COPY_LIMIT and not ids:
+            assert found is None  # the range alone: plan() copies the ids itself
+        else:
+            assert found.tolist() == many[:count].tolist()
+        assert reader.ids_host(count - 1) is None  # never fewer ids than the plan has
+    assert PageIdRange(torch.device("cpu")).copy_ids is False  # on the CPU the ids are host memory already
+
+
+def test_a_sharing_plan_over_many_page_ids_reads_the_copied_ids(planner):
+    """Past the range's copy limit the ids come in their own copy; the plan is the numpy planner's."""
+    from flashjit.serving.buffers import PageIdRange
+
+    prompt = list(range(5000))
+    lists = [prompt + [10 ** 5 + 10 * r + i for i in range(3)] for r in range(3)]
+    args = plan_args(lists, [PAGE, 1, 2])
+    assert len(args[1]) > PageIdRange.COPY_LIMIT
+    staged = []
+    for library in (native_library(), None):
+        reader = PageIdRange(torch.device("cpu"), copy_ids=True)
+        decoder = cpu_decoder(planner, host_planner=HostPlanner(library), page_id_range=reader)
+        decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
+        assert decoder.spec.shared_prefix and reader.ids_pending == len(args[1])
+        assert decoder.current_plan.max_page == int(args[1].max())
+        staged.append(decoder.current_plan.buffers.host.tobytes())
+    assert staged[0] == staged[1]

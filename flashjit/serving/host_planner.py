@@ -239,10 +239,11 @@ class HostPlanner:
             return
         for name in ("fj_read", "fj_plan", "fj_fill"):
             getattr(library, name).restype = ctypes.c_int
-        library.fj_neighbour_prefixes.restype = library.fj_shared_groups.restype = ctypes.c_int64
-        library.fj_neighbour_prefixes.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
-        library.fj_shared_groups.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7
+        library.fj_shared_spans.restype = ctypes.c_int64
+        library.fj_shared_spans.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_void_p, ctypes.c_void_p]
         library.fj_shared_plan.restype = library.fj_shared_fill.restype = ctypes.c_int
+        self._last_read = None  # the NativeTables params describes: what the shared-prefix calls read
         self._shared_scratch, self._shared_pointer = np.empty(0, dtype=np.int64), 0
         self._spans = None  # the SharedSpans of the last shared_spans(), whose arrays _shared points at
         self._shared = _Shared()
@@ -277,46 +278,39 @@ class HostPlanner:
                 p.qo_indptr = None if qo_indptr is None else qo_indptr.data_ptr()
                 p.q_len = 1 if q_len is None else q_len
                 if not self.library.fj_read(ctypes.byref(p)):
-                    return NativeTables(self, indptr, qo_indptr, q_len, batch, scratch)
+                    self._last_read = NativeTables(self, indptr, qo_indptr, q_len, batch, scratch)
+                    return self._last_read
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
 
     def shared_spans(self, tables, ids, page_size: int, causal: bool, max_levels: int):
-        """shared_prefix.find_shared_spans over NativeTables and ids (a contiguous int32 CPU tensor),
-        in C (views of a scratch array, valid until the next call); NotImplemented for other tables
-        or without the library."""
-        if self.library is None or not isinstance(tables, NativeTables):
+        """shared_prefix.find_shared_spans over the NativeTables of the last read() and ids (a
+        contiguous int32 CPU tensor), in C (views of a scratch array, valid until the next call);
+        NotImplemented for other tables or without the library."""
+        if self.library is None or tables is not self._last_read:
             return NotImplemented
         batch = tables.batch
-        # scratch: prefix [B], then groups [2B] each of first, count, begin, end, level, then shared
-        # and done [B]: a laminar family of runs over B - 1 pairs has fewer than 2B members. Then
-        # fj_shared_plan's slots [B] and offsets [2B].
-        if len(self._shared_scratch) < 16 * batch:
+        if len(self._shared_scratch) < 16 * batch:  # fj_shared_spans' layout
             self._shared_scratch = np.empty(16 * max(batch, 64), dtype=np.int64)
             self._shared_pointer = self._shared_scratch.ctypes.data
-        scratch, base, qo = self._shared_scratch, self._shared_pointer, tables._qo_indptr
-        sharing = self.library.fj_neighbour_prefixes(
-            tables._indptr.data_ptr(), ids.data_ptr(), tables.kv_pointer, None if qo is None else qo.data_ptr(),
-            1 if tables._q_len is None else tables._q_len, batch, page_size, int(causal), base)
-        if not sharing:
-            return None
-        starts = [batch * k for k in (0, 1, 3, 5, 7, 9, 11, 12)]
-        groups = self.library.fj_shared_groups(base, batch, max_levels, 2 * batch,
-                                               *(base + 8 * start for start in starts[1:]))
-        view = lambda start: scratch[start:start + groups]  # noqa: E731
-        spans = SharedSpans(*(view(start) for start in starts[1:6]), scratch[starts[6]:starts[6] + batch])
         shared = self._shared
-        shared.first, shared.count, shared.begin_page, shared.end_page = (base + 8 * start for start in starts[1:5])
-        shared.shared_pages, shared.groups = base + 8 * starts[6], groups
-        shared.slots, shared.offsets = base + 8 * 13 * batch, base + 8 * 14 * batch
+        groups = self.library.fj_shared_spans(ctypes.byref(self.params), ids.data_ptr(), int(causal), max_levels,
+                                              self._shared_pointer, ctypes.byref(shared))
+        if groups <= 0:  # 0: nothing shared (-1, more groups than the scratch holds, cannot happen)
+            self._spans = None
+            return None
+        scratch = self._shared_scratch
+        # first, count, begin, end and level lie 2B apart from B on: one strided view, a row each
+        spans = SharedSpans(*scratch[batch:11 * batch].reshape(5, 2 * batch)[:, :groups],
+                            scratch[11 * batch:12 * batch])
         self._spans = spans
         return spans
 
     def shared_tables(self, tables, spans: SharedSpans, *, group_size: int, row_tiles: int, ctas_per_item: int,
                       max_ctas: int, granularity: int):
-        """NativeSharedTables of NativeTables and the spans the last shared_spans() found, the same
-        work list as shared_plan.plan_shared_work's (its arguments); NotImplemented for other tables
-        or spans."""
-        if self.library is None or not isinstance(tables, NativeTables) or spans is not self._spans:
+        """NativeSharedTables of the last read()'s NativeTables and the spans the last shared_spans()
+        found over them: the work list of shared_plan.plan_shared_work (its arguments);
+        NotImplemented for other tables or spans."""
+        if self.library is None or tables is not self._last_read or spans is not self._spans:
             return NotImplemented
         p, shared = self.params, self._shared
         p.ctas_per_item, p.max_ctas, p.granularity = ctas_per_item, max_ctas, granularity

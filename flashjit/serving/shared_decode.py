@@ -47,12 +47,11 @@ def host_page_table(tables) -> tuple[np.ndarray, np.ndarray]:
     return indptr, qo
 
 
-def host_page_ids(indices, num_page_ids: int, page_range, landed: int):
-    """The plan's page ids on the host (a contiguous int32 CPU tensor): the page-id range's copy when
-    it holds them all, else a copy (which waits for the stream)."""
-    if landed == num_page_ids and landed <= len(page_range.host):
-        return page_range.host[:num_page_ids]
-    return indices[:num_page_ids].cpu().contiguous()
+def host_page_ids(indices, num_page_ids: int, page_range):
+    """The plan's page ids on the host (a contiguous int32 CPU tensor): the copy the page-id range
+    made of them (buffers.PageIdRange.ids_host), else a copy (which waits for the stream)."""
+    found = page_range.ids_host(num_page_ids)
+    return indices[:num_page_ids].cpu().contiguous() if found is None else found
 
 
 def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):

@@ -427,3 +427,23 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
     for (; w < at->work_capacity; ++w) records[ITEM_INTS * w] = -1;
     return 0;
 }
+
+/* fj_neighbour_prefixes and fj_shared_groups over the page table fj_read read (p) and its page ids,
+ * in one call from Python. scratch holds 16 * batch values: prefix [B], first, count, begin, end and
+ * level [2B each: a laminar family of runs over B - 1 pairs has fewer than 2B members], shared [B],
+ * done [B], then fj_shared_plan's slots [B] and offsets [2B]; s's arrays are pointed into it.
+ * Returns the number of groups, 0 when nothing is shared. */
+int64_t fj_shared_spans(const fj_plan_t *p, const int32_t *ids, int64_t causal, int64_t max_levels, int64_t *scratch,
+                        fj_shared_t *s) {
+    const int64_t batch = p->batch;
+    if (!fj_neighbour_prefixes(p->indptr, ids, p->kv_lens, p->qo_indptr, p->q_len, batch, p->page_size, causal,
+                               scratch))
+        return s->groups = 0;
+    int64_t *first = scratch + batch, *count = scratch + 3 * batch, *begin = scratch + 5 * batch;
+    int64_t *end = scratch + 7 * batch, *level = scratch + 9 * batch, *shared = scratch + 11 * batch;
+    s->groups = fj_shared_groups(scratch, batch, max_levels, 2 * batch, first, count, begin, end, level, shared,
+                                 scratch + 12 * batch);
+    s->first = first, s->count = count, s->begin_page = begin, s->end_page = end, s->shared_pages = shared;
+    s->slots = scratch + 13 * batch, s->offsets = scratch + 14 * batch;
+    return s->groups;
+}
