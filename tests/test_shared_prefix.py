@@ -328,3 +328,11 @@ def test_a_sharing_plan_over_many_page_ids_reads_the_copied_ids(planner):
         assert decoder.current_plan.max_page == int(args[1].max())
         staged.append(decoder.current_plan.buffers.host.tobytes())
     assert staged[0] == staged[1]
+
+
+def test_the_benchmark_refuses_a_bad_peer_pattern(capsys):
+    from benchmarks.shared_prefix import main
+
+    with pytest.raises(SystemExit):
+        main(["--peers", "("])
+    assert "--peers '(' is not a regular expression" in capsys.readouterr().err

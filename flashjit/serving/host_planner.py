@@ -298,10 +298,9 @@ class HostPlanner:
         if groups <= 0:  # 0: nothing shared (-1, more groups than the scratch holds, cannot happen)
             self._spans = None
             return None
-        scratch = self._shared_scratch
-        # first, count, begin, end and level lie 2B apart from B on: one strided view, a row each
-        spans = SharedSpans(*scratch[batch:11 * batch].reshape(5, 2 * batch)[:, :groups],
-                            scratch[11 * batch:12 * batch])
+        scratch, b = self._shared_scratch, batch
+        spans = SharedSpans(scratch[b:b + groups], scratch[3 * b:3 * b + groups], scratch[5 * b:5 * b + groups],
+                            scratch[7 * b:7 * b + groups], scratch[9 * b:9 * b + groups], scratch[11 * b:12 * b])
         self._spans = spans
         return spans
 

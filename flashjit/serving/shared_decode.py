@@ -1,7 +1,7 @@
 """plan()'s shared-prefix step: whether a batch may share, what it shares, and the plan's work list then.
 
 A plan shares when every condition below holds, and otherwise plans per request as without it:
-  * share_prefixes=True (the default) and the host plans the work (not the GPU planner of
+  * share_prefixes=True (opt-in) and the host plans the work (not the GPU planner of
     CUDA-graph mode, whose fixed kernel is the per-request one);
   * check_page_ids=True: detection reads the page ids on the host, which waits for the stream, and
     check_page_ids=False promises plan() no wait (plan() reads the ids back then anyway);
@@ -49,7 +49,10 @@ def host_page_table(tables) -> tuple[np.ndarray, np.ndarray]:
 
 def host_page_ids(indices, num_page_ids: int, page_range):
     """The plan's page ids on the host (a contiguous int32 CPU tensor): the copy the page-id range
-    made of them (buffers.PageIdRange.ids_host), else a copy (which waits for the stream)."""
+    made of them (buffers.PageIdRange.ids_host), else a copy (which waits for the stream). On a CPU
+    device, indices themselves (plan() has checked they are contiguous)."""
+    if indices.is_cpu:
+        return indices
     found = page_range.ids_host(num_page_ids)
     return indices[:num_page_ids].cpu().contiguous() if found is None else found
 
