@@ -336,3 +336,29 @@ def test_the_benchmark_refuses_a_bad_peer_pattern(capsys):
     with pytest.raises(SystemExit):
         main(["--peers", "("])
     assert "--peers '(' is not a regular expression" in capsys.readouterr().err
+
+
+def test_plan_host_cost(planner, capsys):
+    """plan() of 256 requests (16 prompts x 16 samples, 1024 + 64 tokens), sharing and per request
+    (timed, reported: the median of many calls)."""
+    from benchmarks.shared_prefix import HEADS_KV, HEADS_QO, HEAD_DIM, PAGE as BENCH_PAGE, Row, build_tables
+
+    t = build_tables(Row("256", 16, 16, 1024, 64))
+    args = (torch.from_numpy(t.indptr), torch.from_numpy(t.indices), torch.from_numpy(t.last_page_len))
+    times = {}
+    for share in (False, True):
+        decoder = cpu_decoder(planner)
+
+        def plan():
+            decoder.plan(*args, HEADS_QO, HEADS_KV, HEAD_DIM, BENCH_PAGE, mask="causal", share_prefixes=share)
+
+        plan()
+        assert decoder.spec.shared_prefix == share
+        samples = []
+        for _ in range(300):
+            start = time.perf_counter()
+            plan()
+            samples.append(time.perf_counter() - start)
+        times[share] = 1e6 * float(np.median(samples))
+    with capsys.disabled():
+        print(f"\nplan() host time, 256 requests: {times[False]:.1f} us per request, {times[True]:.1f} us sharing")
