@@ -1,11 +1,14 @@
 /* plan()'s host work in C: the page table's checks and lengths, the split-KV chunk search and the
- * work list, written straight into the pinned staging buffer plan() copies to the GPU.
+ * work list, written straight into the pinned staging buffer plan() copies to the GPU; for a plan
+ * that shares prefixes, the detection of the shared spans and their work list too.
  *
  * The numpy versions (flashjit/validation.py page_table and query_indptr, flashjit/serving/split_plan.py
- * choose_chunk and plan_work) are the reference: this file computes the same values in the same
- * order, with the costs in doubles so that every comparison of the chunk search comes out the same
- * (tests/test_host_plan.py compares the two on random batches). Whole numbers stay below 2^53, so
- * the doubles hold them exactly; build without -ffast-math and with -ffp-contract=off.
+ * choose_chunk and plan_work, flashjit/serving/shared_prefix.py and shared_plan.py) are the
+ * reference: this file computes the same values in the same order, with the costs in doubles so
+ * that every comparison of the chunk search comes out the same (tests/test_host_plan.py,
+ * test_shared_prefix.py and test_shared_plan_native.py compare the two on random batches). Whole
+ * numbers stay below 2^53, so the doubles hold them exactly; build without -ffast-math and with
+ * -ffp-contract=off.
  *
  * A call returns 0, or non-zero when an input is invalid: the caller then runs the numpy checks,
  * which say what is wrong. Nothing here allocates or keeps state.
