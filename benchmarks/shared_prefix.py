@@ -1,6 +1,7 @@
 """Shared-prefix decode benchmark: batches of samples whose page tables start with their prompt's pages.
 
-    python -m benchmarks.shared_prefix [--iters 50] [--flush dirty|clean] [--no-graph] [--json out.json]
+    python -m benchmarks.shared_prefix [--iters 50] [--flush dirty|clean] [--no-graph] [--peers REGEX]
+                                       [--only TEXT] [--json out.json]
 
 Rows (32 q / 8 kv heads, head_dim 128, bf16, page 16; the L2 flushed before each timed call, CUDA
 events around the call, the median of --iters; benchmarks/timing.py):
@@ -14,13 +15,17 @@ FlashInfer imports, and the read-once floor: every shared page once plus each re
 streamed under the same flush and timing (benchmarks/read_floor.py). Each implementation's output
 is checked against flashjit.serving.reference before it is timed. The graph columns replay a CUDA
 graph of the step (flashjit in its CUDA-graph mode, planned before capture and again before the
-replays).
+replays). --peers selects the peers by name (a regular expression; '^$' times flashjit alone,
+without importing FlashInfer); the flashjit columns and the floor always run. Each cell is printed
+as it lands, then the row's summary; "plan host us" is the median host time of plan() (sharing and
+per request), which waits for the stream as check_page_ids=True does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import typing
 
 import numpy as np
@@ -133,9 +138,19 @@ def _flashjit_graph(torch, engine, tables: Tables, q, cache, capture, share: boo
     return graph.replay, out
 
 
-def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed: int = 0) -> dict:
+PEERS = ("FlashInfer TC decode", "FlashInfer cascade (2 levels)")
+PLAN_CALLS = 500  # plan() calls whose median host time is reported
+
+
+def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed: int = 0, peers: str = ".",
+              report=None) -> dict:
+    """One row's cells (result["impls"], in us or a problem) and plan() host times; report(name,
+    value) is called as each lands."""
     import flashjit
+    from benchmarks.timing import host_us
     from flashjit.serving.reference import decode_reference
+
+    report = report or (lambda name, value: None)
 
     tables = build_tables(row, seed)
     gen = torch.Generator().manual_seed(seed)
@@ -156,47 +171,67 @@ def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed
             return f"wrong output (relative error {error:.3g})"
         return None
 
-    result = {"row": row.name, "batch": batch, "impls": {}, "notes": []}
+    result = {"row": row.name, "batch": batch, "impls": {}, "plan_us": {}, "notes": []}
+
+    def land(name, value):
+        result["impls"][name] = value
+        report(name, value)
 
     def time_it(name, fn, out=None):
         problem = checked(name, fn, out)
-        result["impls"][name] = problem if problem else round(timer.median_us(fn), 1)
+        land(name, problem if problem else round(timer.median_us(fn), 1))
 
     for share in (True, False):
-        decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last, HEADS_QO, HEADS_KV, HEAD_DIM, PAGE,
-                                                    share_prefixes=share)
+        decoder = flashjit.BatchDecode(engine)
+
+        def plan():
+            decoder.plan(indptr, ids, last, HEADS_QO, HEADS_KV, HEAD_DIM, PAGE, share_prefixes=share)
+
+        plan()
         out = torch.empty_like(q)
         name = "flashjit" if share else "flashjit per request"
         if share and not decoder.spec.shared_prefix:
             result["notes"].append("flashjit found no shared prefix")
         time_it(name, lambda: decoder.run(q, (k, v), out=out), out)
+        result["plan_us"][name] = round(host_us(plan, torch.cuda.synchronize, calls=PLAN_CALLS), 1)
+        report(f"{name} plan host us", result["plan_us"][name])
         if graphs:
             replay, graph_out = _flashjit_graph(torch, engine, tables, q, (k, v), capture, share)
             time_it(name + " (graph)", replay, graph_out)
-    try:
-        import flashinfer
-    except ImportError:
-        result["notes"].append("FlashInfer does not import: its columns are left out")
-    else:
-        for name, make in (("FlashInfer TC decode", lambda: _flashinfer_decode(torch, flashinfer, tables, q, (k, v))),
-                           ("FlashInfer cascade (2 levels)",
-                            lambda: _flashinfer_cascade(torch, flashinfer, row, tables, q, (k, v)))):
+    wanted, flashinfer = [name for name in PEERS if re.search(peers, name)], None
+    if wanted:
+        try:
+            import flashinfer
+        except ImportError:
+            result["notes"].append("FlashInfer does not import: its columns are left out")
+    if flashinfer is not None:
+        makers = {"FlashInfer TC decode": lambda: _flashinfer_decode(torch, flashinfer, tables, q, (k, v)),
+                  "FlashInfer cascade (2 levels)": lambda: _flashinfer_cascade(torch, flashinfer, row, tables, q,
+                                                                               (k, v))}
+        for name in wanted:
             try:
-                time_it(name, make())
+                time_it(name, makers[name]())
             except Exception as exc:  # a peer's failure is reported in the row, not fatal
-                result["impls"][name] = f"failed: {type(exc).__name__}: {exc}"[:200]
-    result["impls"]["read-once floor"] = round(floor.us(timer, floor_bytes(row, tables)), 1)
+                land(name, f"failed: {type(exc).__name__}: {exc}"[:200])
+    land("read-once floor", round(floor.us(timer, floor_bytes(row, tables)), 1))
     return result
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--iters", type=int, default=50, help="timed calls per cell, of which the median is reported")
     parser.add_argument("--flush", choices=("dirty", "clean"), default="dirty")
     parser.add_argument("--no-graph", action="store_true")
     parser.add_argument("--only", default="", help="rows whose name contains this")
+    parser.add_argument("--peers", default=".", metavar="REGEX",
+                        help=f"the peers to time, a regular expression over {', '.join(PEERS)} (default: all; "
+                             "'^$': none); the flashjit columns always run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    try:
+        re.compile(args.peers)
+    except re.error as exc:
+        parser.error(f"--peers {args.peers!r} is not a regular expression: {exc}")
     import torch
 
     import flashjit
@@ -209,19 +244,22 @@ def main(argv=None):
     for row in ROWS:
         if args.only and args.only not in row.name:
             continue
-        r = bench_row(torch, row, engine, timer, floor, capture, not args.no_graph)
+        print(f"{row.name}:", flush=True)
+        r = bench_row(torch, row, engine, timer, floor, capture, not args.no_graph, peers=args.peers,
+                      report=lambda name, value: print(f"    {name}: {value}", flush=True))
         results.append(r)
+        if args.json:  # after every row, so a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
         impls = r["impls"]
         cells = ", ".join(f"{k}: {v}" for k, v in impls.items())
+        cells += "".join(f", {k} plan: {v} host us" for k, v in r["plan_us"].items())
         fi = impls.get("FlashInfer TC decode")
         ours = impls.get("flashjit")
         ratio = f" | x{fi / ours:.2f} vs FlashInfer TC" if isinstance(fi, float) and isinstance(ours, float) else ""
         share = impls["read-once floor"] / ours if isinstance(ours, float) else None
         print(f"{row.name}: {cells}{ratio}" + (f" | floor/flashjit {share:.0%}" if share else "")
               + ("".join(f" [{n}]" for n in r["notes"])), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -143,3 +143,20 @@ def test_other_input_forms_go_through_numpy(library, form):
         return
     tables = planner.read(*args, 16, None, q_len)
     assert isinstance(tables, NumpyTables) and tables.kv_lens.tolist() == [19, 48]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_chunk_search_is_exact_for_spans_near_int32_max(library, seed):
+    """The C chunk search divides in doubles: spans up to INT32_MAX, and granularities that make
+    quotients fall just beside whole numbers and halves, give numpy's chunk and items."""
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 24))
+    inputs = (*page_table([1] * batch, 1), 1)
+    top = 2 ** 31 - 1
+    end = np.where(rng.random(batch) < 0.5, top - rng.integers(0, 1000, batch), rng.integers(0, top, batch))
+    begin = np.where(rng.random(batch) < 0.5, 0, rng.integers(0, 1000, batch))
+    options = dict(ctas_per_item=int(rng.choice([1, 8, 32])), max_ctas=int(rng.choice([16, 264, 4096])),
+                   granularity=int(rng.choice([16, 127, 2 ** 20 - 1, 2 ** 24 + 1])))
+    native, reference = HostPlanner(library).read(*inputs), HostPlanner(None).read(*inputs)
+    work, expected = native.plan(begin, end, **options), reference.plan(begin, end, **options)
+    assert (work.chunk_tokens, work.num_work) == (expected.chunk_tokens, expected.num_work)

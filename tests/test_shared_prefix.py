@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.serving.host_planner import HostPlanner
+from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.shared_plan import members_per_record, plan_shared_work
 from flashjit.serving.shared_prefix import find_shared_spans
 from test_decode_plan import cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
@@ -217,7 +217,8 @@ def test_plan_shares_when_asked_and_not_by_default(planner):
     assert not decoder.spec.shared_prefix and (decoder.work.work_request >= 0).all()
     decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
     assert decoder.spec.shared_prefix and not decoder.kernel.tiling.fused_merge
-    records = decoder.current_plan.tables.shared.records
+    plan = decoder.current_plan
+    records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
     assert (records[:, 7] < 0).any()  # shared records
     decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=False)
     assert not decoder.spec.shared_prefix and (decoder.work.work_request >= 0).all()
@@ -236,20 +237,29 @@ def test_plans_without_sharing_are_unchanged(planner):
     assert np.array_equal(*works)
 
 
-def test_the_staging_buffer_holds_the_shared_records(planner):
-    from flashjit.serving.host_planner import item_records
-
-    decoder = cpu_decoder(planner)
-    decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
-    plan = decoder.current_plan
-    shared = plan.tables.shared
-    staged = item_records(plan.buffers.host, plan.buffers.starts)
-    assert np.array_equal(staged[:shared.work.num_work], shared.records)
-    starts = plan.buffers.starts
-    assert plan.buffers.host[starts[3]:starts[3] + len(SHARED_BATCH[0]) + 1].tolist() == \
-        shared.work.req_work_indptr.tolist()
-    # The device buffer got the same words (a plain copy on the CPU device).
-    assert np.array_equal(plan.buffers.device_buffer.numpy(), plan.buffers.host)
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_the_staging_buffer_holds_the_shared_records(planner, mask):
+    """plan() with the C planner stages the numpy planner's words (its reference), and the work
+    summary of the staged list."""
+    if native_library() is None:
+        pytest.skip("no C compiler: the numpy planner is the only one")
+    staged = []
+    for library in (native_library(), None):
+        decoder = cpu_decoder(planner, host_planner=HostPlanner(library))
+        decoder.plan(*plan_args(*SHARED_BATCH), 32, 8, 128, PAGE, mask=mask, share_prefixes=True)
+        plan = decoder.current_plan
+        assert decoder.spec.shared_prefix
+        # The device buffer got the same words (a plain copy on the CPU device).
+        assert np.array_equal(plan.buffers.device_buffer.numpy(), plan.buffers.host)
+        work = decoder.work
+        records = item_records(plan.buffers.host, plan.buffers.starts)
+        assert work.work_request.tolist() == records[:work.num_work, 0].tolist()
+        assert (records[work.num_work:, 0] == -1).all()
+        staged.append((plan.buffers.host.copy(), plan.capacity, work.num_work, work.chunk_tokens,
+                       work.req_work_indptr.tolist(), work.token_request.tolist()))
+    native, reference = staged
+    assert native[1:] == reference[1:]
+    assert native[0].tobytes() == reference[0].tobytes()
 
 
 @pytest.mark.parametrize("options", [dict(kv_dtype="float8_e4m3fn"), dict(mask="sliding_window", window_left=8),
@@ -282,3 +292,73 @@ def test_a_group_of_one_head_shares_on_tensor_cores(planner):
     assert decoder.spec.shared_prefix and decoder.spec.tensor_cores
     decoder.plan(*plan_args(*SHARED_BATCH), 8, 8, 128, PAGE, share_prefixes=False)
     assert not decoder.spec.shared_prefix
+
+
+def test_the_page_id_range_copies_every_id_for_a_sharing_plan():
+    from flashjit.serving.buffers import PageIdRange
+
+    reader = PageIdRange(torch.device("cpu"), copy_ids=True)
+    many = torch.arange(PageIdRange.COPY_LIMIT + 5, dtype=torch.int32) * 3
+    for count, ids in ((len(many), True), (len(many), False), (100, True)):
+        reader.start(many, count, ids=ids)
+        assert reader.wait() == (2 if count > PageIdRange.COPY_LIMIT else count)
+        found = reader.ids_host(count)
+        if count > PageIdRange.COPY_LIMIT and not ids:
+            assert found is None  # the range alone: plan() copies the ids itself
+        else:
+            assert found.tolist() == many[:count].tolist()
+        assert reader.ids_host(count - 1) is None  # never fewer ids than the plan has
+    assert PageIdRange(torch.device("cpu")).copy_ids is False  # on the CPU the ids are host memory already
+
+
+def test_a_sharing_plan_over_many_page_ids_reads_the_copied_ids(planner):
+    """Past the range's copy limit the ids come in their own copy; the plan is the numpy planner's."""
+    from flashjit.serving.buffers import PageIdRange
+
+    prompt = list(range(5000))
+    lists = [prompt + [10 ** 5 + 10 * r + i for i in range(3)] for r in range(3)]
+    args = plan_args(lists, [PAGE, 1, 2])
+    assert len(args[1]) > PageIdRange.COPY_LIMIT
+    staged = []
+    for library in (native_library(), None):
+        reader = PageIdRange(torch.device("cpu"), copy_ids=True)
+        decoder = cpu_decoder(planner, host_planner=HostPlanner(library), page_id_range=reader)
+        decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
+        assert decoder.spec.shared_prefix and reader.ids_pending == len(args[1])
+        assert decoder.current_plan.max_page == int(args[1].max())
+        staged.append(decoder.current_plan.buffers.host.tobytes())
+    assert staged[0] == staged[1]
+
+
+def test_the_benchmark_refuses_a_bad_peer_pattern(capsys):
+    from benchmarks.shared_prefix import main
+
+    with pytest.raises(SystemExit):
+        main(["--peers", "("])
+    assert "--peers '(' is not a regular expression" in capsys.readouterr().err
+
+
+def test_plan_host_cost(planner, capsys):
+    """plan() of 256 requests (16 prompts x 16 samples, 1024 + 64 tokens), sharing and per request
+    (timed, reported: the median of many calls)."""
+    from benchmarks.shared_prefix import HEADS_KV, HEADS_QO, HEAD_DIM, PAGE as BENCH_PAGE, Row, build_tables
+
+    t = build_tables(Row("256", 16, 16, 1024, 64))
+    args = (torch.from_numpy(t.indptr), torch.from_numpy(t.indices), torch.from_numpy(t.last_page_len))
+    times = {}
+    for share in (False, True):
+        decoder = cpu_decoder(planner)
+
+        def plan():
+            decoder.plan(*args, HEADS_QO, HEADS_KV, HEAD_DIM, BENCH_PAGE, mask="causal", share_prefixes=share)
+
+        plan()
+        assert decoder.spec.shared_prefix == share
+        samples = []
+        for _ in range(300):
+            start = time.perf_counter()
+            plan()
+            samples.append(time.perf_counter() - start)
+        times[share] = 1e6 * float(np.median(samples))
+    with capsys.disabled():
+        print(f"\nplan() host time, 256 requests: {times[False]:.1f} us per request, {times[True]:.1f} us sharing")

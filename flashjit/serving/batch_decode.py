@@ -185,7 +185,7 @@ class BatchDecode:
         # The page-id range travels to the host while the host plans, instead of in a round trip of
         # its own; a negative id is still reported ahead of any later argument error.
         page_range = self._page_id_range
-        page_range.start(indices, num_page_ids if check_page_ids else 0)
+        page_range.start(indices, num_page_ids if check_page_ids else 0, ids=share_prefixes)
         try:
             kernel_q_len = tables.max_q_len if graph is None else graph.kernel_q_len(tables.max_q_len, previous)
             setup = None if known is None else known.get(kernel_q_len)
@@ -216,12 +216,12 @@ class BatchDecode:
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
         if (share_prefixes and device_planner is None
                 and may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids, tensor_cores)):
-            ids = host_page_ids(indices, num_page_ids, page_range, landed)
+            ids = host_page_ids(indices, num_page_ids, page_range)
             spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
             if spans is not None:  # else nothing is shared: the plan above stands
                 setup, tables, work, capacity = plan_sharing(
                     setup, lambda: self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params),
-                    tables, spans)
+                    tables, spans, self._host_planner)
         buffers = self._buffers_for(capacity, setup, previous)
 
         # Every argument is valid, every value checked to fit the C type it goes into (nothing below

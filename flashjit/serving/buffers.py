@@ -113,28 +113,64 @@ class PageIdRange:
     themselves into pinned memory when they are few and contiguous, else their min and max reduced
     on the GPU (a host min/max over many ids would cost more than the reduction's launch). wait()
     returns them once they have landed. plan() does its host work in between, which hides the copy's
-    latency.
+    latency. A plan that may share prefixes asks for every id as well (start(..., ids=True)), which
+    then come in the same wait.
     """
 
     COPY_LIMIT = 8192  # page ids (32 KiB)
+    # A plan that may share prefixes reads every page id on the host (shared_decode.host_page_ids):
+    # past COPY_LIMIT they come in a copy of their own, queued behind the range's, up to this many
+    # (4 MiB of pinned memory at most, grown as batches need it).
+    IDS_COPY_LIMIT = 1 << 20
 
-    def __init__(self, device):
+    def __init__(self, device, *, copy_ids: bool | None = None):
+        """copy_ids: whether start(..., ids=True) copies the ids past COPY_LIMIT (default on a GPU;
+        on the CPU the ids are host memory already)."""
         import torch
 
-        self.host = torch.empty(self.COPY_LIMIT, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(self.COPY_LIMIT, dtype=torch.int32, pin_memory=self.pinned)
         self.reduced = torch.empty(2, dtype=torch.int32, device=device)
         self.copies = StreamCopies(device)
         self.pending = 0
+        self.copy_ids = self.pinned if copy_ids is None else copy_ids
+        self.ids = self.host  # where the last start() copied all its ids, when ids_pending says so
+        self.ids_pending = self.ids_in_host = 0
 
-    def start(self, indices, count: int):
+    def start(self, indices, count: int, ids: bool = False):
+        """ids: the caller reads all count ids too (ids_host() after wait())."""
+        self.ids_pending = 0
+        self.ids_in_host = 0  # ids (not their range) copied into host
         if count > self.COPY_LIMIT or (count > 1 and indices.stride(0) != 1):
             import torch
 
             torch.aminmax(indices[:count], out=(self.reduced[0], self.reduced[1]))
+            if ids and self.copy_ids and count <= self.IDS_COPY_LIMIT and indices.stride(0) == 1:
+                self._copy_ids(indices, count)
             indices, count = self.reduced, 2
+        else:
+            self.ids_in_host = count
         if count:
             self.copies.copy(self.host.data_ptr(), indices.data_ptr(), 4 * count, DEVICE_TO_HOST, mark=True)
         self.pending = count
+
+    def _copy_ids(self, indices, count: int):
+        if len(self.ids) < count or self.ids is self.host:
+            import torch
+
+            size = max(2 * self.COPY_LIMIT, 1 << (count - 1).bit_length())
+            self.ids = torch.empty(min(size, self.IDS_COPY_LIMIT), dtype=torch.int32, pin_memory=self.pinned)
+        self.copies.copy(self.ids.data_ptr(), indices.data_ptr(), 4 * count, DEVICE_TO_HOST)
+        self.ids_pending = count
+
+    def ids_host(self, count: int):
+        """The first count page ids on the host (a contiguous int32 CPU tensor), after wait(): the
+        range's copy or the ids' own; None when start() copied neither."""
+        if self.ids_in_host == count:
+            return self.host[:count]
+        if self.ids_pending == count:
+            return self.ids[:count]
+        return None
 
     def wait(self) -> int:
         """How many values (the page ids, or their [min, max]) have landed at the start of host."""

@@ -87,6 +87,14 @@ class _Params(ctypes.Structure):
             "num_work")]
 
 
+class _Shared(ctypes.Structure):
+    """Mirror of fj_shared_t: a batch's shared spans, and what fj_shared_plan derives for fj_shared_fill."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "first", "count", "begin_page", "end_page", "shared_pages", "slots", "offsets")] + [
+        (name, ctypes.c_int64) for name in ("groups", "group_size", "row_tiles", "num_shared", "num_slots")]
+
+
 class _Layout(ctypes.Structure):
     """Mirror of fj_layout_t: the staging buffer's field offsets (in buffers.PlanBuffers.FIELDS'
     order) and how many item records it holds."""
@@ -187,6 +195,41 @@ class NativeTables:
         return self._work
 
 
+class NativeSharedTables:
+    """NativeTables of a batch that shares prefixes, with shared_plan's work list (SharedTables' in
+    numpy, its reference) computed by native/host_plan.c: fj_shared_plan sizes it, write() puts it
+    straight into the staging buffer. Built by HostPlanner.shared_tables()."""
+
+    def __init__(self, planner: "HostPlanner", tables: NativeTables, shared: _Shared):
+        self._planner, self._shared, self.base = planner, shared, tables
+        self.batch, self.num_tokens, self.max_q_len = tables.batch, tables.num_tokens, tables.max_q_len
+        self.num_page_ids, self.kv_scratch = tables.num_page_ids, tables.kv_scratch
+        p = planner.params
+        self.chunk_tokens, self.num_work = p.chunk, p.num_work
+        self.num_shared, self.num_slots = shared.num_shared, shared.num_slots
+        self.fixed_split = False
+        self._work: WorkPlan | None = None
+
+    @property
+    def kv_lens(self) -> np.ndarray:
+        return self.base.kv_lens
+
+    @property
+    def q_lens(self) -> np.ndarray:
+        return self.base.q_lens
+
+    @property
+    def needs_merge(self) -> bool:
+        return self.num_work > self.batch
+
+    def write(self, host: np.ndarray, starts: tuple, staging_pointer: int):
+        planner = self._planner
+        planner.library.fj_shared_fill(ctypes.byref(planner.params), ctypes.byref(self._shared),
+                                       ctypes.c_void_p(staging_pointer), ctypes.byref(planner.layout(starts)))
+
+    work_plan = NativeTables.work_plan  # views of the staging buffer, as NativeTables' (req_work_indptr: the slots)
+
+
 class HostPlanner:
     """Makes each plan's tables: native when the library loaded and the inputs allow, else numpy."""
 
@@ -196,10 +239,14 @@ class HostPlanner:
             return
         for name in ("fj_read", "fj_plan", "fj_fill"):
             getattr(library, name).restype = ctypes.c_int
-        library.fj_neighbour_prefixes.restype = library.fj_shared_groups.restype = ctypes.c_int64
-        library.fj_neighbour_prefixes.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_void_p]
-        library.fj_shared_groups.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 7
+        library.fj_shared_spans.restype = ctypes.c_int64
+        library.fj_shared_spans.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_void_p, ctypes.c_void_p]
+        library.fj_shared_plan.restype = library.fj_shared_fill.restype = ctypes.c_int
+        self._last_read = None  # the NativeTables params describes: what the shared-prefix calls read
         self._shared_scratch, self._shared_pointer = np.empty(0, dtype=np.int64), 0
+        self._spans = None  # the SharedSpans of the last shared_spans(), whose arrays _shared points at
+        self._shared = _Shared()
         library.fj_id_range.restype = None
         self.params = p = _Params()
         self._parts = SPLIT_CANDIDATES.astype(np.int64)
@@ -231,32 +278,44 @@ class HostPlanner:
                 p.qo_indptr = None if qo_indptr is None else qo_indptr.data_ptr()
                 p.q_len = 1 if q_len is None else q_len
                 if not self.library.fj_read(ctypes.byref(p)):
-                    return NativeTables(self, indptr, qo_indptr, q_len, batch, scratch)
+                    self._last_read = NativeTables(self, indptr, qo_indptr, q_len, batch, scratch)
+                    return self._last_read
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
 
     def shared_spans(self, tables, ids, page_size: int, causal: bool, max_levels: int):
-        """shared_prefix.find_shared_spans over NativeTables and ids (a contiguous int32 CPU tensor),
-        in C (views of a scratch array, valid until the next call); NotImplemented for other tables
-        or without the library."""
-        if self.library is None or not isinstance(tables, NativeTables):
+        """shared_prefix.find_shared_spans over the NativeTables of the last read() and ids (a
+        contiguous int32 CPU tensor), in C (views of a scratch array, valid until the next call);
+        NotImplemented for other tables or without the library."""
+        if self.library is None or tables is not self._last_read:
             return NotImplemented
         batch = tables.batch
-        # scratch: prefix [B], then groups [2B] each of first, count, begin, end, level, then shared
-        # and done [B]: a laminar family of runs over B - 1 pairs has fewer than 2B members.
-        if len(self._shared_scratch) < 13 * batch:
-            self._shared_scratch = np.empty(13 * max(batch, 64), dtype=np.int64)
+        if len(self._shared_scratch) < 16 * batch:  # fj_shared_spans' layout
+            self._shared_scratch = np.empty(16 * max(batch, 64), dtype=np.int64)
             self._shared_pointer = self._shared_scratch.ctypes.data
-        scratch, base, qo = self._shared_scratch, self._shared_pointer, tables._qo_indptr
-        sharing = self.library.fj_neighbour_prefixes(
-            tables._indptr.data_ptr(), ids.data_ptr(), tables.kv_pointer, None if qo is None else qo.data_ptr(),
-            1 if tables._q_len is None else tables._q_len, batch, page_size, int(causal), base)
-        if not sharing:
+        shared = self._shared
+        groups = self.library.fj_shared_spans(ctypes.byref(self.params), ids.data_ptr(), int(causal), max_levels,
+                                              self._shared_pointer, ctypes.byref(shared))
+        if groups <= 0:  # 0: nothing shared (-1, more groups than the scratch holds, cannot happen)
+            self._spans = None
             return None
-        starts = [batch * k for k in (0, 1, 3, 5, 7, 9, 11, 12)]
-        groups = self.library.fj_shared_groups(base, batch, max_levels, 2 * batch,
-                                               *(base + 8 * start for start in starts[1:]))
-        view = lambda start: scratch[start:start + groups]  # noqa: E731
-        return SharedSpans(*(view(start) for start in starts[1:6]), scratch[starts[6]:starts[6] + batch])
+        scratch, b = self._shared_scratch, batch
+        spans = SharedSpans(scratch[b:b + groups], scratch[3 * b:3 * b + groups], scratch[5 * b:5 * b + groups],
+                            scratch[7 * b:7 * b + groups], scratch[9 * b:9 * b + groups], scratch[11 * b:12 * b])
+        self._spans = spans
+        return spans
+
+    def shared_tables(self, tables, spans: SharedSpans, *, group_size: int, row_tiles: int, ctas_per_item: int,
+                      max_ctas: int, granularity: int):
+        """NativeSharedTables of the last read()'s NativeTables and the spans the last shared_spans()
+        found over them: the work list of shared_plan.plan_shared_work (its arguments);
+        NotImplemented for other tables or spans."""
+        if self.library is None or tables is not self._last_read or spans is not self._spans:
+            return NotImplemented
+        p, shared = self.params, self._shared
+        p.ctas_per_item, p.max_ctas, p.granularity = ctas_per_item, max_ctas, granularity
+        shared.group_size, shared.row_tiles = group_size, row_tiles
+        self.library.fj_shared_plan(ctypes.byref(p), ctypes.byref(shared))
+        return NativeSharedTables(self, tables, shared)
 
     def id_range(self, ids, count: int) -> tuple[int, int]:
         """(smallest, largest) of the first count (>= 1) values of ids, an int32 CPU tensor."""

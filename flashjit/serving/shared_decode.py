@@ -1,7 +1,7 @@
 """plan()'s shared-prefix step: whether a batch may share, what it shares, and the plan's work list then.
 
 A plan shares when every condition below holds, and otherwise plans per request as without it:
-  * share_prefixes=True (the default) and the host plans the work (not the GPU planner of
+  * share_prefixes=True (opt-in) and the host plans the work (not the GPU planner of
     CUDA-graph mode, whose fixed kernel is the per-request one);
   * check_page_ids=True: detection reads the page ids on the host, which waits for the stream, and
     check_page_ids=False promises plan() no wait (plan() reads the ids back then anyway);
@@ -47,12 +47,14 @@ def host_page_table(tables) -> tuple[np.ndarray, np.ndarray]:
     return indptr, qo
 
 
-def host_page_ids(indices, num_page_ids: int, page_range, landed: int):
-    """The plan's page ids on the host (a contiguous int32 CPU tensor): the page-id range's copy when
-    it holds them all, else a copy (which waits for the stream)."""
-    if landed == num_page_ids and landed <= len(page_range.host):
-        return page_range.host[:num_page_ids]
-    return indices[:num_page_ids].cpu().contiguous()
+def host_page_ids(indices, num_page_ids: int, page_range):
+    """The plan's page ids on the host (a contiguous int32 CPU tensor): the copy the page-id range
+    made of them (buffers.PageIdRange.ids_host), else a copy (which waits for the stream). On a CPU
+    device, indices themselves (plan() has checked they are contiguous)."""
+    if indices.is_cpu:
+        return indices
+    found = page_range.ids_host(num_page_ids)
+    return indices[:num_page_ids].cpu().contiguous() if found is None else found
 
 
 def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
@@ -67,16 +69,23 @@ def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
     return find_shared_spans(indptr, ids.numpy(), tables.kv_lens, tables.q_lens, page_size, causal=causal)
 
 
-def plan_sharing(setup, shared_setup_for, tables, spans):
+def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None):
     """(setup, tables, work, capacity) of a batch with shared spans (shared_prefix.SharedSpans);
-    shared_setup_for() makes the shared_prefix kernel's setup."""
+    shared_setup_for() makes the shared_prefix kernel's setup. The work list is made in C where the
+    host planner can (HostPlanner.shared_tables), else in numpy (shared_plan, the reference)."""
     shared_setup = shared_setup_for()
     tiling, loaded = shared_setup.kernel.tiling, shared_setup.loaded
-    indptr, qo = host_page_table(tables)
-    shared = plan_shared_work(spans, indptr, tables.kv_lens, qo, setup.page_size, group_size=setup.spec.group_size,
-                              row_tiles=tiling.row_tiles, ctas_per_item=setup.num_kv_heads * tiling.row_tiles,
-                              max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens)
-    shared_tables = SharedTables(tables, shared)
-    work = shared.work
+    sizes = dict(group_size=setup.spec.group_size, row_tiles=tiling.row_tiles,
+                 ctas_per_item=setup.num_kv_heads * tiling.row_tiles, max_ctas=loaded.num_sms * loaded.ctas_per_sm,
+                 granularity=tiling.tile_tokens)
+    native = getattr(host_planner, "shared_tables", None)
+    found = NotImplemented if native is None else native(tables, spans, **sizes)
+    if found is not NotImplemented:  # the tables are their own work summary, as NativeTables are
+        shared_tables = work = found
+        num_slots = found.num_slots
+    else:
+        indptr, qo = host_page_table(tables)
+        shared = plan_shared_work(spans, indptr, tables.kv_lens, qo, setup.page_size, **sizes)
+        shared_tables, work, num_slots = SharedTables(tables, shared), shared.work, shared.num_slots
     # Capacity.work sizes the records' buffer and the partials: the slots outnumber the records.
-    return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, max(shared.num_slots, work.num_work))
+    return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, max(num_slots, work.num_work))

@@ -197,3 +197,24 @@ def test_shapes_and_dtypes(engine, heads, kv_heads, head_dim, dtype):
     out = decoder.run(q, (k, v))
     ref, _ = decode_reference(q, k, v, indptr, ids, last_t, mask="causal")
     assert not out.isnan().any() and rel_error(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_many_page_ids_come_with_the_range_read(engine, cache):
+    """Past the page-id range's copy limit (8192 ids) a sharing plan's ids come in a pinned copy of
+    their own, queued behind the range's: the plan shares, the range is right, the output exact;
+    a larger batch grows the pinned buffer."""
+    k, v = cache
+    rng = random.Random(11)
+    decoder = flashjit.BatchDecode(engine)
+    for samples in (24, 48):
+        prompt = rng.sample(range(POOL), 300)
+        lists = [prompt + rng.choices(range(POOL), k=60) for _ in range(samples)]
+        indptr, ids, last_t = tables(lists, [rng.randint(1, PAGE) for _ in lists])
+        assert len(ids) > decoder._page_id_range.COPY_LIMIT
+        q = torch.randn(samples, HEADS, DIM, generator=torch.Generator().manual_seed(samples)).bfloat16().cuda()
+        decoder.plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=True)
+        assert decoder.spec.shared_prefix and decoder._page_id_range.ids_pending == len(ids)
+        assert decoder.current_plan.max_page == int(ids.max())
+        out = decoder.run(q, (k, v))
+        ref, _ = decode_reference(q, k, v, indptr, ids, last_t, mask="causal")
+        assert not out.isnan().any() and rel_error(out, ref) < TOLERANCE, samples

@@ -1,17 +1,21 @@
 /* plan()'s host work in C: the page table's checks and lengths, the split-KV chunk search and the
- * work list, written straight into the pinned staging buffer plan() copies to the GPU.
+ * work list, written straight into the pinned staging buffer plan() copies to the GPU; for a plan
+ * that shares prefixes, the detection of the shared spans and their work list too.
  *
  * The numpy versions (flashjit/validation.py page_table and query_indptr, flashjit/serving/split_plan.py
- * choose_chunk and plan_work) are the reference: this file computes the same values in the same
- * order, with the costs in doubles so that every comparison of the chunk search comes out the same
- * (tests/test_host_plan.py compares the two on random batches). Whole numbers stay below 2^53, so
- * the doubles hold them exactly; build without -ffast-math and with -ffp-contract=off.
+ * choose_chunk and plan_work, flashjit/serving/shared_prefix.py and shared_plan.py) are the
+ * reference: this file computes the same values in the same order, with the costs in doubles so
+ * that every comparison of the chunk search comes out the same (tests/test_host_plan.py,
+ * test_shared_prefix.py and test_shared_plan_native.py compare the two on random batches). Whole
+ * numbers stay below 2^53, so the doubles hold them exactly; build without -ffast-math and with
+ * -ffp-contract=off.
  *
  * A call returns 0, or non-zero when an input is invalid: the caller then runs the numpy checks,
  * which say what is wrong. Nothing here allocates or keeps state.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* int32 per work-item record: flashjit.jit.abi.ITEM_INTS, which the build passes as FJ_ITEM_INTS.
  * fj_fill writes the 12 fields that decode_common.cuh's WorkItem reads. */
@@ -49,6 +53,20 @@ typedef struct {
     int64_t work_items, num_tokens, req_qo_indptr, req_work_indptr, token_request, work_capacity;
 } fj_layout_t;
 
+/* A batch's shared spans (shared_prefix.SharedSpans, from fj_shared_groups) and what fj_shared_plan
+ * derives from them for fj_shared_fill: the work list of flashjit/serving/shared_plan.py. */
+typedef struct {
+    /* inputs */
+    const int64_t *first, *count;          /* [groups] members first .. first + count - 1, outermost level first */
+    const int64_t *begin_page, *end_page;  /* [groups] the shared span, in pages */
+    const int64_t *shared_pages;           /* [batch] pages of each request its groups read */
+    int64_t *slots;                        /* [batch] out: each request's slots of its groups' chunks */
+    int64_t *offsets;                      /* [groups] out: each group's first slot in its members' ranges */
+    int64_t groups, group_size, row_tiles; /* GQA group; the shared kernel's 16-row tiles per CTA */
+    /* outputs (fj_plan_t's chunk and num_work hold the rest) */
+    int64_t num_shared, num_slots;         /* shared records; partial slots of all requests */
+} fj_shared_t;
+
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -59,6 +77,28 @@ static void span(const fj_plan_t *p, int64_t b, int64_t *begin, int64_t *end) {
     int64_t s = p->span_begin ? p->span_begin[b] : 0;
     *begin = s;
     *end = max64(e, s);
+}
+
+/* Request b's own span where it shares: from the end of its groups' pages to kv_len. */
+static int64_t own_begin(const fj_plan_t *p, const fj_shared_t *s, int64_t b) {
+    return min64(s->shared_pages[b] * p->page_size, p->kv_lens[b]);
+}
+
+/* Query tokens of request b. */
+static int64_t queries(const fj_plan_t *p, int64_t b) {
+    return p->qo_indptr ? (int64_t)p->qo_indptr[b + 1] - p->qo_indptr[b] : p->q_len;
+}
+
+/* Members one shared record holds (shared_plan.members_per_record): their rows fill the row tiles.
+ * Members without queries hold no rows: one a record, as numpy's division by zero gives. */
+static int64_t members_per_record(const fj_plan_t *p, const fj_shared_t *s, int64_t g) {
+    int64_t rows = s->group_size * queries(p, s->first[g]);
+    return rows > 0 ? max64(1, s->row_tiles * 16 / rows) : 1;
+}
+
+/* Records of one chunk of group g: its members in runs of members_per_record. */
+static int64_t member_runs(const fj_plan_t *p, const fj_shared_t *s, int64_t g) {
+    return ceil_div(s->count[g], members_per_record(p, s, g));
 }
 
 /* kv_lens from the page table; 1 if page_size is not in 1..INT32_MAX, indptr does not start at 0
@@ -100,27 +140,49 @@ static int fj_query_indptr(fj_plan_t *p) {
 /* Both of the above, in one call from Python: 0 when the page table and the query offsets pass. */
 int fj_read(fj_plan_t *p) { return fj_page_table(p) || fj_query_indptr(p); }
 
-/* plan.makespans for one chunk: the fluid and the quantized bound, the merge when split. */
-static double makespan(const fj_plan_t *p, int64_t chunk) {
-    int64_t items = 0, long_items = 0, total = 0;
+/* A span of len positions cut into chunks of `chunk` (len, chunk < 2^31): adds its items (ceil(len /
+ * chunk), one for an empty span) and its items at least half a chunk long (floor(len / chunk + 1/2)),
+ * each times `times`, from one division of doubles (several times the speed of two 64-bit integer
+ * divisions). The quotient is correctly rounded, within len / chunk * 2^-53 of the exact one; an
+ * exact quotient that is not whole, or whole plus a half, lies at least 1 / (2 chunk) from one that
+ * is, farther than that error, so the floors, the comparison and the half's addition stay exact. */
+static void count_items(int64_t len, double whole, int64_t times, int64_t *items, int64_t *long_items) {
+    const double q = (double)len / whole;
+    const int64_t floor_q = (int64_t)q;  /* q >= 0: truncation is the floor */
+    *items += times * (floor_q + ((double)floor_q != q) + (len == 0));
+    *long_items += times * (int64_t)(q + 0.5);
+}
+
+/* plan.makespans for one chunk: the fluid and the quantized bound, the merge when split. s NULL:
+ * over the requests' spans; else over their own spans and each group's span once per member run
+ * (shared_plan.plan_shared_work's list of lengths, without a cap on the items). */
+static double makespan(const fj_plan_t *p, const fj_shared_t *s, int64_t chunk) {
+    int64_t items = 0, long_items = 0, total = 0, spans = p->batch;
+    const double whole = (double)chunk;
     for (int64_t b = 0; b < p->batch; ++b) {
         int64_t begin, end;
-        span(p, b, &begin, &end);
+        if (s) begin = own_begin(p, s, b), end = p->kv_lens[b];
+        else span(p, b, &begin, &end);
         int64_t len = end - begin;
-        items += len ? ceil_div(len, chunk) : 1;
-        long_items += (2 * len + chunk) / (2 * chunk);  /* floor(len / chunk + 1/2) */
+        count_items(len, whole, 1, &items, &long_items);
         total += len;
     }
-    if (p->max_items >= 0 && items > p->max_items) return INFINITY;
+    for (int64_t g = 0; s && g < s->groups; ++g) {  /* a group's span is never empty */
+        int64_t len = (s->end_page[g] - s->begin_page[g]) * p->page_size, runs = member_runs(p, s, g);
+        count_items(len, whole, runs, &items, &long_items);
+        total += runs * len;
+        spans += runs;
+    }
+    if (!s && p->max_items >= 0 && items > p->max_items) return INFINITY;
     double share = (double)p->ctas_per_item / (double)p->max_ctas;
     double fluid = (double)(total + items * p->item_overhead) * share;
     double quantized = ceil((double)long_items * (double)p->ctas_per_item / (double)p->max_ctas)
                        * (double)(chunk + p->item_overhead);
-    return (fluid > quantized ? fluid : quantized) + (items > p->batch ? (double)p->merge_cost : 0.0);
+    return (fluid > quantized ? fluid : quantized) + (items > spans ? (double)p->merge_cost : 0.0);
 }
 
 /* plan.choose_chunk: the candidate chunk with the smallest makespan, the first of equals. */
-static int64_t choose_chunk(const fj_plan_t *p, int64_t longest) {
+static int64_t choose_chunk(const fj_plan_t *p, const fj_shared_t *s, int64_t longest) {
     int64_t g = p->granularity;
     if (longest <= p->min_chunk) return ceil_div(max64(longest, 1), g) * g;
     int64_t floor_chunk = max64(ceil_div(p->min_chunk, g) * g, g);
@@ -130,7 +192,7 @@ static int64_t choose_chunk(const fj_plan_t *p, int64_t longest) {
     for (int64_t i = 0; i < p->num_parts && p->parts[i] <= max_parts; ++i) {
         int64_t chunk = max64(ceil_div(ceil_div(longest, p->parts[i]), g) * g, floor_chunk);
         if (chunk != previous) {
-            double cost = makespan(p, chunk);
+            double cost = makespan(p, s, chunk);
             if (!best || cost < best_cost) best = chunk, best_cost = cost;
             previous = chunk;
         }
@@ -149,7 +211,7 @@ int fj_plan(fj_plan_t *p) {
     }
     if (p->chunk_tokens > 0) p->chunk = p->chunk_tokens;
     else if (p->chunk_tokens < 0) p->chunk = max64(1, longest);
-    else p->chunk = choose_chunk(p, longest);
+    else p->chunk = choose_chunk(p, NULL, longest);
     for (int64_t b = 0; b < p->batch; ++b) {
         int64_t begin, end;
         span(p, b, &begin, &end);
@@ -230,6 +292,9 @@ int64_t fj_neighbour_prefixes(const int32_t *indptr, const int32_t *ids, const i
             const int64_t limit = min64(prev_visible, visible);
             if (q == prev_q && limit > 0) {
                 const int32_t *left = ids + indptr[b - 1], *right = ids + indptr[b];
+                /* Blocks of 64 ids by memcmp (vectorized), then id by id within the first that differs. */
+                while (shared + 64 <= limit && !memcmp(left + shared, right + shared, 64 * sizeof(int32_t)))
+                    shared += 64;
                 while (shared < limit && left[shared] == right[shared]) ++shared;
             }
             prefix[b - 1] = shared;
@@ -275,4 +340,113 @@ int64_t fj_shared_groups(int64_t *prefix, int64_t batch, int64_t max_levels, int
     for (int64_t b = 0; b < batch; ++b)
         shared[b] = max64(b > 0 ? done[b - 1] : 0, b < pairs ? done[b] : 0);
     return groups;
+}
+
+/* shared_plan.plan_shared_work's sizes over the groups of s: p->chunk (one for own and shared
+ * spans, priced by makespan with each group's span once per member run), p->num_work (the shared
+ * records, then every request's own items), s->num_shared and s->num_slots; and s->slots and
+ * s->offsets for fj_shared_fill. Call fj_read first; p's ctas_per_item, max_ctas and granularity
+ * are the shared kernel's. */
+int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
+    int64_t longest = 0, records = 0, own = 0, slots = 0;
+    for (int64_t b = 0; b < p->batch; ++b) {
+        longest = max64(longest, p->kv_lens[b] - own_begin(p, s, b));
+        s->slots[b] = 0;
+    }
+    for (int64_t g = 0; g < s->groups; ++g)
+        longest = max64(longest, (s->end_page[g] - s->begin_page[g]) * p->page_size);
+    p->chunk = choose_chunk(p, s, longest);
+    /* A group's slots follow those of its enclosing groups, which come first in s. */
+    for (int64_t g = 0; g < s->groups; ++g) {
+        int64_t chunks = ceil_div((s->end_page[g] - s->begin_page[g]) * p->page_size, p->chunk);
+        s->offsets[g] = s->slots[s->first[g]];
+        for (int64_t m = s->first[g]; m < s->first[g] + s->count[g]; ++m) s->slots[m] += chunks;
+        records += chunks * member_runs(p, s, g);
+    }
+    for (int64_t b = 0; b < p->batch; ++b) {
+        int64_t items = max64(ceil_div(p->kv_lens[b] - own_begin(p, s, b), p->chunk), 1);
+        own += items;
+        slots += s->slots[b] + items;
+    }
+    s->num_shared = records;
+    s->num_slots = slots;
+    p->num_work = records + own;
+    return 0;
+}
+
+static void put_record(int32_t *record, int64_t request, int64_t v_begin, int64_t v_end, int64_t kv_len,
+                       int64_t page_begin, int64_t q_begin, int64_t q_len, int64_t splits, int64_t index) {
+    record[0] = (int32_t)request;
+    record[1] = (int32_t)v_begin;
+    record[2] = (int32_t)v_end;
+    record[3] = (int32_t)kv_len;
+    record[4] = (int32_t)page_begin;
+    record[5] = (int32_t)q_begin;
+    record[6] = (int32_t)q_len;
+    record[7] = (int32_t)splits;
+    record[8] = (int32_t)index;
+    record[9] = (int32_t)v_begin;  /* a tile-sharing group of one: the item's own span */
+    record[10] = (int32_t)v_end;
+    record[11] = 1;
+}
+
+/* The work list of fj_shared_plan into the staging buffer, as shared_plan.SharedTables.write puts
+ * it: per group, per chunk, per member run a shared record (request = first member, kv_len = the
+ * span's end, q_begin = the chunk's slot offset, splits = -members); then each request's own items,
+ * each naming its slot; then the merges' arrays, and padding records (request -1). */
+int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, const fj_layout_t *at) {
+    int64_t w = 0, slot = 0;
+    int32_t *records = staging + at->work_items;
+    const int64_t chunk = p->chunk;
+    for (int64_t g = 0; g < s->groups; ++g) {
+        const int64_t first = s->first[g], stop = first + s->count[g];
+        const int64_t span_begin = s->begin_page[g] * p->page_size, end = s->end_page[g] * p->page_size;
+        const int64_t per_record = members_per_record(p, s, g), q = queries(p, first);
+        for (int64_t begin = span_begin, k = s->offsets[g]; begin < end; begin += chunk, ++k) {
+            const int64_t v_end = min64(begin + chunk, end);
+            for (int64_t m = first; m < stop; m += per_record, ++w)
+                put_record(records + ITEM_INTS * w, m, begin, v_end, end, p->indptr[m], k, q,
+                           -min64(per_record, stop - m), 0);
+        }
+    }
+    staging[at->num_tokens] = (int32_t)p->num_tokens;
+    staging[at->req_work_indptr] = 0;
+    staging[at->req_qo_indptr] = 0;
+    for (int64_t b = 0; b < p->batch; ++b) {
+        const int64_t begin = own_begin(p, s, b), kv_len = p->kv_lens[b];
+        const int64_t items = max64(ceil_div(kv_len - begin, chunk), 1), splits = s->slots[b] + items;
+        const int64_t q_begin = p->qo_indptr ? p->qo_indptr[b] : b * p->q_len;
+        const int64_t q_end = p->qo_indptr ? p->qo_indptr[b + 1] : (b + 1) * p->q_len;
+        for (int64_t i = 0; i < items; ++i, ++w) {
+            const int64_t first = begin + i * chunk;
+            put_record(records + ITEM_INTS * w, b, first, min64(first + chunk, kv_len), kv_len, p->indptr[b], q_begin,
+                       q_end - q_begin, splits, slot + s->slots[b] + i);
+        }
+        slot += splits;
+        staging[at->req_work_indptr + b + 1] = (int32_t)slot;
+        staging[at->req_qo_indptr + b + 1] = (int32_t)q_end;
+        for (int64_t t = q_begin; t < q_end; ++t) staging[at->token_request + t] = (int32_t)b;
+    }
+    for (; w < at->work_capacity; ++w) records[ITEM_INTS * w] = -1;
+    return 0;
+}
+
+/* fj_neighbour_prefixes and fj_shared_groups over the page table fj_read read (p) and its page ids,
+ * in one call from Python. scratch holds 16 * batch values: prefix [B], first, count, begin, end and
+ * level [2B each: a laminar family of runs over B - 1 pairs has fewer than 2B members], shared [B],
+ * done [B], then fj_shared_plan's slots [B] and offsets [2B]; s's arrays are pointed into it.
+ * Returns the number of groups, 0 when nothing is shared. */
+int64_t fj_shared_spans(const fj_plan_t *p, const int32_t *ids, int64_t causal, int64_t max_levels, int64_t *scratch,
+                        fj_shared_t *s) {
+    const int64_t batch = p->batch;
+    if (!fj_neighbour_prefixes(p->indptr, ids, p->kv_lens, p->qo_indptr, p->q_len, batch, p->page_size, causal,
+                               scratch))
+        return s->groups = 0;
+    int64_t *first = scratch + batch, *count = scratch + 3 * batch, *begin = scratch + 5 * batch;
+    int64_t *end = scratch + 7 * batch, *level = scratch + 9 * batch, *shared = scratch + 11 * batch;
+    s->groups = fj_shared_groups(scratch, batch, max_levels, 2 * batch, first, count, begin, end, level, shared,
+                                 scratch + 12 * batch);
+    s->first = first, s->count = count, s->begin_page = begin, s->end_page = end, s->shared_pages = shared;
+    s->slots = scratch + 13 * batch, s->offsets = scratch + 14 * batch;
+    return s->groups;
 }
