@@ -18,7 +18,7 @@ import hashlib
 import re
 
 from ..errors import SpecError
-from .spec import FP8_DTYPES, QUERY_DTYPES, _SHORT, _check_int, _normalize_arch, normalize_dtype
+from .spec import FP8_DTYPES, QUERY_DTYPES, _SHORT, CacheAndArch, _check_int, _normalize_arch, normalize_dtype
 
 LATENT_DIMS = (512,)  # kv_lora_rank of DeepSeek-V2/V3/R1 and Kimi-K2
 ROPE_DIMS = (64,)     # qk_rope_head_dim of the same models
@@ -37,7 +37,7 @@ def _error(field: str, value, accepted: str) -> SpecError:
 
 
 @dataclasses.dataclass(frozen=True)
-class MLASpec:
+class MLASpec(CacheAndArch):
     """One MLA decode kernel. Frozen, hashable, picklable; validated on construction."""
 
     num_heads: int                 # query heads per latent head (num_attention_heads / TP)
@@ -82,18 +82,6 @@ class MLASpec:
     @property
     def qk_dim(self) -> int:
         return self.kv_lora_rank + self.rope_dim
-
-    @property
-    def kv_is_fp8(self) -> bool:
-        return self.kv_dtype in FP8_DTYPES
-
-    @property
-    def kv_bytes(self) -> int:
-        return 1 if self.kv_is_fp8 else 2
-
-    @property
-    def arch_number(self) -> int:
-        return int(self.arch.removeprefix("sm_").rstrip("a"))
 
     @property
     def name(self) -> str:

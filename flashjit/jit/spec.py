@@ -73,8 +73,29 @@ def _check_int(field: str, value, low: int, high: int, allowed=None) -> int:
     return value
 
 
+class CacheAndArch:
+    """What a kernel spec's kv_dtype and arch fields imply: the kernel families' specs (DecodeSpec,
+    MLASpec) share these."""
+
+    kv_dtype: str
+    arch: str
+
+    @property
+    def kv_is_fp8(self) -> bool:
+        return self.kv_dtype in FP8_DTYPES
+
+    @property
+    def kv_bytes(self) -> int:
+        return 1 if self.kv_is_fp8 else 2
+
+    @property
+    def arch_number(self) -> int:
+        """90 for sm_90 and sm_90a: what the templates compare against (e.g. fp8 conversions from 89)."""
+        return int(self.arch.removeprefix("sm_").rstrip("a"))
+
+
 @dataclasses.dataclass(frozen=True)
-class DecodeSpec:
+class DecodeSpec(CacheAndArch):
     """One kernel specialization. Frozen, hashable, picklable; validated on construction."""
 
     head_dim: int
@@ -152,19 +173,6 @@ class DecodeSpec:
                 _CACHED_SPECS.clear()
             _CACHED_SPECS[key] = spec
         return spec
-
-    @property
-    def kv_is_fp8(self) -> bool:
-        return self.kv_dtype in FP8_DTYPES
-
-    @property
-    def kv_bytes(self) -> int:
-        return 1 if self.kv_is_fp8 else 2
-
-    @property
-    def arch_number(self) -> int:
-        """90 for sm_90 and sm_90a: what the templates compare against (e.g. fp8 conversions from 89)."""
-        return int(self.arch.removeprefix("sm_").rstrip("a"))
 
     @property
     def name(self) -> str:
