@@ -633,3 +633,24 @@ def test_decode_grid_names_every_item_head_and_row_tile_once(heads_first):
         seen.append((x // heads, x % heads, y) if heads_first else (x, y, z))
     assert sorted(seen) == list(itertools.product(range(items), range(heads), range(tiling.row_tiles)))
     assert tiling.row_tiles == 2
+
+
+def test_on_tensor_cores_sets_the_scalar_make_setup_reads(monkeypatch):
+    from flashjit.serving import plan_setup
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def cached(*args):
+        seen["tensor_cores"] = args[9]  # DecodeSpec.cached(..., arch, tensor_cores, variant, shared_prefix)
+        raise Stop
+
+    monkeypatch.setattr(plan_setup.DecodeSpec, "cached", staticmethod(cached))
+    scalars = (32, 8, 128, 16, "causal", None, "bfloat16", None, "NHD", None, False, "none")
+    for given, expected in ((scalars, False), (plan_setup.on_tensor_cores(scalars), True)):
+        with pytest.raises(Stop):
+            plan_setup.make_setup(given, None, 1, engine=None, arch="sm_90", device=None, load_kernel=None)
+        assert seen["tensor_cores"] is expected
+    assert plan_setup.on_tensor_cores(scalars)[:10] == scalars[:10] and plan_setup.on_tensor_cores(scalars)[11:] == scalars[11:]

@@ -28,7 +28,7 @@ from .device_choice import decoder_device
 from .buffers import PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_planner import HostPlanner
-from .plan_setup import MAX_SETUPS, Setup, make_setup
+from .plan_setup import MAX_SETUPS, Setup, make_setup, on_tensor_cores
 from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
 from .plan_state import Plan, fixed_split_items, graph_capacity, prepare_launches, split_rule, split_work
 from .run_checks import NO_CACHE, scale_key
@@ -260,8 +260,7 @@ class BatchDecode:
         memo = None if key is None else self._setup_for_scalars.get(key)
         found = None if memo is None else memo.get((kernel_q_len, True))
         if found is None or found.mask_generation != setup.mask_generation:
-            scalars = scalars[:10] + (True,) + scalars[11:]  # tensor_cores
-            found = make_setup(scalars, mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
+            found = make_setup(on_tensor_cores(scalars), mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
                                device=self.device, load_kernel=self._load_kernel, variant_params=variant_params,
                                shared_prefix=True)
             if memo is not None:

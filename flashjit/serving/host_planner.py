@@ -39,6 +39,14 @@ class NumpyTables:
         self.num_page_ids = int(self.indptr_h[-1])
         self.work: WorkPlan | None = None
 
+    @property
+    def page_indptr(self) -> np.ndarray:
+        return self.indptr_h
+
+    @property
+    def query_indptr(self) -> np.ndarray:
+        return self.qo_h
+
     def plan(self, span_begin, span_end, **options) -> WorkPlan:
         """split_plan.plan_work over the spans (span_end None: the kv_lens); options as plan_work's."""
         self.work = plan_work(span_begin, self.kv_lens if span_end is None else span_end, self.qo_h, **options)

@@ -36,6 +36,15 @@ class Setup(typing.NamedTuple):
     variant_params: dict = {}  # the variant's parameters, validated (its tensors are held alive here)
 
 
+# Where tensor_cores sits in plan()'s scalars, the tuple make_setup unpacks.
+TENSOR_CORES_AT = 10
+
+
+def on_tensor_cores(scalars: tuple) -> tuple:
+    """plan()'s scalars with tensor_cores=True (the shared-prefix kernel's)."""
+    return scalars[:TENSOR_CORES_AT] + (True,) + scalars[TENSOR_CORES_AT + 1:]
+
+
 def make_setup(scalars: tuple, mask_params, kernel_q_len: int, *, engine, arch: str, device,
                load_kernel, variant_params=None, shared_prefix: bool = False) -> Setup:
     """A plan's scalars validated, the spec compiled (or found) and loaded with load_kernel(kernel, device index)."""

@@ -36,17 +36,6 @@ def may_share(setup, rule, graph, batch: int, num_page_ids: int, check_page_ids:
             and spec.variant == "none")
 
 
-def host_page_table(tables) -> tuple[np.ndarray, np.ndarray]:
-    """(indptr, qo_indptr) of the host tables as numpy arrays (views where the tables hold tensors)."""
-    indptr = getattr(tables, "indptr_h", None)
-    if indptr is None:
-        indptr = tables.page_indptr
-    qo = getattr(tables, "qo_h", None)
-    if qo is None:
-        qo = tables.query_indptr
-    return indptr, qo
-
-
 def host_page_ids(indices, num_page_ids: int, page_range):
     """The plan's page ids on the host (a contiguous int32 CPU tensor): the copy the page-id range
     made of them (buffers.PageIdRange.ids_host), else a copy (which waits for the stream). On a CPU
@@ -65,8 +54,7 @@ def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
         found = native(tables, ids, page_size, causal, MAX_LEVELS)
         if found is not NotImplemented:
             return found
-    indptr, _ = host_page_table(tables)
-    return find_shared_spans(indptr, ids.numpy(), tables.kv_lens, tables.q_lens, page_size, causal=causal)
+    return find_shared_spans(tables.page_indptr, ids.numpy(), tables.kv_lens, tables.q_lens, page_size, causal=causal)
 
 
 def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None):
@@ -84,8 +72,8 @@ def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None):
         shared_tables = work = found
         num_slots = found.num_slots
     else:
-        indptr, qo = host_page_table(tables)
-        shared = plan_shared_work(spans, indptr, tables.kv_lens, qo, setup.page_size, **sizes)
+        shared = plan_shared_work(spans, tables.page_indptr, tables.kv_lens, tables.query_indptr, setup.page_size,
+                                  **sizes)
         shared_tables, work, num_slots = SharedTables(tables, shared), shared.work, shared.num_slots
     # Capacity.work sizes the records' buffer and the partials: the slots outnumber the records.
     return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, max(num_slots, work.num_work))
