@@ -130,15 +130,18 @@ def dense_kv(torch, batch, case: Case):
     return torch.stack(ks), torch.stack(vs)
 
 
-def sdpa(torch, batch, case: Case, backend=None) -> Impl:
-    """cuDNN attention (backend: another SDPBackend) on a dense copy of the KV: not paged, an advantage it has."""
+def sdpa(torch, batch, case: Case, backend=None, live_q: bool = False) -> Impl:
+    """cuDNN attention (backend: another SDPBackend) on a dense copy of the KV: not paged, an advantage
+    it has. q is copied into SDPA's layout once, or with live_q read from batch.q by every call (a
+    layer's q, which its projection rewrites each step)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = SDPBackend.CUDNN_ATTENTION if backend is None else backend
     k, v = dense_kv(torch, batch, case)
-    q = batch.q[:, :, None, :].contiguous()
+    fixed_q = None if live_q else batch.q[:, :, None, :].contiguous()
 
     def call():
+        q = batch.q[:, :, None, :] if live_q else fixed_q
         with sdpa_kernel(backend):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)[:, :, 0, :]
 
@@ -250,9 +253,11 @@ def fa3_impl(torch, fa3, batch, case, num_splits) -> Impl:
 
 # ---- a row's candidates -----------------------------------------------------------------------
 
-def candidates(torch, batch, case: Case, engine, fp8: Fp8Cache | None, cuda_cores: bool = False):
+def candidates(torch, batch, case: Case, engine, fp8: Fp8Cache | None, cuda_cores: bool = False,
+               live_q: bool = False):
     """({name: () -> Impl}, notes): the implementations to time on this row, built when called
-    (so that one that fails to build is reported under its own name), and why others are left out."""
+    (so that one that fails to build is reported under its own name), and why others are left out.
+    live_q: every call reads batch.q as it is then (the others do already; see sdpa)."""
     found = {"flashjit": lambda: flashjit_eager_and_graph(torch, batch, case, engine, fp8)}
     if cuda_cores:
         found["flashjit-cc"] = lambda: flashjit_eager_and_graph(torch, batch, case, engine, fp8, tensor_cores=False)
@@ -261,7 +266,7 @@ def candidates(torch, batch, case: Case, engine, fp8: Fp8Cache | None, cuda_core
     if skip:
         notes.append(skip)
     else:
-        found["sdpa-cudnn"] = lambda: sdpa(torch, batch, case)
+        found["sdpa-cudnn"] = lambda: sdpa(torch, batch, case, live_q=live_q)
     flashinfer_module, absent = optional_module("flashinfer")
     skip = absent or flashinfer_skip(case)
     if skip:
