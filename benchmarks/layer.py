@@ -77,10 +77,10 @@ def bench_batch(torch, b: int, kv_len: int, timer, peers: str) -> dict:
     ref_attention = reference(batch, case, None)
     found, notes = candidates(torch, batch, case, flashjit.Engine(), None, live_q=True)
     row = {"case": case.name, "impls": {}, "notes": notes}
-    sync = torch.cuda.synchronize
+    sync, capture_step = torch.cuda.synchronize, lambda step: capture(torch, step)
 
     gemms = measure_graph(lambda: layer_step(proj, None), proj.reference(proj.q), timer, sync=sync,
-                          capture=lambda step: capture(torch, step))
+                          capture=capture_step)
     row["impls"][GEMMS_ONLY] = gemms.get("graph_us", gemms.get("graph_error"))
     expected = proj.reference(ref_attention)
     for name, make in found.items():
@@ -95,7 +95,7 @@ def bench_batch(torch, b: int, kv_len: int, timer, peers: str) -> dict:
             row["impls"][name] = "not capturable"
             continue
         entry = measure_graph(lambda: layer_step(proj, impl.graph()), expected, timer, sync=sync,
-                              capture=lambda step: capture(torch, step))
+                              capture=capture_step)
         row["impls"][name] = entry.get("graph_us", entry.get("graph_error"))
         print(f"    {name}: {row['impls'][name]}", flush=True)
     return row
