@@ -121,7 +121,8 @@ def _flashinfer_decode(torch, flashinfer, tables: Tables, q, cache):
 
 
 def _flashjit_graph(torch, engine, tables: Tables, q, cache, capture, share: bool):
-    """flashjit in CUDA-graph mode: (a replay, the output it writes)."""
+    """flashjit in CUDA-graph mode: (a replay, the output it writes). The replay holds the decoder
+    and the graph: the graph points into the decoder's buffers, which must outlive it."""
     import flashjit
 
     indptr, last = torch.tensor(tables.indptr), torch.tensor(tables.last_page_len)
@@ -135,7 +136,11 @@ def _flashjit_graph(torch, engine, tables: Tables, q, cache, capture, share: boo
     out = torch.empty_like(q)
     graph, _ = capture(torch, lambda: decoder.run(q, cache, out=out))
     plan()
-    return graph.replay, out
+
+    def replay():
+        graph.replay()
+    replay.holds = (graph, decoder)
+    return replay, out
 
 
 PEERS = ("FlashInfer TC decode", "FlashInfer cascade (2 levels)")
