@@ -47,6 +47,9 @@ class DecodeTiling:
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
     q_smem_bytes: int = 0   # 16-bit tensor cores: Q's MMA fragments in shared memory after the ring (0: in registers)
+    # Shared-prefix kernels: warps whose 16-row tiles one shared record's CTA holds, each warp its
+    # own rows over every key (1: the rows of one MMA tile, as an ordinary record's).
+    shared_row_warps: int = 1
 
     @property
     def entry(self) -> str:
@@ -233,13 +236,18 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
         # kernel combines them (the fused merge counts one request's arrivals).
         fused_merge = table.fused_merge and not spec.shared_prefix
         static_share = row.static_share if fused_merge else 100  # the fused merge resets the claims
+        # A shared record's rows (GQA group x members) fill many MMA tiles: one CTA holds a tile per
+        # warp and reads each K/V tile once for all of them, rather than a CTA per 16 rows reading
+        # the chunk again from L2. Where warps split O's columns or keep Q in shared memory, the
+        # registers do not hold a warp's own rows: there a record holds 16 rows.
+        row_warps = row.warps if spec.shared_prefix and row.col_split == 1 and not q_smem else 1
         return DecodeTiling(vec=VEC, chunks_per_row=spec.head_dim // VEC, bdx=32 * row.warps, rows=rows, rows_pad=1,
                             bdz=1, row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=row.stages,
                             tensor_cores=True, smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch,
                             l2_prefetch=table.l2_prefetch, swizzle=row.swizzle, ring_align=table.ring_align,
                             heads_first=table.heads_first, fused_merge=fused_merge, static_share=static_share,
                             min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk,
-                            q_smem_bytes=q_smem, **merge)
+                            q_smem_bytes=q_smem, shared_row_warps=row_warps, **merge)
     cc = table.cuda_cores
     chunks = spec.head_dim // VEC
     bdx = _pow2_ceil(chunks)

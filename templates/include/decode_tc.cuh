@@ -14,6 +14,9 @@
 // registers); the warps' states meet in shared memory at the end. With COL_SPLIT > 1, that many
 // warps share a slice: each computes the same S and keeps D / COL_SPLIT columns of O (head_dim 256,
 // where one warp holding all of O sits at the register limit and ptxas takes over a second).
+// A shared-prefix record (cfg::SHARED_ROW_WARPS > 1) turns this around: its rows are many (GQA
+// group x members), so each warp takes 16 rows of its own and every key of a stage, and a CTA holds
+// WARPS x 16 rows with one copy of each K/V tile; ordinary records of the same kernel run as above.
 // Same outputs as decode.cuh: direct for one-item requests, else normalized fp32 partials and
 // base-2 LSEs for the merge.
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
@@ -36,6 +39,9 @@ constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and sw
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
 constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // head_dim 512: Q's fragments in shared memory, not registers
+// > 1: shared-prefix records give each warp rows of its own (enums, as HALF_BLOCK below).
+enum : int { ROW_WARPS = cfg::SHARED_ROW_WARPS };
+enum : bool { ROWS_BY_WARP = ROW_WARPS > 1 };
 // Rows of whole 128-byte blocks and a half (head_dim 96): the last k-steps and n-tile pairs read the
 // half block, which swizzled_chunk XORs with (row / 2) % 4 rather than row % 8. (An enum: a
 // constexpr variable would add a symbol to every cubin.)
@@ -47,6 +53,8 @@ static_assert(WARPS % COL_SPLIT == 0 && (COL_SPLIT == 1 || NTILES % 8 == 0), "wh
 static_assert(D * 2 % 128 == 0 || (HALF_BLOCK && COL_SPLIT == 1), "rows of whole blocks, or one warp per slice");
 static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the slices' reduction fits in the ring");
 static_assert(!Q_IN_SMEM || cfg::Q_SMEM_BYTES == KSTEPS * 32 * 16, "one 16-byte fragment per k-step and lane");
+static_assert(!ROWS_BY_WARP || (cfg::SHARED_PREFIX && ROW_WARPS == WARPS && COL_SPLIT == 1 && !Q_IN_SMEM),
+              "rows by warp: shared-prefix records, one warp per slice, Q in registers");
 
 FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -54,7 +62,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   unsigned char* q_smem = smem + STAGES * TILE * (K_PITCH + V_PITCH);  // Q_IN_SMEM: after the ring
-  __shared__ float red_m[SLICES][M], red_d[SLICES][M], row_sinks[M];
+  __shared__ float red_m[SLICES][M], red_d[SLICES][M], row_sinks[M * ROW_WARPS];
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
@@ -79,6 +87,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     members = splits < 0 ? -splits : 0;
     slot = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).x;
   }
+  // The CTA's first row: a shared record's rows by warp hold ROW_WARPS tiles of 16 per row tile.
+  const bool rows_by_warp = ROWS_BY_WARP && members > 0;
+  const int first_row = rows_by_warp ? (cta.row_tile * ROW_WARPS + tid / 32) * M : cta.row_tile * M;
 
   // The two query rows this thread's fragments touch: quad and quad + 8; row_token: the row's
   // query token in q.
@@ -86,7 +97,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   bool row_valid[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = cta.row_tile * M + quad + 8 * h;
+    const int row = first_row + quad + 8 * h;
     row_tok[h] = row / cfg::GROUP_SIZE;
     row_head[h] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     row_valid[h] = row < ROWS_TOTAL && row_tok[h] < item.q_len;
@@ -148,11 +159,12 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const int half_swizzle = SWIZZLE ? mrow / 2 % 4 : 0;
   const int k_chunk_half = (mat & 1) ^ half_swizzle, v_chunk_half = (mat >> 1) ^ half_swizzle;
 
-  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [] {}, [&](int stage, int t) {
-    const int key0 = item.tile_begin + t * TILE + slice * 16;  // this warp's first key
+  // The 16 keys of slice g of a stage (a warp's own slice, or each in turn with rows by warp).
+  const auto attend_keys = [&](int stage, int t, int g) {
+    const int key0 = item.tile_begin + t * TILE + g * 16;  // the slice's first key
     if (key0 < item.v_end) {
-      const unsigned char* ks = k_smem + stage * TILE * K_PITCH;
-      const unsigned char* vs = v_smem + stage * TILE * V_PITCH;
+      const unsigned char* ks = k_smem + stage * TILE * K_PITCH + (g - slice) * 16 * K_PITCH;
+      const unsigned char* vs = v_smem + stage * TILE * V_PITCH + (g - slice) * 16 * V_PITCH;
       // S = Q K^T for 16 keys: s[j][0..1] rows quad, s[j][2..3] rows quad+8, keys 8j + pair (+1).
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -231,11 +243,42 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
         Mma<mma_t>::run(o[n + 1], pa, vb[2], vb[3]);
       }
     }
+  };
+  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [] {}, [&](int stage, int t) {
+    if constexpr (ROWS_BY_WARP) {
+      if (rows_by_warp) {
+#pragma unroll 1
+        for (int g = 0; g < SLICES; ++g) attend_keys(stage, t, g);
+        return;
+      }
+    }
+    attend_keys(stage, t, slice);
   });
+
+  float* red_o = reinterpret_cast<float*>(smem);  // [SLICES][M][D]
+  if constexpr (ROWS_BY_WARP) {
+    if (rows_by_warp) {  // each warp's rows are whole: their states go to shared memory as they are
+      float* rows_m = &red_m[0][0];
+      float* rows_d = &red_d[0][0];  // [WARPS * M]
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
+        dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
+        const int r = tid / 32 * M + quad + 8 * h;
+        if (lane % 4 == 0) { rows_m[r] = m[h]; rows_d[r] = dsum[h]; }
+#pragma unroll
+        for (int n = 0; n < NTILES; ++n)
+          *reinterpret_cast<float2*>(red_o + r * D + 8 * n + pair) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+      }
+      __syncthreads();
+      finish_rows<M * ROW_WARPS, 1>(a, item, scales, cta, red_o, reinterpret_cast<const float (*)[M * ROW_WARPS]>(rows_m),
+                                    reinterpret_cast<const float (*)[M * ROW_WARPS]>(rows_d), row_sinks, members, slot);
+      return;
+    }
+  }
 
   // Merge the slices' states: row sums over the quad's lanes, then through shared memory. The warps
   // of a slice hold the same m and sum.
-  float* red_o = reinterpret_cast<float*>(smem);  // [SLICES][M][D]
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
