@@ -1,6 +1,12 @@
 """How the benchmark times a call: CUDA events around it alone, after warm-up, the L2 flushed before
 each timed call (outside any captured graph), the median of many calls; and how it measures the
-host time of a launch."""
+host time of a launch.
+
+Warm-up runs the timed loop for WARMUP_S of wall time, not a count of calls: an H200 idles at a
+fraction of its SM clock and climbs back over milliseconds, so a cell timed right after the host
+was busy (building and capturing a CUDA graph, checking an output) would otherwise be timed at a
+lower clock than its neighbour (the first replayed graph of a row measured up to 8% slower than
+the same graph timed again, with eager unchanged)."""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import statistics
 import time
 
 FLUSH_BYTES = 256 * 2**20  # over four times the H100/H200 L2
+WARMUP_S = 0.05  # of flushes and calls, synchronized: the clocks settle under load in less
+WARMUP_CALLS = 3  # at least
 
 
 class Timer:
@@ -15,16 +23,24 @@ class Timer:
         self.torch, self.iters, self.clean = torch, iters, flush == "clean"
         self.scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
+    def flush(self, i: int):
+        self.scratch.fill_(i & 0xFF)
+        if self.clean:  # the reads evict the written lines, which are written back now
+            self.scratch.view(self.torch.int64).sum()
+
     def median_us(self, fn, flush: bool = True) -> float:
         torch = self.torch
-        for _ in range(3):
+        deadline, calls = time.perf_counter() + WARMUP_S, 0
+        while calls < WARMUP_CALLS or time.perf_counter() < deadline:
+            if flush:
+                self.flush(calls)
             fn()
+            torch.cuda.synchronize()  # the wall time counts work done, not work queued
+            calls += 1
         times = []
         for i in range(self.iters):
             if flush:
-                self.scratch.fill_(i & 0xFF)
-                if self.clean:  # the reads evict the written lines, which are written back now
-                    self.scratch.view(torch.int64).sum()
+                self.flush(i)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from flashjit.serving.host_planner import HostPlanner, item_records
-from flashjit.serving.shared_plan import members_per_record, plan_shared_work
+from flashjit.serving.shared_plan import members_per_record, plan_shared_work, record_tiles, shared_chunks
 from flashjit.serving.shared_prefix import find_shared_spans
 from test_decode_plan import cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
 
@@ -163,16 +163,17 @@ def test_shared_work_list_equals_whole_attention(seed):
     batch, group, kv_heads, dim = len(lists), rng.choice([1, 2, 4]), 2, 8
     q_len = rng.choice([1, 1, 2])
     causal = rng.random() < 0.5
+    row_warps = rng.choice([1, 4])  # a 16-row tile per CTA, or one per warp
     qo = np.arange(batch + 1) * q_len
     spans = find_shared_spans(indptr, ids, kv, np.full(batch, q_len), PAGE, causal=causal)
     if spans is None:
         pytest.skip("this pattern shares nothing")  # seeds are fixed: most share (checked below)
     row_tiles = -(-group * q_len // 16)
     shared = plan_shared_work(spans, indptr, kv, qo, PAGE, group_size=group, row_tiles=row_tiles,
-                              ctas_per_item=kv_heads * row_tiles, max_ctas=8, granularity=PAGE)
+                              ctas_per_item=kv_heads * row_tiles, max_ctas=8, granularity=PAGE, row_warps=row_warps)
     work = shared.work
     assert shared.num_shared > 0 and work.num_work == len(shared.records)
-    step = members_per_record(group, q_len, row_tiles)
+    step = members_per_record(group, q_len, row_tiles, row_warps)
     assert all(-s <= step for s in shared.records[:, 7] if s < 0)
     data = np.random.default_rng(seed)
     pages = int(ids.max()) + 1 if len(ids) else 1
@@ -188,6 +189,38 @@ def test_shared_work_list_equals_whole_attention(seed):
             for h in range(kv_heads * group):
                 want = attend(q[b * q_len + i, h][None], k[seen, h // group], v[seen, h // group])[0][0]
                 np.testing.assert_allclose(got[b * q_len + i, h], want, atol=1e-9)
+
+
+def samples_of_one_prompt(members: int, prompt_pages: int, own_pages: int):
+    """The page table of `members` requests that share a prompt's pages, then pages of their own."""
+    prompt = list(range(prompt_pages))
+    lists = [prompt + list(range(prompt_pages + m * own_pages, prompt_pages + (m + 1) * own_pages))
+             for m in range(members)]
+    return page_table(lists, [PAGE] * members)
+
+
+@pytest.mark.parametrize("group, row_warps, tiles", [(4, 1, 1), (4, 4, 4), (2, 4, 2), (4, 6, 4)])
+def test_a_record_of_more_rows_reads_a_shorter_chunk(group, row_warps, tiles):
+    """16 samples of a 512-page prompt: a record holding `tiles` 16-row tiles per CTA costs (5 + tiles)
+    / 6 of an own item per key, so the prompt is cut evenly into as many pieces as that weighted
+    length makes of the own items' chunk."""
+    indptr, ids, kv, _ = samples_of_one_prompt(16, 512, 32)
+    spans = find_shared_spans(indptr, ids, kv, np.ones(16, int), PAGE, causal=False)
+    shared = plan_shared_work(spans, indptr, kv, np.arange(17), PAGE, group_size=group, row_tiles=1,
+                              ctas_per_item=8, max_ctas=264, granularity=PAGE, row_warps=row_warps)
+    records = shared.records
+    is_shared = records[:, 7] < 0
+    members = -records[is_shared, 7]
+    assert members.max() == min(16, row_warps * 16 // group)
+    assert record_tiles(members.max(), group, 1, row_warps) == tiles
+    chunk = shared.work.chunk_tokens
+    own = records[~is_shared, 2] - records[~is_shared, 1]
+    reads = records[is_shared, 2] - records[is_shared, 1]
+    assert own.max() == min(chunk, 32 * PAGE)
+    pieces = -(-512 * PAGE * (5 + tiles) // 6 // chunk)
+    assert reads.max() == shared_chunks(chunk, 512 * PAGE, tiles, PAGE) == -(-512 * PAGE // pieces // PAGE) * PAGE
+    assert len(reads) * members.max() // 16 <= pieces
+    assert sum(reads) == 16 // members.max() * 512 * PAGE  # every run of members reads the whole prompt
 
 
 def test_most_random_patterns_share():

@@ -100,7 +100,8 @@ class _Shared(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "first", "count", "begin_page", "end_page", "shared_pages", "slots", "offsets")] + [
-        (name, ctypes.c_int64) for name in ("groups", "group_size", "row_tiles", "num_shared", "num_slots")]
+        (name, ctypes.c_int64) for name in ("groups", "group_size", "row_tiles", "row_warps", "num_shared",
+                                            "num_slots")]
 
 
 class _Layout(ctypes.Structure):
@@ -313,7 +314,7 @@ class HostPlanner:
         return spans
 
     def shared_tables(self, tables, spans: SharedSpans, *, group_size: int, row_tiles: int, ctas_per_item: int,
-                      max_ctas: int, granularity: int):
+                      max_ctas: int, granularity: int, row_warps: int = 1):
         """NativeSharedTables of the last read()'s NativeTables and the spans the last shared_spans()
         found over them: the work list of shared_plan.plan_shared_work (its arguments);
         NotImplemented for other tables or spans."""
@@ -321,7 +322,7 @@ class HostPlanner:
             return NotImplemented
         p, shared = self.params, self._shared
         p.ctas_per_item, p.max_ctas, p.granularity = ctas_per_item, max_ctas, granularity
-        shared.group_size, shared.row_tiles = group_size, row_tiles
+        shared.group_size, shared.row_tiles, shared.row_warps = group_size, row_tiles, row_warps
         self.library.fj_shared_plan(ctypes.byref(p), ctypes.byref(shared))
         return NativeSharedTables(self, tables, shared)
 

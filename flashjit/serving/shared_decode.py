@@ -63,8 +63,7 @@ def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None):
     host planner can (HostPlanner.shared_tables), else in numpy (shared_plan, the reference)."""
     shared_setup = shared_setup_for()
     tiling, loaded = shared_setup.kernel.tiling, shared_setup.loaded
-    # row_tiles: the 16-row tiles a shared record's CTAs hold, which the members' rows fill.
-    sizes = dict(group_size=setup.spec.group_size, row_tiles=tiling.row_tiles * tiling.shared_row_warps,
+    sizes = dict(group_size=setup.spec.group_size, row_tiles=tiling.row_tiles, row_warps=tiling.shared_row_warps,
                  ctas_per_item=setup.num_kv_heads * tiling.row_tiles, max_ctas=loaded.num_sms * loaded.ctas_per_sm,
                  granularity=tiling.tile_tokens)
     native = getattr(host_planner, "shared_tables", None)

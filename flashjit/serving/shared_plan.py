@@ -38,14 +38,41 @@ class SharedWork:
         self.num_slots = num_slots  # partial slots: the merge's ranges cover [0, num_slots)
 
 
-def members_per_record(group_size: int, q_len: int, row_tiles: int, rows_per_tile: int = 16) -> int:
-    """Members one shared record's CTAs hold: their rows (group x q_len each) fill the row tiles."""
-    return max(1, (row_tiles * rows_per_tile) // (group_size * q_len))
+# A shared record's CTA costs per key (5 + tiles) / 6 of an ordinary one's, tiles being the 16-row
+# MMA tiles it holds (1 to its warps): its warps' MMAs and exponentials grow with the rows, its K/V
+# bytes do not. Measured on an H200 at head_dim 128, 4 tiles against 1: 39-43 against 28-29 ns per
+# key, both CTAs resident in one wave.
+TILE_COST_BASE = 5
+
+
+def members_per_record(group_size: int, q_len: int, row_tiles: int, row_warps: int = 1) -> int:
+    """Members one shared record's CTAs hold: their rows (group x q_len each) fill the row tiles
+    (row_warps 16-row tiles per CTA)."""
+    return max(1, (row_tiles * row_warps * 16) // (group_size * q_len))
+
+
+def record_tiles(members, rows_per_member, row_tiles: int, row_warps: int):
+    """16-row tiles one CTA of a record of `members` holds (1 to row_warps)."""
+    rows = np.asarray(members, dtype=np.int64) * rows_per_member
+    return np.clip(-(-(-(-rows // 16)) // row_tiles), 1, row_warps)
+
+
+def weighted_spans(span_tokens, tiles):
+    """Shared spans' lengths priced at their records' cost per key (TILE_COST_BASE)."""
+    return -(-np.asarray(span_tokens, dtype=np.int64) * (TILE_COST_BASE + tiles) // (TILE_COST_BASE + 1))
+
+
+def shared_chunks(chunk: int, span_tokens, tiles, granularity: int):
+    """The chunk of shared spans whose records hold `tiles` tiles per CTA: each span cut evenly into
+    as many pieces as its weighted length makes of chunk (so a record costs about what an own item
+    of chunk keys does), rounded up to the granularity: never more pieces than the makespan priced."""
+    pieces = -(-weighted_spans(span_tokens, tiles) // chunk)
+    return -(-(-(-np.asarray(span_tokens, dtype=np.int64) // pieces)) // granularity) * granularity
 
 
 def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray,
                      page_size: int, *, group_size: int, row_tiles: int, ctas_per_item: int, max_ctas: int,
-                     granularity: int) -> SharedWork:
+                     granularity: int, row_warps: int = 1) -> SharedWork:
     indptr = np.asarray(indptr, dtype=np.int64)
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
     qo = np.asarray(qo_indptr, dtype=np.int64)
@@ -53,12 +80,17 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     batch = len(kv_lens)
     own_begin = np.minimum(spans.shared_pages * page_size, kv_lens)
     span_tokens = (spans.end_page - spans.begin_page) * page_size
-    per_record = np.maximum(1, (row_tiles * 16) // (group_size * q_lens[spans.first]))  # members_per_record
+    rows_per_member = group_size * q_lens[spans.first]
+    with np.errstate(divide="ignore"):  # members without queries: one a record
+        per_record = np.maximum(1, (row_tiles * row_warps * 16) // rows_per_member)  # members_per_record
     subsets = -(-spans.count // per_record)
-    # One chunk for own and shared spans alike, priced with each shared span once per member run.
-    lens = np.concatenate([kv_lens - own_begin, np.repeat(span_tokens, subsets)])
+    tiles = record_tiles(np.minimum(per_record, spans.count), rows_per_member, row_tiles, row_warps)
+    # One chunk, priced with each shared span once per member run at its records' cost per key;
+    # a shared span is cut evenly into as many pieces as its weighted length makes of the chunk.
+    lens = np.concatenate([kv_lens - own_begin, np.repeat(weighted_spans(span_tokens, tiles), subsets)])
     chunk = choose_chunk(lens, ctas_per_item, max_ctas, granularity)
-    chunks = -(-span_tokens // chunk)
+    span_chunk = shared_chunks(chunk, span_tokens, tiles, granularity)
+    chunks = -(-span_tokens // span_chunk)
     # Slots per request, and each group's slot offset: the chunks of its enclosing groups.
     slots = np.zeros(batch + 1, dtype=np.int64)
     offsets = np.zeros(spans.num_groups, dtype=np.int64)
@@ -79,12 +111,12 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     within = np.arange(int(records_of.sum())) - np.repeat(np.cumsum(records_of) - records_of, records_of)
     chunk_index, run = within // per_chunk[group], within % per_chunk[group]
     first = spans.first[group] + run * per_record[group]
-    begin = spans.begin_page[group] * page_size + chunk_index * chunk
+    begin = spans.begin_page[group] * page_size + chunk_index * span_chunk[group]
     end = spans.end_page[group] * page_size
+    v_end = np.minimum(begin + span_chunk[group], end)
     members = np.minimum(per_record[group], spans.first[group] + spans.count[group] - first)
-    shared = np.stack([first, begin, np.minimum(begin + chunk, end), end, indptr[first], offsets[group] + chunk_index,
-                       q_lens[first], -members, np.zeros_like(first), begin, np.minimum(begin + chunk, end),
-                       np.ones_like(first)], axis=1)
+    shared = np.stack([first, begin, v_end, end, indptr[first], offsets[group] + chunk_index,
+                       q_lens[first], -members, np.zeros_like(first), begin, v_end, np.ones_like(first)], axis=1)
     num_shared = len(shared)
     own_items = np.diff(own.req_work_indptr).astype(np.int64)
     req_work_indptr = np.zeros(batch + 1, dtype=np.int64)

@@ -62,12 +62,14 @@ typedef struct {
     const int64_t *shared_pages;           /* [batch] pages of each request its groups read */
     int64_t *slots;                        /* [batch] out: each request's slots of its groups' chunks */
     int64_t *offsets;                      /* [groups] out: each group's first slot in its members' ranges */
-    int64_t groups, group_size, row_tiles; /* GQA group; the shared kernel's 16-row tiles per CTA */
+    int64_t groups, group_size;            /* GQA group */
+    int64_t row_tiles, row_warps;          /* the shared kernel's CTAs per record and 16-row tiles per CTA */
     /* outputs (fj_plan_t's chunk and num_work hold the rest) */
     int64_t num_shared, num_slots;         /* shared records; partial slots of all requests */
 } fj_shared_t;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+enum { TILE_COST_BASE = 5 };  /* shared_plan.TILE_COST_BASE */
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -93,7 +95,27 @@ static int64_t queries(const fj_plan_t *p, int64_t b) {
  * Members without queries hold no rows: one a record, as numpy's division by zero gives. */
 static int64_t members_per_record(const fj_plan_t *p, const fj_shared_t *s, int64_t g) {
     int64_t rows = s->group_size * queries(p, s->first[g]);
-    return rows > 0 ? max64(1, s->row_tiles * 16 / rows) : 1;
+    return rows > 0 ? max64(1, s->row_tiles * s->row_warps * 16 / rows) : 1;
+}
+
+/* shared_plan.record_tiles of group g's full runs: 16-row tiles per CTA, 1 to row_warps. */
+static int64_t record_tiles(const fj_plan_t *p, const fj_shared_t *s, int64_t g) {
+    int64_t rows = min64(members_per_record(p, s, g), s->count[g]) * s->group_size * queries(p, s->first[g]);
+    return min64(max64(ceil_div(ceil_div(rows, 16), s->row_tiles), 1), s->row_warps);
+}
+
+/* shared_plan.weighted_spans: group g's span length priced at its records' cost per key. */
+static int64_t weighted_span(const fj_plan_t *p, const fj_shared_t *s, int64_t g) {
+    int64_t len = (s->end_page[g] - s->begin_page[g]) * p->page_size;
+    return ceil_div(len * (TILE_COST_BASE + record_tiles(p, s, g)), TILE_COST_BASE + 1);
+}
+
+/* shared_plan.shared_chunks: group g's span cut evenly into the pieces its weighted length makes
+ * of p->chunk, rounded up to the granularity. */
+static int64_t span_chunk(const fj_plan_t *p, const fj_shared_t *s, int64_t g) {
+    int64_t len = (s->end_page[g] - s->begin_page[g]) * p->page_size;
+    int64_t pieces = ceil_div(weighted_span(p, s, g), p->chunk);
+    return ceil_div(ceil_div(len, pieces), p->granularity) * p->granularity;
 }
 
 /* Records of one chunk of group g: its members in runs of members_per_record. */
@@ -168,7 +190,7 @@ static double makespan(const fj_plan_t *p, const fj_shared_t *s, int64_t chunk) 
         total += len;
     }
     for (int64_t g = 0; s && g < s->groups; ++g) {  /* a group's span is never empty */
-        int64_t len = (s->end_page[g] - s->begin_page[g]) * p->page_size, runs = member_runs(p, s, g);
+        int64_t len = weighted_span(p, s, g), runs = member_runs(p, s, g);
         count_items(len, whole, runs, &items, &long_items);
         total += runs * len;
         spans += runs;
@@ -342,8 +364,9 @@ int64_t fj_shared_groups(int64_t *prefix, int64_t batch, int64_t max_levels, int
     return groups;
 }
 
-/* shared_plan.plan_shared_work's sizes over the groups of s: p->chunk (one for own and shared
- * spans, priced by makespan with each group's span once per member run), p->num_work (the shared
+/* shared_plan.plan_shared_work's sizes over the groups of s: p->chunk (the own spans', priced by
+ * makespan with each group's span once per member run at its records' cost per key; a group's
+ * chunk is span_chunk), p->num_work (the shared
  * records, then every request's own items), s->num_shared and s->num_slots; and s->slots and
  * s->offsets for fj_shared_fill. Call fj_read first; p's ctas_per_item, max_ctas and granularity
  * are the shared kernel's. */
@@ -354,11 +377,11 @@ int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
         s->slots[b] = 0;
     }
     for (int64_t g = 0; g < s->groups; ++g)
-        longest = max64(longest, (s->end_page[g] - s->begin_page[g]) * p->page_size);
+        longest = max64(longest, weighted_span(p, s, g));
     p->chunk = choose_chunk(p, s, longest);
     /* A group's slots follow those of its enclosing groups, which come first in s. */
     for (int64_t g = 0; g < s->groups; ++g) {
-        int64_t chunks = ceil_div((s->end_page[g] - s->begin_page[g]) * p->page_size, p->chunk);
+        int64_t chunks = ceil_div((s->end_page[g] - s->begin_page[g]) * p->page_size, span_chunk(p, s, g));
         s->offsets[g] = s->slots[s->first[g]];
         for (int64_t m = s->first[g]; m < s->first[g] + s->count[g]; ++m) s->slots[m] += chunks;
         records += chunks * member_runs(p, s, g);
@@ -401,9 +424,9 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
     for (int64_t g = 0; g < s->groups; ++g) {
         const int64_t first = s->first[g], stop = first + s->count[g];
         const int64_t span_begin = s->begin_page[g] * p->page_size, end = s->end_page[g] * p->page_size;
-        const int64_t per_record = members_per_record(p, s, g), q = queries(p, first);
-        for (int64_t begin = span_begin, k = s->offsets[g]; begin < end; begin += chunk, ++k) {
-            const int64_t v_end = min64(begin + chunk, end);
+        const int64_t per_record = members_per_record(p, s, g), q = queries(p, first), step = span_chunk(p, s, g);
+        for (int64_t begin = span_begin, k = s->offsets[g]; begin < end; begin += step, ++k) {
+            const int64_t v_end = min64(begin + step, end);
             for (int64_t m = first; m < stop; m += per_record, ++w)
                 put_record(records + ITEM_INTS * w, m, begin, v_end, end, p->indptr[m], k, q,
                            -min64(per_record, stop - m), 0);
