@@ -9,9 +9,11 @@ events around the call, the median of --iters; benchmarks/timing.py):
   "16 samples, 32768 + 1024"
   "4 prompts x 16 samples, 4096 + 256"
   "64 samples, 2048 + 128"
-Columns: flashjit (share_prefixes=True), flashjit per request (the default), FlashInfer's
-tensor-core decode and its MultiLevelCascadeAttentionWrapper with 2 levels (prompt, own pages) when
-FlashInfer imports, and the read-once floor: every shared page once plus each request's own pages,
+  "64 requests, nothing shared, 0 + 2048"   what detection costs a batch that shares nothing
+Columns: flashjit (plan()'s default, share_prefixes=True), flashjit per request
+(share_prefixes=False), FlashInfer's tensor-core decode and its MultiLevelCascadeAttentionWrapper
+with 2 levels (prompt, own pages) when FlashInfer imports and the row has a prompt, and the
+read-once floor: every shared page once plus each request's own pages,
 streamed under the same flush and timing (benchmarks/read_floor.py). Each implementation's output
 is checked against flashjit.serving.reference before it is timed. The graph columns replay a CUDA
 graph of the step (flashjit in its CUDA-graph mode, planned before capture and again before the
@@ -46,6 +48,7 @@ ROWS = [
     Row("16 samples, 32768 + 1024", 1, 16, 32768, 1024),
     Row("4 prompts x 16 samples, 4096 + 256", 4, 16, 4096, 256),
     Row("64 samples, 2048 + 128", 1, 64, 2048, 128),
+    Row("64 requests, nothing shared, 0 + 2048", 1, 64, 0, 2048),
 ]
 
 
@@ -197,7 +200,7 @@ def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed
         plan()
         out = torch.empty_like(q)
         name = "flashjit" if share else "flashjit per request"
-        if share and not decoder.spec.shared_prefix:
+        if share and not decoder.spec.shared_prefix and row.prompt_len:
             result["notes"].append("flashjit found no shared prefix")
         time_it(name, lambda: decoder.run(q, (k, v), out=out), out)
         result["plan_us"][name] = round(host_us(plan, torch.cuda.synchronize, calls=PLAN_CALLS), 1)
@@ -206,6 +209,8 @@ def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed
             replay, graph_out = _flashjit_graph(torch, engine, tables, q, (k, v), capture, share)
             time_it(name + " (graph)", replay, graph_out)
     wanted, flashinfer = [name for name in PEERS if re.search(peers, name)], None
+    if not row.prompt_len and "FlashInfer cascade (2 levels)" in wanted:  # no prompt level to give it
+        wanted.remove("FlashInfer cascade (2 levels)")
     if wanted:
         try:
             import flashinfer

@@ -243,12 +243,12 @@ def plan_args(lists, last):
 SHARED_BATCH = ([[0, 1, 2, 3, 10], [0, 1, 2, 3, 11], [0, 1, 2, 3, 12], [20, 21]], [PAGE, 2, 1, 3])
 
 
-def test_plan_shares_when_asked_and_not_by_default(planner):
+def test_plan_shares_by_default_and_not_when_told_not_to(planner):
     decoder = cpu_decoder(planner)
     args = plan_args(*SHARED_BATCH)
-    decoder.plan(*args, 32, 8, 128, PAGE, mask="causal")
+    decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=False)
     assert not decoder.spec.shared_prefix and (decoder.work.work_request >= 0).all()
-    decoder.plan(*args, 32, 8, 128, PAGE, mask="causal", share_prefixes=True)
+    decoder.plan(*args, 32, 8, 128, PAGE, mask="causal")
     assert decoder.spec.shared_prefix and not decoder.kernel.tiling.fused_merge
     plan = decoder.current_plan
     records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
@@ -314,6 +314,9 @@ def test_benchmark_rows_share_their_prompts():
         kv = (np.diff(t.indptr) - 1) * BENCH_PAGE + t.last_page_len
         assert kv.tolist() == [row.prompt_len + row.own_len] * batch
         spans = find_shared_spans(t.indptr, t.indices, kv, np.ones(batch, int), BENCH_PAGE, causal=True)
+        if not row.prompt_len:  # the row of requests alone
+            assert spans is None and t.unique_pages == len(t.indices)
+            continue
         assert spans.count.tolist() == [row.samples] * row.prompts
         assert spans.end_page.tolist() == [row.prompt_len // BENCH_PAGE] * row.prompts
         assert floor_bytes(row, t) > t.unique_pages * BENCH_PAGE * 8 * 128 * 4

@@ -127,7 +127,7 @@ class BatchDecode:
              chunk_tokens: int | None = None, disable_split_kv: bool = False,
              fixed_split_tokens: int | None = None, tensor_cores: bool | None = None,
              check_page_ids: bool = True, variant: str | None = None, variant_params: dict | None = None,
-             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool = False) -> "BatchDecode":
+             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool = True) -> "BatchDecode":
         """Plans a batch for every layer's run(); see docs/api.md for the arguments.
 
         check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
@@ -143,9 +143,9 @@ class BatchDecode:
         variant="sinks", variant_params={"sinks": t}. FlashInfer's names select the built-ins:
         logits_soft_cap=50.0 (soft_cap; 0.0 or None: none) and sinks=t (a float32 tensor of one
         logit per query head), both together soft_cap_sinks.
-        share_prefixes: True: neighbouring requests whose page lists start with the same page ids
-        read those pages once for all of them (docs/shared_prefix.md); False (the default) plans
-        every request alone.
+        share_prefixes: True (the default): neighbouring requests whose page lists start with the
+        same page ids read those pages once for all of them, where the plan allows it
+        (docs/shared_prefix.md; CUDA-graph mode plans every request alone); False: every request alone.
         """
         import torch
 
@@ -185,7 +185,8 @@ class BatchDecode:
         # The page-id range travels to the host while the host plans, instead of in a round trip of
         # its own; a negative id is still reported ahead of any later argument error.
         page_range = self._page_id_range
-        page_range.start(indices, num_page_ids if check_page_ids else 0, ids=share_prefixes)
+        may_read_ids = share_prefixes and graph is None  # detection reads the ids on the host
+        page_range.start(indices, num_page_ids if check_page_ids else 0, ids=may_read_ids)
         try:
             kernel_q_len = tables.max_q_len if graph is None else graph.kernel_q_len(tables.max_q_len, previous)
             setup = None if known is None else known.get(kernel_q_len)
@@ -214,7 +215,7 @@ class BatchDecode:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
-        if (share_prefixes and device_planner is None
+        if (may_read_ids and device_planner is None
                 and may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids, tensor_cores)):
             ids = host_page_ids(indices, num_page_ids, page_range)
             spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
