@@ -1,7 +1,7 @@
 """plan()'s shared-prefix step: whether a batch may share, what it shares, and the plan's work list then.
 
 A plan shares when every condition below holds, and otherwise plans per request as without it:
-  * share_prefixes=True (opt-in) and the host plans the work (not the GPU planner of
+  * share_prefixes=True (the default) and the host plans the work (not the GPU planner of
     CUDA-graph mode, whose fixed kernel is the per-request one);
   * check_page_ids=True: detection reads the page ids on the host, which waits for the stream, and
     check_page_ids=False promises plan() no wait (plan() reads the ids back then anyway);

@@ -40,8 +40,8 @@ class SharedWork:
 
 # A shared record's CTA costs per key (5 + tiles) / 6 of an ordinary one's, tiles being the 16-row
 # MMA tiles it holds (1 to its warps): its warps' MMAs and exponentials grow with the rows, its K/V
-# bytes do not. Measured on an H200 at head_dim 128, 4 tiles against 1: 39-43 against 28-29 ns per
-# key, both CTAs resident in one wave.
+# bytes do not. Measured on an H200 at head_dim 128, 4 tiles against 1: 39-47 against 26-29 ns per
+# key, both kinds of CTA resident in one wave.
 TILE_COST_BASE = 5
 
 
