@@ -10,7 +10,7 @@ events around the call, the median of --iters; benchmarks/timing.py):
   "4 prompts x 16 samples, 4096 + 256"
   "64 samples, 2048 + 128"
   "64 requests, nothing shared, 0 + 2048"   what detection costs a batch that shares nothing
-Columns: flashjit (plan()'s default, share_prefixes=True), flashjit per request
+Columns: flashjit (share_prefixes=True; in CUDA-graph mode too), flashjit per request
 (share_prefixes=False), FlashInfer's tensor-core decode and its MultiLevelCascadeAttentionWrapper
 with 2 levels (prompt, own pages) when FlashInfer imports and the row has a prompt, and the
 read-once floor: every shared page once plus each request's own pages,

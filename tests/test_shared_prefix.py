@@ -181,14 +181,20 @@ def test_shared_work_list_equals_whole_attention(seed):
     k = data.standard_normal((pages * PAGE, kv_heads, dim))
     v = data.standard_normal((pages * PAGE, kv_heads, dim))
     got = emulate(shared.records, work.req_work_indptr, qo, q, k, v, ids, group, causal)
-    for b in range(batch):
+    np.testing.assert_allclose(got, whole_attention(q, k, v, indptr, ids, kv, q_len, group, causal), atol=1e-9)
+
+
+def whole_attention(q, k, v, indptr, ids, kv, q_len: int, group: int, causal: bool):
+    """Each request's queries over its whole cache (the causal mask at its newest positions), in float64."""
+    out = np.zeros_like(q)
+    for b in range(len(kv)):
         pos = np.arange(kv[b])
         phys = ids[indptr[b] + pos // PAGE] * PAGE + pos % PAGE if kv[b] else np.zeros(0, int)
         for i in range(q_len):
             seen = phys[: kv[b] - q_len + i + 1] if causal else phys
-            for h in range(kv_heads * group):
-                want = attend(q[b * q_len + i, h][None], k[seen, h // group], v[seen, h // group])[0][0]
-                np.testing.assert_allclose(got[b * q_len + i, h], want, atol=1e-9)
+            for h in range(q.shape[1]):
+                out[b * q_len + i, h] = attend(q[b * q_len + i, h][None], k[seen, h // group], v[seen, h // group])[0][0]
+    return out
 
 
 def samples_of_one_prompt(members: int, prompt_pages: int, own_pages: int):
@@ -398,3 +404,87 @@ def test_plan_host_cost(planner, capsys):
         times[share] = 1e6 * float(np.median(samples))
     with capsys.disabled():
         print(f"\nplan() host time, 256 requests: {times[False]:.1f} us per request, {times[True]:.1f} us sharing")
+
+
+# ---- CUDA-graph mode asked to share -------------------------------------------------------------
+
+GRAPH_BATCH = 16
+
+
+def graph_decoder(planner, library):
+    return cpu_decoder(planner, use_cuda_graph=True, max_batch_size=GRAPH_BATCH, max_num_pages=8192,
+                       host_planner=HostPlanner(library))
+
+
+def check_graph_plan(decoder, lists, last, q_len: int, causal: bool, capacity):
+    """The plan's records fill the fixed capacity (padding after them), its slots fit the
+    partials, and the list computes every request's whole attention (emulated)."""
+    plan = decoder.current_plan
+    assert decoder.spec.shared_prefix and plan.capacity == capacity
+    assert plan.decode_launch.grid[0] == capacity.work * 8  # the captured grid: the capacity's items
+    work = decoder.work
+    records = item_records(plan.buffers.host, plan.buffers.starts)
+    assert (records[work.num_work:, 0] == -1).all() and work.req_work_indptr[-1] <= capacity.work
+    indptr, ids, kv, _ = page_table(lists, last)
+    data = np.random.default_rng(len(lists))
+    pages = int(ids.max()) + 1
+    q = data.standard_normal((len(lists) * q_len, 8, 4))  # 2 KV heads of the plan's group of 4
+    k, v = (data.standard_normal((pages * PAGE, 2, 4)) for _ in range(2))
+    qo = np.arange(len(lists) + 1) * q_len
+    got = emulate(records[:work.num_work], work.req_work_indptr, qo, q, k, v, ids, 4, causal)
+    np.testing.assert_allclose(got, whole_attention(q, k, v, indptr, ids, kv, q_len, 4, causal), atol=1e-9)
+    return records[:work.num_work]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_cuda_graph_decoder_asked_to_share_plans_every_batch_with_the_shared_kernel(planner, native, causal):
+    """share_prefixes=True in CUDA-graph mode: the shared kernel and the capacity of the first plan
+    (built for 2 query tokens) serve batches that share and batches that do not (each request alone
+    in the shared format), of 1 or 2 query tokens."""
+    library = native_library() if native else None
+    if native and library is None:
+        pytest.skip("no C compiler: the numpy planner is the only one")
+    decoder, capacity, shared_seen = graph_decoder(planner, library), None, 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        lists, last = random_tree(rng, rng.randint(1, GRAPH_BATCH))
+        if seed % 3 == 2:  # requests alone
+            lists = [[1000 * r + i for i in range(len(pages))] for r, pages in enumerate(lists)]
+        q_len = rng.choice([1, 2]) if seed else 2
+        decoder.plan(*plan_args(lists, last), 32, 8, 128, PAGE, q_len=q_len, mask="causal" if causal else "none",
+                     share_prefixes=True)
+        capacity = capacity or decoder.current_plan.capacity
+        records = check_graph_plan(decoder, lists, last, q_len, causal, capacity)
+        shared_seen += bool((records[:, 7] < 0).any())
+    assert 0 < shared_seen < 8
+
+
+def test_a_cuda_graph_plan_over_the_capacity_takes_longer_chunks(planner):
+    """16 samples of a long prompt: the eager plan's slots outnumber the graph's capacity, so the
+    graph plan doubles its chunk until records and slots fit, and still shares the prompt."""
+    prompt = list(range(400))
+    lists = [prompt + [1000 + 10 * r + i for i in range(3)] for r in range(GRAPH_BATCH)]
+    last = [PAGE] * GRAPH_BATCH
+    eager = cpu_decoder(planner)
+    eager.plan(*plan_args(lists, last), 32, 8, 128, PAGE)
+    decoder = graph_decoder(planner, native_library())
+    decoder.plan(*plan_args(lists, last), 32, 8, 128, PAGE, share_prefixes=True)
+    capacity = decoder.current_plan.capacity
+    assert eager.spec.shared_prefix and eager.work.req_work_indptr[-1] > capacity.work
+    records = check_graph_plan(decoder, lists, last, 1, False, capacity)
+    assert (records[:, 7] < 0).any() and decoder.work.chunk_tokens > eager.work.chunk_tokens
+
+
+def test_a_cuda_graph_decoder_shares_only_when_asked_and_keeps_its_kernel(planner):
+    lists, last = SHARED_BATCH
+    default = graph_decoder(planner, native_library())
+    default.plan(*plan_args(lists, last), 32, 8, 128, PAGE)
+    assert not default.spec.shared_prefix  # the default keeps CUDA-graph mode per request
+    decoder = graph_decoder(planner, native_library())
+    decoder.plan(*plan_args(lists, last), 32, 8, 128, PAGE, share_prefixes=True)
+    first = decoder.current_plan
+    for options in (dict(share_prefixes=False), dict(), dict(share_prefixes=True, check_page_ids=False)):
+        with pytest.raises(ValueError, match="the first plan's kernel"):
+            decoder.plan(*plan_args(lists, last), 32, 8, 128, PAGE, **options)
+        assert decoder.current_plan is first  # a refused plan leaves the previous one

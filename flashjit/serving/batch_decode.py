@@ -32,7 +32,8 @@ from .plan_setup import MAX_SETUPS, Setup, make_setup, on_tensor_cores
 from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
 from .plan_state import Plan, fixed_split_items, graph_capacity, prepare_launches, split_rule, split_work
 from .run_checks import NO_CACHE, scale_key
-from .shared_decode import host_page_ids, may_share, plan_sharing, shared_spans
+from .shared_decode import (host_page_ids, kernel_may_share, may_share, plan_graph_sharing, plan_sharing,
+                            shared_spans)
 from .split_plan import WorkPlan
 from .streams import stream_getter
 
@@ -127,7 +128,7 @@ class BatchDecode:
              chunk_tokens: int | None = None, disable_split_kv: bool = False,
              fixed_split_tokens: int | None = None, tensor_cores: bool | None = None,
              check_page_ids: bool = True, variant: str | None = None, variant_params: dict | None = None,
-             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool = True) -> "BatchDecode":
+             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool | None = None) -> "BatchDecode":
         """Plans a batch for every layer's run(); see docs/api.md for the arguments.
 
         check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
@@ -143,14 +144,16 @@ class BatchDecode:
         variant="sinks", variant_params={"sinks": t}. FlashInfer's names select the built-ins:
         logits_soft_cap=50.0 (soft_cap; 0.0 or None: none) and sinks=t (a float32 tensor of one
         logit per query head), both together soft_cap_sinks.
-        share_prefixes: True (the default): neighbouring requests whose page lists start with the
-        same page ids read those pages once for all of them, where the plan allows it
-        (docs/shared_prefix.md; CUDA-graph mode plans every request alone); False: every request alone.
+        share_prefixes: neighbouring requests whose page lists start with the same page ids read
+        those pages once for all of them, where the plan allows it (docs/shared_prefix.md). None (the
+        default): in eager plans; CUDA-graph mode keeps its GPU planner and plans every request
+        alone. True: in CUDA-graph mode too, which then plans on the host with the shared kernel
+        from the first plan on. False: every request alone.
         """
         import torch
 
-        if not isinstance(share_prefixes, bool):
-            validation.fail("share_prefixes", "True or False", share_prefixes)
+        if share_prefixes is not None and not isinstance(share_prefixes, bool):
+            validation.fail("share_prefixes", "None, True or False", share_prefixes)
 
         rule = split_rule(chunk_tokens, fixed_split_tokens, disable_split_kv)
 
@@ -185,7 +188,7 @@ class BatchDecode:
         # The page-id range travels to the host while the host plans, instead of in a round trip of
         # its own; a negative id is still reported ahead of any later argument error.
         page_range = self._page_id_range
-        may_read_ids = share_prefixes and graph is None  # detection reads the ids on the host
+        may_read_ids = share_prefixes is True or (share_prefixes is None and graph is None)  # detection reads them
         page_range.start(indices, num_page_ids if check_page_ids else 0, ids=may_read_ids)
         try:
             kernel_q_len = tables.max_q_len if graph is None else graph.kernel_q_len(tables.max_q_len, previous)
@@ -198,10 +201,18 @@ class BatchDecode:
                         self._setup_for_scalars.clear()
                     self._setup_for_scalars.setdefault(key, {})[kernel_q_len] = setup
             device_planner = None
+            # CUDA-graph mode asked to share plans on the host with the shared kernel, from the
+            # first plan on, whether or not this batch shares (the work list comes below).
+            graph_shares = (graph is not None and share_prefixes is True
+                            and kernel_may_share(setup, rule, check_page_ids, tensor_cores))
+            if graph_shares:
+                setup = self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params)
             if graph is not None:
                 graph.check_kernel(setup, previous)
-                device_planner = graph.device_planner(setup)
-            if device_planner is None:
+                device_planner = None if graph_shares else graph.device_planner(setup)
+            if graph_shares:
+                work, capacity = None, graph_capacity(setup, tables, graph, previous, rule)
+            elif device_planner is None:
                 work, capacity = split_work(setup, tables, rule, graph, previous)
             else:  # the work list is made on the GPU, from the page table copied below
                 work, capacity = None, graph_capacity(setup, tables, graph, previous, rule)
@@ -215,7 +226,11 @@ class BatchDecode:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
-        if (may_read_ids and device_planner is None
+        if graph_shares:
+            ids = host_page_ids(indices, num_page_ids, page_range)
+            spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
+            tables, work = plan_graph_sharing(setup, tables, spans, self._host_planner, capacity)
+        elif (may_read_ids and device_planner is None
                 and may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids, tensor_cores)):
             ids = host_page_ids(indices, num_page_ids, page_range)
             spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")

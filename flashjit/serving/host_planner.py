@@ -255,6 +255,7 @@ class HostPlanner:
         self._last_read = None  # the NativeTables params describes: what the shared-prefix calls read
         self._shared_scratch, self._shared_pointer = np.empty(0, dtype=np.int64), 0
         self._spans = None  # the SharedSpans of the last shared_spans(), whose arrays _shared points at
+        self._searched = None  # the tables that search read
         self._shared = _Shared()
         library.fj_id_range.restype = None
         self.params = p = _Params()
@@ -297,6 +298,7 @@ class HostPlanner:
         NotImplemented for other tables or without the library."""
         if self.library is None or tables is not self._last_read:
             return NotImplemented
+        self._searched = tables
         batch = tables.batch
         if len(self._shared_scratch) < 16 * batch:  # fj_shared_spans' layout
             self._shared_scratch = np.empty(16 * max(batch, 64), dtype=np.int64)
@@ -313,15 +315,20 @@ class HostPlanner:
         self._spans = spans
         return spans
 
-    def shared_tables(self, tables, spans: SharedSpans, *, group_size: int, row_tiles: int, ctas_per_item: int,
-                      max_ctas: int, granularity: int, row_warps: int = 1):
+    def shared_tables(self, tables, spans: SharedSpans | None, *, group_size: int, row_tiles: int,
+                      ctas_per_item: int, max_ctas: int, granularity: int, row_warps: int = 1,
+                      chunk_tokens: int | None = None):
         """NativeSharedTables of the last read()'s NativeTables and the spans the last shared_spans()
-        found over them: the work list of shared_plan.plan_shared_work (its arguments);
+        found over them (None: it found none, and every request is planned alone in the shared
+        kernel's format): the work list of shared_plan.plan_shared_work (its arguments);
         NotImplemented for other tables or spans."""
-        if self.library is None or tables is not self._last_read or spans is not self._spans:
+        if (self.library is None or tables is not self._last_read or tables is not self._searched
+                or spans is not self._spans):
             return NotImplemented
         p, shared = self.params, self._shared
         p.ctas_per_item, p.max_ctas, p.granularity = ctas_per_item, max_ctas, granularity
+        p.chunk_tokens = 0 if chunk_tokens is None else chunk_tokens
+        p.span_begin = p.span_end = None  # a sharing mask reads every request's whole span
         shared.group_size, shared.row_tiles, shared.row_warps = group_size, row_tiles, row_warps
         self.library.fj_shared_plan(ctypes.byref(p), ctypes.byref(shared))
         return NativeSharedTables(self, tables, shared)

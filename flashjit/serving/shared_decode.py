@@ -1,8 +1,8 @@
 """plan()'s shared-prefix step: whether a batch may share, what it shares, and the plan's work list then.
 
 A plan shares when every condition below holds, and otherwise plans per request as without it:
-  * share_prefixes=True (the default) and the host plans the work (not the GPU planner of
-    CUDA-graph mode, whose fixed kernel is the per-request one);
+  * share_prefixes is not False and the host plans the work: an eager decoder, or CUDA-graph mode
+    with share_prefixes=True (plan_graph_sharing: the GPU planner's fixed kernel is the per-request one);
   * check_page_ids=True: detection reads the page ids on the host, which waits for the stream, and
     check_page_ids=False promises plan() no wait (plan() reads the ids back then anyway);
   * the planner picks the split (no chunk_tokens, fixed_split_tokens or disable_split_kv: those
@@ -22,18 +22,24 @@ import numpy as np
 from ..jit.spec import TENSOR_CORE_HEAD_DIMS
 from .buffers import Capacity
 from .shared_plan import SharedTables, plan_shared_work
-from .shared_prefix import MAX_LEVELS, find_shared_spans
+from .shared_prefix import MAX_LEVELS, SharedSpans, find_shared_spans
 
 SHARING_MASKS = ("none", "causal")
 
 
-def may_share(setup, rule, graph, batch: int, num_page_ids: int, check_page_ids: bool, tensor_cores) -> bool:
-    """The conditions on the plan's arguments (the module docstring's); tensor_cores: plan()'s."""
+def kernel_may_share(setup, rule, check_page_ids: bool, tensor_cores) -> bool:
+    """The conditions on the plan's kernel and split arguments (the module docstring's);
+    tensor_cores: plan()'s."""
     spec = setup.spec
     cores_ok = spec.tensor_cores or (tensor_cores is None and spec.head_dim in TENSOR_CORE_HEAD_DIMS)
-    return (check_page_ids and graph is None and not rule.one_item and rule.chunk_tokens is None and batch >= 2
-            and num_page_ids > 1 and cores_ok and not spec.kv_is_fp8 and spec.mask in SHARING_MASKS
-            and spec.variant == "none")
+    return (check_page_ids and not rule.one_item and rule.chunk_tokens is None and cores_ok and not spec.kv_is_fp8
+            and spec.mask in SHARING_MASKS and spec.variant == "none")
+
+
+def may_share(setup, rule, graph, batch: int, num_page_ids: int, check_page_ids: bool, tensor_cores) -> bool:
+    """An eager plan's conditions (the module docstring's)."""
+    return (graph is None and batch >= 2 and num_page_ids > 1
+            and kernel_may_share(setup, rule, check_page_ids, tensor_cores))
 
 
 def host_page_ids(indices, num_page_ids: int, page_range):
@@ -57,23 +63,39 @@ def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
     return find_shared_spans(tables.page_indptr, ids.numpy(), tables.kv_lens, tables.q_lens, page_size, causal=causal)
 
 
-def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None):
-    """(setup, tables, work, capacity) of a batch with shared spans (shared_prefix.SharedSpans);
-    shared_setup_for() makes the shared_prefix kernel's setup. The work list is made in C where the
-    host planner can (HostPlanner.shared_tables), else in numpy (shared_plan, the reference)."""
+def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None, chunk_tokens: int | None = None):
+    """(setup, tables, work, capacity) of a batch with shared spans (shared_prefix.SharedSpans, or
+    None: every request alone in the shared kernel's format); shared_setup_for() makes the
+    shared_prefix kernel's setup; chunk_tokens forces the chunk. The work list is made in C where
+    the host planner can (HostPlanner.shared_tables), else in numpy (shared_plan, the reference)."""
     shared_setup = shared_setup_for()
     tiling, loaded = shared_setup.kernel.tiling, shared_setup.loaded
     sizes = dict(group_size=setup.spec.group_size, row_tiles=tiling.row_tiles, row_warps=tiling.shared_row_warps,
                  ctas_per_item=setup.num_kv_heads * tiling.row_tiles, max_ctas=loaded.num_sms * loaded.ctas_per_sm,
-                 granularity=tiling.tile_tokens)
+                 granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens)
     native = getattr(host_planner, "shared_tables", None)
     found = NotImplemented if native is None else native(tables, spans, **sizes)
     if found is not NotImplemented:  # the tables are their own work summary, as NativeTables are
         shared_tables = work = found
         num_slots = found.num_slots
     else:
-        shared = plan_shared_work(spans, tables.page_indptr, tables.kv_lens, tables.query_indptr, setup.page_size,
-                                  **sizes)
+        shared = plan_shared_work(SharedSpans.none(tables.batch) if spans is None else spans, tables.page_indptr,
+                                  tables.kv_lens, tables.query_indptr, setup.page_size, **sizes)
         shared_tables, work, num_slots = SharedTables(tables, shared), shared.work, shared.num_slots
     # Capacity.work sizes the records' buffer and the partials: the slots outnumber the records.
     return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, max(num_slots, work.num_work))
+
+
+def plan_graph_sharing(shared_setup, tables, spans, host_planner, capacity: Capacity):
+    """(tables, work) of a CUDA-graph plan that shares (shared_setup: the graph's fixed kernel) in
+    the fixed capacity: the planned chunk, else the chunk doubled until the records and the slots
+    fit, else every request alone in one item (its requests fit the capacity: plan() checked)."""
+    longest = max(1, int(np.max(tables.kv_lens, initial=0)))
+    chunk = None
+    while True:
+        _, found, work, needs = plan_sharing(shared_setup, lambda: shared_setup, tables, spans, host_planner, chunk)
+        if needs.work <= capacity.work:
+            return found, work
+        if spans is not None and work.chunk_tokens >= longest:
+            spans = None  # the spans' slots alone overflow: plan every request alone
+        chunk = min(2 * work.chunk_tokens, longest) if spans is not None else longest

@@ -72,7 +72,9 @@ def shared_chunks(chunk: int, span_tokens, tiles, granularity: int):
 
 def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray,
                      page_size: int, *, group_size: int, row_tiles: int, ctas_per_item: int, max_ctas: int,
-                     granularity: int, row_warps: int = 1) -> SharedWork:
+                     granularity: int, row_warps: int = 1, chunk_tokens: int | None = None) -> SharedWork:
+    """The work list (module docstring); spans with no groups plan every request alone in this
+    format. chunk_tokens forces the chunk (else the makespan estimate picks it)."""
     indptr = np.asarray(indptr, dtype=np.int64)
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
     qo = np.asarray(qo_indptr, dtype=np.int64)
@@ -88,13 +90,13 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     # One chunk, priced with each shared span once per member run at its records' cost per key;
     # a shared span is cut evenly into as many pieces as its weighted length makes of the chunk.
     lens = np.concatenate([kv_lens - own_begin, np.repeat(weighted_spans(span_tokens, tiles), subsets)])
-    chunk = choose_chunk(lens, ctas_per_item, max_ctas, granularity)
+    chunk = chunk_tokens or choose_chunk(lens, ctas_per_item, max_ctas, granularity)
     span_chunk = shared_chunks(chunk, span_tokens, tiles, granularity)
     chunks = -(-span_tokens // span_chunk)
     # Slots per request, and each group's slot offset: the chunks of its enclosing groups.
     slots = np.zeros(batch + 1, dtype=np.int64)
     offsets = np.zeros(spans.num_groups, dtype=np.int64)
-    for level in range(int(spans.level.max()) + 1):
+    for level in range(int(spans.level.max()) + 1 if spans.num_groups else 0):
         at = spans.level == level
         offsets[at] = np.cumsum(slots)[:-1][spans.first[at]] if level else 0
         delta = np.zeros(batch + 1, dtype=np.int64)

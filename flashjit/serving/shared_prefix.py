@@ -35,6 +35,12 @@ class SharedSpans(typing.NamedTuple):
     def num_groups(self) -> int:
         return len(self.first)
 
+    @classmethod
+    def none(cls, batch: int) -> "SharedSpans":
+        """No groups: every request alone."""
+        empty = np.zeros(0, dtype=np.int64)
+        return cls(empty, empty, empty, empty, empty, np.zeros(batch, dtype=np.int64))
+
 
 def neighbour_prefixes(indptr, page_ids, kv_lens, q_lens, page_size: int, *, causal: bool) -> np.ndarray | None:
     """[B-1] pages requests b and b+1 share from their first page on, None when no neighbours share

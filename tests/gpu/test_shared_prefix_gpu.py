@@ -134,23 +134,27 @@ def test_fp8_cache_falls_back_and_stays_exact(engine, cache):
     assert not out.isnan().any() and rel_error(out, ref) < 5e-2
 
 
-def test_cuda_graph_replay_with_shared_page_tables(engine, cache):
-    """CUDA-graph mode plans per request (its kernel is fixed at capture): replays stay exact."""
+@pytest.mark.parametrize("share", [None, True])
+def test_cuda_graph_replay_with_shared_page_tables(engine, cache, share):
+    """CUDA-graph mode plans per request by default (the GPU planner's kernel), and with
+    share_prefixes=True on the host with the shared kernel, which batches without sharing take too:
+    replays after each re-plan stay exact."""
     k, v = cache
     rng = random.Random(9)
     decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=32, max_num_pages=POOL)
     q_static = torch.zeros(32, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     out_static = torch.zeros_like(q_static)
     lists, last = sharing_batch("samples", rng)
-    decoder.plan(*tables(lists, last), HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=True)
+    decoder.plan(*tables(lists, last), HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=share)
+    assert decoder.spec.shared_prefix == (share is True)
     decoder.run(q_static, (k, v), out=out_static)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         decoder.run(q_static, (k, v), out=out_static)
-    for pattern in ("samples", "two_levels", "many_prompts"):
+    for pattern in ("samples", "two_levels", "none", "many_prompts", "full"):
         lists, last = sharing_batch(pattern, rng)
         t = tables(lists, last)
-        decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=True)
+        decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=share)
         n = len(lists)
         q_static.copy_(torch.randn(q_static.shape, generator=torch.Generator().manual_seed(n)).bfloat16())
         out_static.fill_(float("nan"))

@@ -369,7 +369,7 @@ int64_t fj_shared_groups(int64_t *prefix, int64_t batch, int64_t max_levels, int
  * chunk is span_chunk), p->num_work (the shared
  * records, then every request's own items), s->num_shared and s->num_slots; and s->slots and
  * s->offsets for fj_shared_fill. Call fj_read first; p's ctas_per_item, max_ctas and granularity
- * are the shared kernel's. */
+ * are the shared kernel's; p->chunk_tokens > 0 forces the chunk. */
 int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
     int64_t longest = 0, records = 0, own = 0, slots = 0;
     for (int64_t b = 0; b < p->batch; ++b) {
@@ -378,7 +378,7 @@ int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
     }
     for (int64_t g = 0; g < s->groups; ++g)
         longest = max64(longest, weighted_span(p, s, g));
-    p->chunk = choose_chunk(p, s, longest);
+    p->chunk = p->chunk_tokens > 0 ? p->chunk_tokens : choose_chunk(p, s, longest);
     /* A group's slots follow those of its enclosing groups, which come first in s. */
     for (int64_t g = 0; g < s->groups; ++g) {
         int64_t chunks = ceil_div((s->end_page[g] - s->begin_page[g]) * p->page_size, span_chunk(p, s, g));
@@ -462,14 +462,16 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
 int64_t fj_shared_spans(const fj_plan_t *p, const int32_t *ids, int64_t causal, int64_t max_levels, int64_t *scratch,
                         fj_shared_t *s) {
     const int64_t batch = p->batch;
-    if (!fj_neighbour_prefixes(p->indptr, ids, p->kv_lens, p->qo_indptr, p->q_len, batch, p->page_size, causal,
-                               scratch))
-        return s->groups = 0;
     int64_t *first = scratch + batch, *count = scratch + 3 * batch, *begin = scratch + 5 * batch;
     int64_t *end = scratch + 7 * batch, *level = scratch + 9 * batch, *shared = scratch + 11 * batch;
-    s->groups = fj_shared_groups(scratch, batch, max_levels, 2 * batch, first, count, begin, end, level, shared,
-                                 scratch + 12 * batch);
     s->first = first, s->count = count, s->begin_page = begin, s->end_page = end, s->shared_pages = shared;
     s->slots = scratch + 13 * batch, s->offsets = scratch + 14 * batch;
+    if (!fj_neighbour_prefixes(p->indptr, ids, p->kv_lens, p->qo_indptr, p->q_len, batch, p->page_size, causal,
+                               scratch)) {
+        for (int64_t b = 0; b < batch; ++b) shared[b] = 0;  /* no groups: fj_shared_plan plans every request alone */
+        return s->groups = 0;
+    }
+    s->groups = fj_shared_groups(scratch, batch, max_levels, 2 * batch, first, count, begin, end, level, shared,
+                                 scratch + 12 * batch);
     return s->groups;
 }
