@@ -32,8 +32,7 @@ from .plan_setup import MAX_SETUPS, Setup, make_setup, on_tensor_cores
 from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
 from .plan_state import Plan, fixed_split_items, graph_capacity, prepare_launches, split_rule, split_work
 from .run_checks import NO_CACHE, scale_key
-from .shared_decode import (host_page_ids, kernel_may_share, may_share, plan_graph_sharing, plan_sharing,
-                            shared_spans)
+from .shared_decode import host_page_ids, kernel_may_share, may_share, plan_graph_sharing, shared_spans, shared_work
 from .split_plan import WorkPlan
 from .streams import stream_getter
 
@@ -226,18 +225,15 @@ class BatchDecode:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id
                 max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
-        if graph_shares:
+        if graph_shares or (may_read_ids and device_planner is None and
+                            may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids, tensor_cores)):
             ids = host_page_ids(indices, num_page_ids, page_range)
             spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
-            tables, work = plan_graph_sharing(setup, tables, spans, self._host_planner, capacity)
-        elif (may_read_ids and device_planner is None
-                and may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids, tensor_cores)):
-            ids = host_page_ids(indices, num_page_ids, page_range)
-            spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
-            if spans is not None:  # else nothing is shared: the plan above stands
-                setup, tables, work, capacity = plan_sharing(
-                    setup, lambda: self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params),
-                    tables, spans, self._host_planner)
+            if graph_shares:  # the graph's shared kernel, shared spans or none, in its capacity
+                tables, work = plan_graph_sharing(setup, tables, spans, self._host_planner, capacity)
+            elif spans is not None:  # else nothing is shared: the per-request plan above stands
+                setup = self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params)
+                tables, work, capacity = shared_work(setup, tables, spans, self._host_planner)
         buffers = self._buffers_for(capacity, setup, previous)
 
         # Every argument is valid, every value checked to fit the C type it goes into (nothing below

@@ -63,16 +63,16 @@ def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
     return find_shared_spans(tables.page_indptr, ids.numpy(), tables.kv_lens, tables.q_lens, page_size, causal=causal)
 
 
-def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None, chunk_tokens: int | None = None):
-    """(setup, tables, work, capacity) of a batch with shared spans (shared_prefix.SharedSpans, or
-    None: every request alone in the shared kernel's format); shared_setup_for() makes the
-    shared_prefix kernel's setup; chunk_tokens forces the chunk. The work list is made in C where
-    the host planner can (HostPlanner.shared_tables), else in numpy (shared_plan, the reference)."""
-    shared_setup = shared_setup_for()
+def shared_work(shared_setup, tables, spans, host_planner=None, chunk_tokens: int | None = None):
+    """(tables, work, capacity) of a batch planned for the shared_prefix kernel's setup, over shared
+    spans (shared_prefix.SharedSpans, or None: every request alone in that kernel's format);
+    chunk_tokens forces the chunk. The work list is made in C where the host planner can
+    (HostPlanner.shared_tables), else in numpy (shared_plan, the reference)."""
     tiling, loaded = shared_setup.kernel.tiling, shared_setup.loaded
-    sizes = dict(group_size=setup.spec.group_size, row_tiles=tiling.row_tiles, row_warps=tiling.shared_row_warps,
-                 ctas_per_item=setup.num_kv_heads * tiling.row_tiles, max_ctas=loaded.num_sms * loaded.ctas_per_sm,
-                 granularity=tiling.tile_tokens, chunk_tokens=chunk_tokens)
+    sizes = dict(group_size=shared_setup.spec.group_size, row_tiles=tiling.row_tiles,
+                 row_warps=tiling.shared_row_warps, ctas_per_item=shared_setup.num_kv_heads * tiling.row_tiles,
+                 max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens,
+                 chunk_tokens=chunk_tokens)
     native = getattr(host_planner, "shared_tables", None)
     found = NotImplemented if native is None else native(tables, spans, **sizes)
     if found is not NotImplemented:  # the tables are their own work summary, as NativeTables are
@@ -80,10 +80,10 @@ def plan_sharing(setup, shared_setup_for, tables, spans, host_planner=None, chun
         num_slots = found.num_slots
     else:
         shared = plan_shared_work(SharedSpans.none(tables.batch) if spans is None else spans, tables.page_indptr,
-                                  tables.kv_lens, tables.query_indptr, setup.page_size, **sizes)
+                                  tables.kv_lens, tables.query_indptr, shared_setup.page_size, **sizes)
         shared_tables, work, num_slots = SharedTables(tables, shared), shared.work, shared.num_slots
     # Capacity.work sizes the records' buffer and the partials: the slots outnumber the records.
-    return shared_setup, shared_tables, work, Capacity(tables.batch, work.num_tokens, max(num_slots, work.num_work))
+    return shared_tables, work, Capacity(tables.batch, work.num_tokens, max(num_slots, work.num_work))
 
 
 def plan_graph_sharing(shared_setup, tables, spans, host_planner, capacity: Capacity):
@@ -93,7 +93,7 @@ def plan_graph_sharing(shared_setup, tables, spans, host_planner, capacity: Capa
     longest = max(1, int(np.max(tables.kv_lens, initial=0)))
     chunk = None
     while True:
-        _, found, work, needs = plan_sharing(shared_setup, lambda: shared_setup, tables, spans, host_planner, chunk)
+        found, work, needs = shared_work(shared_setup, tables, spans, host_planner, chunk)
         if needs.work <= capacity.work:
             return found, work
         if spans is not None and work.chunk_tokens >= longest:

@@ -53,8 +53,8 @@ def members_per_record(group_size: int, q_len: int, row_tiles: int, row_warps: i
 
 def record_tiles(members, rows_per_member, row_tiles: int, row_warps: int):
     """16-row tiles one CTA of a record of `members` holds (1 to row_warps)."""
-    rows = np.asarray(members, dtype=np.int64) * rows_per_member
-    return np.clip(-(-(-(-rows // 16)) // row_tiles), 1, row_warps)
+    tiles = -(-(np.asarray(members, dtype=np.int64) * rows_per_member) // 16)  # of the whole record
+    return np.clip(-(-tiles // row_tiles), 1, row_warps)
 
 
 def weighted_spans(span_tokens, tiles):
@@ -67,7 +67,8 @@ def shared_chunks(chunk: int, span_tokens, tiles, granularity: int):
     as many pieces as its weighted length makes of chunk (so a record costs about what an own item
     of chunk keys does), rounded up to the granularity: never more pieces than the makespan priced."""
     pieces = -(-weighted_spans(span_tokens, tiles) // chunk)
-    return -(-(-(-np.asarray(span_tokens, dtype=np.int64) // pieces)) // granularity) * granularity
+    piece = -(-np.asarray(span_tokens, dtype=np.int64) // pieces)
+    return -(-piece // granularity) * granularity
 
 
 def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray,
