@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashjit.serving import graph_mode
 from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.shared_plan import members_per_record, plan_shared_work, record_tiles, shared_chunks
 from flashjit.serving.shared_prefix import find_shared_spans
@@ -424,7 +425,7 @@ def check_graph_plan(decoder, lists, last, q_len: int, causal: bool, capacity):
     assert plan.decode_launch.grid[0] == capacity.work * 8  # the captured grid: the capacity's items
     work = decoder.work
     records = item_records(plan.buffers.host, plan.buffers.starts)
-    assert (records[work.num_work:, 0] == -1).all() and work.req_work_indptr[-1] <= capacity.work
+    assert (records[work.num_work:, 0] == -1).all() and work.req_work_indptr[-1] <= capacity.partial_slots
     indptr, ids, kv, _ = page_table(lists, last)
     data = np.random.default_rng(len(lists))
     pages = int(ids.max()) + 1
@@ -460,18 +461,38 @@ def test_a_cuda_graph_decoder_asked_to_share_plans_every_batch_with_the_shared_k
     assert 0 < shared_seen < 8
 
 
-def test_a_cuda_graph_plan_over_the_capacity_takes_longer_chunks(planner):
-    """16 samples of a long prompt: the eager plan's slots outnumber the graph's capacity, so the
-    graph plan doubles its chunk until records and slots fit, and still shares the prompt."""
+def _samples_of_one_prompt():
     prompt = list(range(400))
     lists = [prompt + [1000 + 10 * r + i for i in range(3)] for r in range(GRAPH_BATCH)]
-    last = [PAGE] * GRAPH_BATCH
+    return lists, [PAGE] * GRAPH_BATCH
+
+
+def test_a_cuda_graph_plan_holds_the_eager_plans_slots(planner):
+    """16 samples of a long prompt: the sharing graph's capacity holds the slots of the eager plan,
+    so the graph plan takes the eager plan's chunk."""
+    lists, last = _samples_of_one_prompt()
     eager = cpu_decoder(planner)
     eager.plan(*plan_args(lists, last), 32, 8, 128, PAGE)
     decoder = graph_decoder(planner, native_library())
     decoder.plan(*plan_args(lists, last), 32, 8, 128, PAGE, share_prefixes=True)
     capacity = decoder.current_plan.capacity
-    assert eager.spec.shared_prefix and eager.work.req_work_indptr[-1] > capacity.work
+    assert capacity.slots == GRAPH_BATCH * graph_mode.SHARED_SLOTS_PER_REQUEST
+    check_graph_plan(decoder, lists, last, 1, False, capacity)
+    assert decoder.work.chunk_tokens == eager.work.chunk_tokens
+    np.testing.assert_array_equal(decoder.work.req_work_indptr, eager.work.req_work_indptr)
+
+
+def test_a_cuda_graph_plan_over_the_capacity_takes_longer_chunks(planner, monkeypatch):
+    """With fewer slots a request than the eager plan takes, the graph plan lengthens its chunk
+    until records and slots fit, and still shares the prompt."""
+    monkeypatch.setattr(graph_mode, "SHARED_SLOTS_PER_REQUEST", 4)
+    lists, last = _samples_of_one_prompt()
+    eager = cpu_decoder(planner)
+    eager.plan(*plan_args(lists, last), 32, 8, 128, PAGE)
+    decoder = graph_decoder(planner, native_library())
+    decoder.plan(*plan_args(lists, last), 32, 8, 128, PAGE, share_prefixes=True)
+    capacity = decoder.current_plan.capacity
+    assert eager.spec.shared_prefix and eager.work.req_work_indptr[-1] > capacity.partial_slots
     records = check_graph_plan(decoder, lists, last, 1, False, capacity)
     assert (records[:, 7] < 0).any() and decoder.work.chunk_tokens > eager.work.chunk_tokens
 

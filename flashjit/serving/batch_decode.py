@@ -282,7 +282,7 @@ class BatchDecode:
     def _buffers_for(self, capacity, setup: Setup, previous: Plan | None) -> PlanBuffers:
         """The previous plan's buffers where the new one fits in them, else new ones (never in CUDA-graph mode)."""
         spec, num_qo_heads = setup.spec, setup.num_qo_heads
-        partial_rows = capacity.work * spec.max_q_len * num_qo_heads
+        partial_rows = capacity.partial_slots * spec.max_q_len * num_qo_heads
         merge_groups = capacity.batch * setup.num_kv_heads * setup.kernel.tiling.row_tiles
         current = None if previous is None else previous.buffers
         if current is not None and current.fits(capacity, partial_rows * setup.head_dim, merge_groups):

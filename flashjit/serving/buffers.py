@@ -16,7 +16,12 @@ from .streams import DEVICE_TO_HOST, HOST_TO_DEVICE, StreamCopies
 class Capacity(typing.NamedTuple):  # a NamedTuple: built every plan(), in a third of a frozen dataclass's time
     batch: int
     tokens: int
-    work: int
+    work: int       # work items: the records' buffer and the decode grid
+    slots: int = 0  # split partials, where they outnumber the items (a shared record writes one per member)
+
+    @property
+    def partial_slots(self) -> int:
+        return max(self.work, self.slots)
 
 
 class PlanBuffers:

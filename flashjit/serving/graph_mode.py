@@ -14,6 +14,11 @@ _REFUSED = "plan() with use_cuda_graph=True"
 # requests of a skewed batch. The eager plan of a 64-request log-uniform batch takes 2.3 waves,
 # so 4 leave it room; a padding position costs a replay ~1 ns (one record read, then exit).
 SPLIT_WAVES = 4
+# A sharing graph's partial slots: a shared record writes one per member, so a request takes one
+# per chunk of its shared spans. Eager plans of 16 to 64 samples of one prompt take 6 to 24 a
+# request; the partials stay within SHARED_PARTIAL_BYTES (a larger batch takes fewer chunks).
+SHARED_SLOTS_PER_REQUEST = 32
+SHARED_PARTIAL_BYTES = 64 << 20
 
 
 def graph_limits(use_cuda_graph: bool, device, max_batch_size, max_num_pages, max_tokens,
@@ -86,14 +91,15 @@ class GraphLimits:
             validation.fail(_REFUSED, f"the first plan's kernel {previous.setup.spec.name}", setup.spec.name)
 
     def capacity(self, spec, batch: int, tokens: int, one_wave_items: int, previous,
-                 fixed_split_tokens: int | None = None) -> Capacity:
+                 fixed_split_tokens: int | None = None, shared_slot_bytes: int | None = None) -> Capacity:
         """The buffer sizes, fixed at the first plan: a work item per request and SPLIT_WAVES waves
         of splits (one_wave_items: the work items one wave of CTAs holds). A first plan with
         fixed_split_tokens holds every batch the page-id buffer can: its requests (max_batch_size)
         have at most max_num_pages x page_size tokens in all, so at most max_batch_size + those
         tokens // fixed_split_tokens items; otherwise a batch over the capacity would make a replay's
         GPU planner fall back to one item per request, and its rounding would depend on the batch.
-        A batch beyond the capacity is refused."""
+        shared_slot_bytes (a sharing graph's partial bytes per slot) sizes the partials for
+        SHARED_SLOTS_PER_REQUEST. A batch beyond the capacity is refused."""
         if previous is not None:
             cap = previous.buffers.capacity
         else:
@@ -101,7 +107,9 @@ class GraphLimits:
             work = self.max_batch_size + SPLIT_WAVES * one_wave_items
             if fixed_split_tokens is not None:
                 work = max(work, self.max_batch_size + self.page_ids.numel() * spec.page_size // fixed_split_tokens)
-            cap = Capacity(self.max_batch_size, max_tokens, work)
+            slots = 0 if shared_slot_bytes is None else min(self.max_batch_size * SHARED_SLOTS_PER_REQUEST,
+                                                             SHARED_PARTIAL_BYTES // shared_slot_bytes)
+            cap = Capacity(self.max_batch_size, max_tokens, work, slots)
         if batch > cap.batch or tokens > cap.tokens:
             validation.fail(_REFUSED, f"at most {cap.batch} requests and {cap.tokens} query tokens",
                             f"{batch} requests, {tokens} tokens")

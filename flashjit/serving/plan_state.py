@@ -106,11 +106,13 @@ def fixed_split_items(kv_lens, chunk: int) -> int:
 
 def graph_capacity(setup: Setup, tables, graph, previous: Plan | None, rule: SplitRule = PLANNED) -> Capacity:
     """CUDA-graph mode's fixed capacity (graph: GraphLimits), which must hold this batch; a first
-    plan with a fixed split sizes it for every batch the page-id buffer can hold."""
-    loaded = setup.loaded
+    plan with a fixed split sizes it for every batch the page-id buffer can hold, a shared_prefix
+    kernel's for its members' partial slots."""
+    loaded, spec = setup.loaded, setup.spec
     one_wave_items = max(1, loaded.num_sms * loaded.ctas_per_sm // (setup.num_kv_heads * setup.kernel.tiling.row_tiles))
-    return graph.capacity(setup.spec, tables.batch, tables.num_tokens, one_wave_items, previous,
-                          rule.chunk_tokens if rule.fixed_split else None)
+    slot_bytes = spec.max_q_len * setup.num_qo_heads * (setup.head_dim + 1) * 4 if spec.shared_prefix else None
+    return graph.capacity(spec, tables.batch, tables.num_tokens, one_wave_items, previous,
+                          rule.chunk_tokens if rule.fixed_split else None, slot_bytes)
 
 
 def split_work(setup: Setup, tables, rule: SplitRule, graph, previous: Plan | None) -> tuple[WorkPlan, Capacity]:

@@ -82,20 +82,26 @@ def shared_work(shared_setup, tables, spans, host_planner=None, chunk_tokens: in
         shared = plan_shared_work(SharedSpans.none(tables.batch) if spans is None else spans, tables.page_indptr,
                                   tables.kv_lens, tables.query_indptr, shared_setup.page_size, **sizes)
         shared_tables, work, num_slots = SharedTables(tables, shared), shared.work, shared.num_slots
-    # Capacity.work sizes the records' buffer and the partials: the slots outnumber the records.
-    return shared_tables, work, Capacity(tables.batch, work.num_tokens, max(num_slots, work.num_work))
+    return shared_tables, work, Capacity(tables.batch, work.num_tokens, work.num_work, num_slots)
 
 
 def plan_graph_sharing(shared_setup, tables, spans, host_planner, capacity: Capacity):
     """(tables, work) of a CUDA-graph plan that shares (shared_setup: the graph's fixed kernel) in
-    the fixed capacity: the planned chunk, else the chunk doubled until the records and the slots
-    fit, else every request alone in one item (its requests fit the capacity: plan() checked)."""
+    the fixed capacity: the planned chunk, else a chunk grown by the overflow's ratio (slots fall
+    about as the chunk grows) until the records and the slots fit, else every request alone in one
+    item (its requests fit the capacity: plan() checked)."""
     longest = max(1, int(np.max(tables.kv_lens, initial=0)))
+    granularity = shared_setup.kernel.tiling.tile_tokens
     chunk = None
     while True:
         found, work, needs = shared_work(shared_setup, tables, spans, host_planner, chunk)
-        if needs.work <= capacity.work:
+        overflow = max(needs.work / capacity.work, needs.partial_slots / capacity.partial_slots)
+        if overflow <= 1:
             return found, work
         if spans is not None and work.chunk_tokens >= longest:
             spans = None  # the spans' slots alone overflow: plan every request alone
-        chunk = min(2 * work.chunk_tokens, longest) if spans is not None else longest
+        if spans is None:
+            chunk = longest
+        else:
+            grown = int(np.ceil(work.chunk_tokens * overflow))
+            chunk = min(max(-(-grown // granularity) * granularity, work.chunk_tokens + granularity), longest)
