@@ -4,10 +4,11 @@ Warp/stage counts, the L2 prefetch hint, the grid order and the fused merge are 
 from the current choice.
 
     python -m benchmarks.tiling_sweep [REGEX]     # only the shapes whose name matches
-    python -m benchmarks.tiling_sweep --heads [REGEX]  # MHA and head_dim 96: candidate rows, and the CUDA cores
+    python -m benchmarks.tiling_sweep --heads [REGEX]  # MHA, head_dims 96/256/512: candidate rows
 
---heads times each HEAD_CANDIDATES row (warps, stages, row layout) of the MHA and head_dim 96 shapes
-beside the CUDA-core kernel, each checked against the CUDA-core output, and prints µs and GB/s.
+--heads times each HEAD_CANDIDATES row (warps, stages, row layout, score split) of the MHA and
+head_dim 96/256/512 shapes, beside the CUDA-core kernel where it serves the head_dim, each checked
+against the float32 reference, and prints µs, GB/s and the share of the read floor.
 
 Each variant is a tuning table (flashjit.jit.tiling.Tuning) handed to an engine that compiles its
 kernels from it (the tiling is rendered into the source) and caches none of them.
@@ -30,7 +31,7 @@ SHAPES = ["b1 L2048", "b1 L32768", "b16 L8192", "b64 L2048", "64 req log-uniform
           "b16 L32768 sinks 4 + window 4096"]
 
 
-# MHA and head_dim 96: (head_dim, fp8 cache) -> tensor-core row changes; the first is the current row
+# MHA, head_dims 96/256/512: (head_dim, fp8 cache) -> tensor-core row changes; the first is the current row
 HEAD_CANDIDATES = {
     (128, False): [{}, dict(stages=3), dict(warps=2, stages=4), dict(warps=8, stages=2)],
     (128, True): [{}, dict(stages=3), dict(warps=2, stages=4), dict(warps=2, stages=3)],
@@ -40,9 +41,12 @@ HEAD_CANDIDATES = {
                   dict(swizzle=False, k_pad=32, v_pad=32)],  # 224: whole sectors, two-way ldmatrix
     (96, True): [{}, dict(stages=3), dict(warps=3, stages=4), dict(warps=3, stages=3), dict(warps=4, stages=2),
                  dict(v_pad=32)],
+    (256, False): [{}, dict(split_scores=True), dict(split_scores=True, stages=2)],
+    (512, False): [{}, dict(split_scores=False, q_in_smem=True), dict(stages=3), dict(warps=4, stages=4),
+                   dict(warps=4, stages=5)],
 }
 HEAD_SHAPES = ["b8 L16384 MHA 32/32", "b8 L16384 MHA 32/32 e4m3", "b8 L8192 d96 MHA 32/32", "b16 L8192 d96",
-               "b16 L8192 d96 e4m3"]
+               "b16 L8192 d96 e4m3", "b16 L8192 d256", "b16 L8192 d512"]
 
 
 def candidate_label(change: dict) -> str:
@@ -50,28 +54,36 @@ def candidate_label(change: dict) -> str:
 
 
 def sweep_head_shapes(torch, timer, cache_dir, only: str):
-    """Each HEAD_SHAPES row under its HEAD_CANDIDATES tensor-core rows and on CUDA cores."""
+    """Each HEAD_SHAPES row under its HEAD_CANDIDATES tensor-core rows and on CUDA cores where they serve it."""
     from benchmarks.cases import attended_bytes, kv_lengths
+    from benchmarks.inputs import reference
+    from benchmarks.read_floor import ReadFloor
     from flashjit.deploy.random_batches import rel_error
+    from flashjit.jit.spec import CUDA_CORE_HEAD_DIMS
     from flashjit.jit.tiling import TUNING
 
+    read_floor = ReadFloor(torch)
     for case in [c for c in CASES if c.name in HEAD_SHAPES and re.search(only, c.name)]:
         batch = build_inputs(torch, case)
         fp8 = quantize(batch, case)
         nbytes = attended_bytes(case, kv_lengths(case))
-        run, out, _ = flashjit_impl(torch, batch, case, tuned_engine(TUNING, cache_dir), fp8, tensor_cores=False)
-        us = timer.median_us(run)
-        baseline = out.float().clone()
-        row = [f"cuda-cores {us:7.1f} ({nbytes / us / 1e3:4.0f} GB/s)"]
+        floor = read_floor.us(timer, nbytes)
+        expected = reference(batch, case, fp8)
+
+        def timed(label, table, tensor_cores):
+            run, out, _ = flashjit_impl(torch, batch, case, tuned_engine(table, cache_dir), fp8,
+                                        tensor_cores=tensor_cores)
+            us = timer.median_us(run)
+            error = rel_error(out, expected)
+            flag = "" if error <= 1e-2 else f" WRONG (rel error {error:.1e} against the float32 reference)"
+            return f"{label} {us:7.1f} ({nbytes / us / 1e3:4.0f} GB/s, {floor / us:4.0%} of floor){flag}"
+
+        row = [timed("cuda-cores", TUNING, False)] if case.head_dim in CUDA_CORE_HEAD_DIMS else []
         for change in HEAD_CANDIDATES[case.head_dim, fp8 is not None]:
             table = TUNING.with_rows(fp8=fp8 is not None, head_dim=case.head_dim, **change)
-            run, out, _ = flashjit_impl(torch, batch, case, tuned_engine(table, cache_dir), fp8, tensor_cores=True)
-            us = timer.median_us(run)
-            error = rel_error(out, baseline)
-            flag = "" if error <= 2e-2 else f" WRONG (rel error {error:.1e} against the CUDA cores)"
-            row.append(f"{candidate_label(change)} {us:7.1f} ({nbytes / us / 1e3:4.0f} GB/s){flag}")
+            row.append(timed(candidate_label(change), table, True))
         print(f"{case.name}:\n  " + "\n  ".join(row), flush=True)
-        del batch, fp8, out, baseline
+        del batch, fp8, expected
         torch.cuda.empty_cache()
 
 
@@ -108,7 +120,7 @@ def tuned_engine(table, cache_dir):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("only", nargs="?", default="", metavar="REGEX", help="only the shapes whose name matches")
-    parser.add_argument("--heads", action="store_true", help="MHA and head_dim 96: candidate rows and the CUDA cores")
+    parser.add_argument("--heads", action="store_true", help="MHA, head_dims 96/256/512: candidate rows")
     args = parser.parse_args(argv)
     only = args.only
 

@@ -47,6 +47,9 @@ class DecodeTiling:
     merge_lanes: int    # merge threads across one output row (4 columns each)
     merge_split_lanes: int  # merge threads reading different partials
     q_smem_bytes: int = 0   # 16-bit tensor cores: Q's MMA fragments in shared memory after the ring (0: in registers)
+    # 16-bit tensor cores with col_split > 1: each warp of a slice computes S over its share of the
+    # k-steps (its share of Q in registers), and the slice sums the shares in shared memory.
+    split_scores: bool = False
     # Shared-prefix kernels: warps whose 16-row tiles one shared record's CTA holds, each warp its
     # own rows over every key (1: the rows of one MMA tile, as an ordinary record's).
     shared_row_warps: int = 1
@@ -94,6 +97,7 @@ class TensorCoreRow:
     v_pad: int          # bytes after each V row where unswizzled
     static_share: int   # % of a split CTA's fair share read before it claims tiles one at a time (100: fixed split)
     q_in_smem: bool = False  # 16-bit: Q's MMA fragments in shared memory, read at each k-step (else in registers)
+    split_scores: bool = False  # 16-bit, col_split > 1: each warp of a slice takes a share of S's k-steps
 
     @property
     def key(self) -> tuple[bool, int]:
@@ -154,10 +158,13 @@ TUNING = Tuning(
         TensorCoreRow(False, 96,      6,    1,        2,     2,       True,   16,   16,   100),
         # 2 stages beat 3 by 0.1-2.7% at the same 2 CTAs/SM; swizzled rows beat 16-byte pads (139.5 against 148.0 us)
         TensorCoreRow(False, 128,     4,    1,        2,     1,       True,   16,   16,   100),
-        # two warps per slice keep O off the 255-register limit; swizzling spills, so 32-byte pads; sharing 6% faster
-        TensorCoreRow(False, 256,     4,    2,        3,     1,       False,  32,   32,   75),
-        # head_dim 512: Q in shared memory (its fragments alone take 128 registers); four warps per slice, 172 registers
-        TensorCoreRow(False, 512,     8,    4,        2,     1,       False,  32,   32,   75, q_in_smem=True),
+        # two warps per slice keep O off the 255-register limit, each with half of S's k-steps (193
+        # registers; repeating S took 224 and 3 stages: 262 µs against 258 at b16 L8192); swizzling
+        # spills, so 32-byte pads; sharing 6% faster
+        TensorCoreRow(False, 256,     4,    2,        2,     1,       False,  32,   32,   75, split_scores=True),
+        # head_dim 512: four warps per slice, each with a quarter of S's k-steps (and of Q, in registers)
+        # and of O: 98% of the read floor at b16 L8192, where Q in shared memory and S repeated reached 62%
+        TensorCoreRow(False, 512,     8,    4,        2,     1,       False,  32,   32,   75, split_scores=True),
         # 64-byte rows have too few chunks to swizzle; unpadded K rows already interleave, V rows take 16 bytes
         TensorCoreRow(True,  64,      4,    1,        4,     1,       False,  0,    16,   100),
         # 96-byte rows: the lanes read K in 8-byte pieces, conflict-free unpadded; V rows 16 mod 64
@@ -231,7 +238,10 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
         rows = tc_rows(spec, table)
         reduction = slices * rows * spec.head_dim * 4  # the slices' fp32 states, in the same memory
         q_smem = MMA_M * spec.head_dim * 2 if row.q_in_smem and not spec.kv_is_fp8 else 0  # 16 rows of 16-bit Q
-        smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + q_smem + table.ring_align - 16
+        split_scores = row.split_scores and row.col_split > 1 and not spec.kv_is_fp8 and not q_smem
+        # split scores: each slice's partial S tiles (16 x 16 fp32 per warp), two rounds deep
+        score_parts = slices * 2 * row.col_split * MMA_M * 16 * 4 if split_scores else 0
+        smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + q_smem + score_parts + table.ring_align - 16
         # A shared-prefix kernel's records write partials of several requests: the separate merge
         # kernel combines them (the fused merge counts one request's arrivals).
         fused_merge = table.fused_merge and not spec.shared_prefix
@@ -247,7 +257,8 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
                             l2_prefetch=table.l2_prefetch, swizzle=row.swizzle, ring_align=table.ring_align,
                             heads_first=table.heads_first, fused_merge=fused_merge, static_share=static_share,
                             min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk,
-                            q_smem_bytes=q_smem, shared_row_warps=row_warps, **merge)
+                            q_smem_bytes=q_smem, shared_row_warps=row_warps,
+                            split_scores=split_scores, **merge)
     cc = table.cuda_cores
     chunks = spec.head_dim // VEC
     bdx = _pow2_ceil(chunks)

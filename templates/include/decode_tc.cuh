@@ -14,6 +14,10 @@
 // registers); the warps' states meet in shared memory at the end. With COL_SPLIT > 1, that many
 // warps share a slice: each computes the same S and keeps D / COL_SPLIT columns of O (head_dim 256,
 // where one warp holding all of O sits at the register limit and ptxas takes over a second).
+// With SPLIT_SCORES they split S's k-steps instead of repeating them: each warp multiplies its
+// share of Q (in registers) by the same dims of K, and the slice sums the COL_SPLIT partial S
+// tiles in shared memory behind a barrier of its own warps (head_dim 512, where repeating S
+// bounds the kernel by shared-memory reads and a chain of 32 dependent MMAs per key slice).
 // A shared-prefix record (cfg::SHARED_ROW_WARPS > 1) turns this around: its rows are many (GQA
 // group x members), so each warp takes 16 rows of its own and every key of a stage, and a CTA holds
 // WARPS x 16 rows with one copy of each K/V tile; ordinary records of the same kernel run as above.
@@ -38,7 +42,9 @@ constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
-constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // head_dim 512: Q's fragments in shared memory, not registers
+constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // Q's fragments in shared memory, not registers
+enum : bool { SPLIT_SCORES = cfg::SPLIT_SCORES && COL_SPLIT > 1 };
+enum : int { QSTEPS = SPLIT_SCORES ? KSTEPS / COL_SPLIT : KSTEPS };  // S's k-steps per warp
 // > 1: shared-prefix records give each warp rows of its own (enums, as HALF_BLOCK below).
 enum : int { ROW_WARPS = cfg::SHARED_ROW_WARPS };
 enum : bool { ROWS_BY_WARP = ROW_WARPS > 1 };
@@ -55,14 +61,25 @@ static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the sl
 static_assert(!Q_IN_SMEM || cfg::Q_SMEM_BYTES == KSTEPS * 32 * 16, "one 16-byte fragment per k-step and lane");
 static_assert(!ROWS_BY_WARP || (cfg::SHARED_PREFIX && ROW_WARPS == WARPS && COL_SPLIT == 1 && !Q_IN_SMEM),
               "rows by warp: shared-prefix records, one warp per slice, Q in registers");
+static_assert(!SPLIT_SCORES || (!Q_IN_SMEM && QSTEPS % 4 == 0 && !HALF_BLOCK),
+              "split scores: Q in registers, each warp's k-steps whole 128-byte blocks of K's rows");
+
+// The barrier of one slice's COL_SPLIT warps (named barrier 1 + slice; __syncthreads is 0).
+FJ_INLINE void slice_barrier(int slice) {
+  asm volatile("bar.sync %0, %1;" ::"r"(1 + slice), "r"(32 * COL_SPLIT) : "memory");
+}
 
 FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
-  unsigned char* q_smem = smem + STAGES * TILE * (K_PITCH + V_PITCH);  // Q_IN_SMEM: after the ring
+  unsigned char* q_smem = smem + STAGES * TILE * (K_PITCH + V_PITCH);  // Q_IN_SMEM or SPLIT_SCORES: after the ring
   __shared__ float red_m[SLICES][M], red_d[SLICES][M], row_sinks[M * ROW_WARPS];
+  // SPLIT_SCORES: each slice's partial S tiles after the ring (tiling.split_score_bytes), two rounds
+  // deep: [slice][round % 2][warp][j][lane] (a warp rewrites a round's buffer only after the next
+  // round's barrier, which every reader of it has passed).
+  float4* score_parts = reinterpret_cast<float4*>(q_smem);
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
@@ -72,6 +89,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const MaskParams params = mask_bind(unbound, item.request);
   const int tid = threadIdx.x, lane = tid % 32;
   const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // the warp's keys, and O's columns
+  const int k_first = SPLIT_SCORES ? col_part * QSTEPS : 0;  // the warp's first k-step of S
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
   const HeadScales scales(a, kv_head);
@@ -127,16 +145,16 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
                               row_head[h] * D + col))
                         : 0u;
   };
-  u32 qa[Q_IN_SMEM ? 1 : KSTEPS][4];
+  u32 qa[Q_IN_SMEM ? 1 : QSTEPS][4];
   uint4* q_frags = reinterpret_cast<uint4*>(q_smem);
   if constexpr (Q_IN_SMEM) {
     for (int k = tid / 32; k < KSTEPS; k += WARPS)
       q_frags[k * 32 + lane] = make_uint4(q_fragment(k, 0), q_fragment(k, 1), q_fragment(k, 2), q_fragment(k, 3));
   } else {
 #pragma unroll
-    for (int k = 0; k < KSTEPS; ++k)
+    for (int k = 0; k < QSTEPS; ++k)
 #pragma unroll
-      for (int r = 0; r < 4; ++r) qa[k][r] = q_fragment(k, r);
+      for (int r = 0; r < 4; ++r) qa[k][r] = q_fragment(k_first + k, r);
   }
 
   PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
@@ -159,16 +177,18 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const int half_swizzle = SWIZZLE ? mrow / 2 % 4 : 0;
   const int k_chunk_half = (mat & 1) ^ half_swizzle, v_chunk_half = (mat >> 1) ^ half_swizzle;
 
+  int score_round = 0;  // SPLIT_SCORES: which of score_parts' two buffers this round writes
   // The 16 keys of slice g of a stage (a warp's own slice, or each in turn with rows by warp).
   const auto attend_keys = [&](int stage, int t, int g) {
     const int key0 = item.tile_begin + t * TILE + g * 16;  // the slice's first key
     if (key0 < item.v_end) {
-      const unsigned char* ks = k_smem + stage * TILE * K_PITCH + (g - slice) * 16 * K_PITCH;
+      // (k_first: a multiple of 4 k-steps, so the warp's share starts k_first / 4 blocks in.)
+      const unsigned char* ks = k_smem + stage * TILE * K_PITCH + (g - slice) * 16 * K_PITCH + k_first * 32;
       const unsigned char* vs = v_smem + stage * TILE * V_PITCH + (g - slice) * 16 * V_PITCH;
       // S = Q K^T for 16 keys: s[j][0..1] rows quad, s[j][2..3] rows quad+8, keys 8j + pair (+1).
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-      for (int k = 0; k < KSTEPS; ++k) {
+      for (int k = 0; k < QSTEPS; ++k) {
         u32 kb[4];
         const int kc = HALF_BLOCK && k >= KSTEPS - 2 ? k_chunk_half : k_chunk;
         ldmatrix_x4(kb, ks + k_ld + (k / 4) * 128 + ((2 * k % 8) ^ kc) * 16);
@@ -180,6 +200,24 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
         } else {
           Mma<mma_t>::run(s[0], qa[k], kb[0], kb[1]);
           Mma<mma_t>::run(s[1], qa[k], kb[2], kb[3]);
+        }
+      }
+      if constexpr (SPLIT_SCORES) {  // every warp of the slice sums the parts in the same order: one S
+        float4* parts = score_parts + (slice * 2 + score_round) * COL_SPLIT * 2 * 32;
+        score_round ^= 1;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          parts[(col_part * 2 + j) * 32 + lane] = make_float4(s[j][0], s[j][1], s[j][2], s[j][3]);
+        slice_barrier(slice);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float4 sum = parts[j * 32 + lane];
+#pragma unroll
+          for (int c = 1; c < COL_SPLIT; ++c) {
+            const float4 part = parts[(c * 2 + j) * 32 + lane];
+            sum.x += part.x; sum.y += part.y; sum.z += part.z; sum.w += part.w;
+          }
+          s[j][0] = sum.x; s[j][1] = sum.y; s[j][2] = sum.z; s[j][3] = sum.w;
         }
       }
       // Scale, mask, and the online-softmax update, per row (reduced over the row's 4 lanes).
