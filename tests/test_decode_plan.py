@@ -519,26 +519,44 @@ def test_plan_buffers_pack_every_field_at_its_offset(native, fixed_split):
     assert buffers.merge_counters.tolist() == [0] * 8
 
 
-def test_prepared_launch_passes_its_ctypes_arguments_and_the_current_stream(monkeypatch):
+def launch_of(args) -> tuple:
+    """(function, grid, block, smem, stream, programmatic) of one cuLaunchKernelEx call's arguments."""
+    config = args[0]._obj  # ctypes.byref(LaunchConfig)
+    programmatic = config.num_attrs == 1 and (config.attrs[0].id, config.attrs[0].value) == (6, 1)
+    return (args[1].value, tuple(config.grid), tuple(config.block), config.shared_mem_bytes, config.stream or 0,
+            programmatic)
+
+
+def test_prepared_launch_passes_its_config_and_the_current_stream(monkeypatch):
     from flashjit.jit import kernel
 
     calls = []
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append([getattr(x, "value", x) for x in args]) or 0)
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append((launch_of(args), args)) or 0)
     params = (ctypes.c_void_p * 1)()
     launch = kernel.PreparedLaunch(0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
     launch(0x5)
     launch(0x5)
     launch(0x9)
-    assert calls[0][:8] == [0xD0, 7, 8, 1, 128, 1, 1, 4096]
-    assert [c[8] for c in calls] == [0x5, 0x5, 0x9] and all(c[9] is params and c[10] is None for c in calls)
+    assert [c[0] for c in calls] == [(0xD0, (7, 8, 1), (128, 1, 1), 4096, stream, False) for stream in (5, 5, 9)]
+    assert all(args[2] is params and args[3] is None for _, args in calls)
     monkeypatch.setattr(kernel, "_cu_launch", lambda *args: 1)
     monkeypatch.setattr(kernel, "check", lambda status, what: (_ for _ in ()).throw(RuntimeError(f"{what} {status}")))
-    with pytest.raises(RuntimeError, match="cuLaunchKernel 1"):
+    with pytest.raises(RuntimeError, match="cuLaunchKernelEx 1"):
         launch(0x9)
 
 
+def test_launch_structs_have_the_driver_layout():
+    """CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out on 64-bit hosts."""
+    from flashjit.jit.kernel import LaunchAttribute, LaunchConfig
+
+    assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(LaunchConfig) == 56
+    assert (LaunchConfig.shared_mem_bytes.offset, LaunchConfig.stream.offset, LaunchConfig.attrs.offset,
+            LaunchConfig.num_attrs.offset) == (24, 32, 40, 48)
+
+
 def test_prepared_launch_passes_ctypes_objects_of_the_parameter_types(monkeypatch):
-    """cuLaunchKernel is called without argtypes, so ctypes passes each argument as it comes: a Python
+    """cuLaunchKernelEx is called without argtypes, so ctypes passes each argument as it comes: a Python
     int would go as a 32-bit C int. Every argument must be a ctypes object of the parameter's type."""
     from flashjit.jit import kernel
 
@@ -549,8 +567,27 @@ def test_prepared_launch_passes_ctypes_objects_of_the_parameter_types(monkeypatc
     launch(0x5)
     kernel.PreparedLaunch.update(launch, 0xD0, (9, 8, 2), (128, 1, 1), params, 4096)(0x9)  # re-aimed grid, new stream
     for args in calls:
-        assert [type(x) for x in args[:9]] == list(kernel.LAUNCH_ARG_TYPES)
-        assert args[9] is params and args[10] is None
+        assert isinstance(args[0]._obj, kernel.LaunchConfig) and type(args[1]) is ctypes.c_void_p
+        assert args[2] is params and args[3] is None
+    assert launch_of(calls[-1])[:5] == (0xD0, (9, 8, 2), (128, 1, 1), 4096, 9)
+
+
+@pytest.mark.parametrize("arch, programmatic", [("sm_80", False), ("sm_86", False), ("sm_89", False), ("sm_90", True),
+                                                ("sm_90a", True), ("sm_100", True), ("sm_120", True)])
+def test_launches_are_programmatic_from_sm_90(monkeypatch, arch, programmatic):
+    """From sm_90 every entry point waits for the previous kernel (griddepcontrol), so its launch lets
+    it start while that kernel finishes; below, the launch keeps the stream's plain ordering."""
+    from flashjit.jit import kernel
+
+    calls = []
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append(launch_of(args)) or 0)
+    assert kernel.waits_for_previous_kernel(arch) is programmatic
+    params = (ctypes.c_void_p * 1)()
+    launch = kernel.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 0, programmatic)
+    launch(0x5)
+    assert calls[-1][5] is programmatic
+    other = kernel.PreparedLaunch.update(launch, 0xD0, (7, 8, 1), (128, 1, 1), params, 0, not programmatic)
+    assert other is not launch and other.programmatic is not programmatic
 
 
 def test_prepared_launch_is_kept_for_the_same_kernel_and_arguments(monkeypatch):
@@ -558,13 +595,13 @@ def test_prepared_launch_is_kept_for_the_same_kernel_and_arguments(monkeypatch):
     from flashjit.jit import kernel
 
     calls = []
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append([getattr(x, "value", x) for x in args]) or 0)
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append(launch_of(args)) or 0)
     params = (ctypes.c_void_p * 1)()
     launch = kernel.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
     again = kernel.PreparedLaunch.update(launch, 0xD0, (9, 8, 2), (128, 1, 1), params, 4096)
     assert again is launch and launch.grid == (9, 8, 2)
     launch(0x5)
-    assert calls[-1][:8] == [0xD0, 9, 8, 2, 128, 1, 1, 4096]
+    assert calls[-1] == (0xD0, (9, 8, 2), (128, 1, 1), 4096, 5, False)
     others = ((0xD1, (9, 8, 2), (128, 1, 1), params, 4096), (0xD0, (9, 8, 2), (64, 1, 1), params, 4096),
               (0xD0, (9, 8, 2), (128, 1, 1), params, 0), (0xD0, (9, 8, 2), (128, 1, 1), (ctypes.c_void_p * 1)(), 4096))
     for other in others:

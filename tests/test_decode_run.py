@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from flashjit.jit import kernel, tiling
-from test_decode_plan import cpu_decoder, planner, tables  # noqa: F401  (planner: a fixture)
+from flashjit.serving.batch_decode import BatchDecode
+from flashjit.serving.host_planner import HostPlanner
+from test_decode_plan import cpu_decoder, fake_loaded, launch_of, native_library, planner, tables  # noqa: F401  (planner: a fixture)
 
 HEADS, KV_HEADS, DIM, PAGE = 8, 2, 64, 16
 
@@ -30,9 +32,9 @@ def launches(monkeypatch):
     """(function, grid, stream) of each launch, with the argument structs as they were then."""
     calls = []
 
-    def record(function, *rest):
-        grid = tuple(x.value for x in rest[:3])
-        calls.append((function.value, grid, rest[7].value))
+    def record(*args):
+        function, grid, _, _, stream, _ = launch_of(args)
+        calls.append((function, grid, stream))
         return 0
 
     monkeypatch.setattr(kernel, "_cu_launch", record)
@@ -69,6 +71,7 @@ def test_run_points_the_arguments_at_its_tensors(planner, launches, fast, fused_
         if not fused_merge:
             assert (m.out, m.out_stride, m.lse) == (a.out, a.out_stride, a.lse)
     decode, merge = decoder.current_plan.decode_launch, decoder.current_plan.merge_launch
+    assert decode.programmatic and (fused_merge or merge.programmatic)  # sm_90: the kernels wait themselves
     if fused_merge:
         assert merge is None and launches == [(decode.function, decode.grid, 0x77)] * 2
     else:
@@ -194,3 +197,12 @@ def test_a_refused_scale_leaves_the_previous_scales_to_be_set_again(planner, lau
     decoder.run(q, (k, v), k_scale=2.0, v_scale=3.0)
     a = decoder.current_plan.decode_args
     assert (a.k_scale, a.v_scale) == (2.0, 3.0)
+
+
+def test_an_sm_80_plan_launches_without_programmatic_serialization(planner):
+    """Below sm_90 the kernels have no griddepcontrol wait, so their launches keep plain stream order."""
+    decoder = BatchDecode(planner, torch.device("cpu"), arch="sm_80", load_kernel=fake_loaded,
+                          host_planner=HostPlanner(native_library()))
+    indptr, indices, last = tables([5000, 30], PAGE, np.random.default_rng(0))
+    decoder.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE)
+    assert not decoder.current_plan.decode_launch.programmatic

@@ -138,3 +138,43 @@ def test_rendering_is_deterministic():
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env=dict(os.environ, PYTHONHASHSEED="777", PYTHONPATH=os.pathsep.join(sys.path)))
     assert other.stdout == first
+
+
+def entry_bodies(source: str) -> dict[str, str]:
+    """Each `extern "C" __global__` entry point's body, by name."""
+    bodies = {}
+    for match in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\([^)]*\)\s*)?(\w+)\(', source):
+        start = source.index("{", match.end())
+        depth, end = 0, start
+        for end in range(start, len(source)):
+            depth += {"{": 1, "}": -1}.get(source[end], 0)
+            if depth == 0:
+                break
+        bodies[match.group(1)] = source[start + 1:end]
+    return bodies
+
+
+@pytest.mark.parametrize("family", ["decode", "shared prefix", "cuda cores", "mla", "merge states"])
+def test_every_entry_point_waits_for_the_previous_kernel_before_anything_else(family):
+    """The launches allow programmatic dependent launch from sm_90 (kernel.PreparedLaunch): a kernel's
+    CTAs may start before the previous kernel's writes land, so each entry point's first statement
+    (after the timeline's stamp) is the wait."""
+    from flashjit.jit.merge_spec import MergeSpec
+    from flashjit.jit.mla_spec import MLASpec
+    from flashjit.jit.render import render_merge_states
+
+    if family == "mla":
+        source = render(MLASpec(16, arch="sm_90"))
+    elif family == "merge states":
+        source = render_merge_states(MergeSpec("bf16", "sm_90"))
+    else:
+        source = render(DecodeSpec(128, group_size=4, arch="sm_90", shared_prefix=family == "shared prefix",
+                                   tensor_cores=family != "cuda cores"))
+    bodies = entry_bodies(source)
+    expected = {"mla": {"flashjit_plan"}, "merge states": {"flashjit_merge_states"},
+                "shared prefix": {"flashjit_decode", "flashjit_merge", "flashjit_plan"}}
+    assert expected.get(family, {"flashjit_decode", "flashjit_plan"}) <= set(bodies) and len(bodies) >= 1 + (
+        family == "mla")
+    for name, body in bodies.items():
+        statements = [s.strip() for s in body.split(";") if s.strip() and not s.strip().startswith("FJ_STAMP")]
+        assert statements[0] == "wait_for_previous_kernel()", (name, statements[:2])

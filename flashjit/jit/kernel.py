@@ -6,8 +6,11 @@ handles on one device; PreparedLaunch is one launch of such a handle, its argume
 
 Modules are loaded with CuPy on first use, on the tensor's device, and pinned for the process
 lifetime, so CUDA-graph replays never see an unloaded module. Launches go straight to the driver's
-cuLaunchKernel through ctypes with argument structs (abi.DecodeArgs, abi.MergeArgs) built once and
-patched per call: the cheapest host path from Python, and captured correctly by torch.cuda.graph.
+cuLaunchKernelEx through ctypes with a launch configuration and argument structs (abi.DecodeArgs,
+abi.MergeArgs) built once and patched per call: the cheapest host path from Python, and captured
+correctly by torch.cuda.graph. On sm_90 and later they allow programmatic dependent launch: the
+kernel's CTAs may start while the stream's previous kernel finishes, and wait for its writes in
+the kernel (wait_for_previous_kernel in templates/include/prelude.cuh).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 _driver = None
 _driver_lock = threading.Lock()
-_cu_launch = None  # cuLaunchKernel, cached for the launch path
+_cu_launch = None  # cuLaunchKernelEx, cached for the launch path
 
 
 def driver():
@@ -47,21 +50,37 @@ def driver():
     return _driver
 
 
-# What PreparedLaunch passes to cuLaunchKernel, in order: ctypes objects of the C parameter types
-# (then the void*[] array of argument addresses, and None for `extra`).
-LAUNCH_ARG_TYPES = (ctypes.c_void_p,) + (ctypes.c_uint,) * 7 + (ctypes.c_void_p,)
+CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+PROGRAMMATIC_LAUNCH_MIN_ARCH = 90  # griddepcontrol: sm_90 and later
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding to 8 bytes, and a 64-byte value union (an int here)."""
+    _fields_ = [("id", ctypes.c_int), ("_pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("_value_pad", ctypes.c_char * 60)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def waits_for_previous_kernel(arch: str) -> bool:
+    """Whether kernels compiled for arch wait for the previous kernel themselves, so that they may
+    be launched with programmatic stream serialization (every template's entry points do from sm_90)."""
+    return int(arch.removeprefix("sm_").rstrip("a")) >= PROGRAMMATIC_LAUNCH_MIN_ARCH
 
 
 def _launcher():
-    """cuLaunchKernel without argtypes: PreparedLaunch passes ctypes objects of the parameters' own
-    types (LAUNCH_ARG_TYPES), which ctypes hands over as they are, where argtypes would convert each
-    of the eleven on every call (~1.2 us per call)."""
+    """cuLaunchKernelEx without argtypes: PreparedLaunch passes ctypes objects of the parameters'
+    own types (a reference to its LaunchConfig, the function handle, the void*[] of arguments,
+    None for `extra`), which ctypes hands over as they are."""
     global _cu_launch
-    launch = driver()["cuLaunchKernel"]  # a function pointer of its own: no argtypes
+    launch = driver()["cuLaunchKernelEx"]  # a function pointer of its own: no argtypes
     launch.restype = ctypes.c_int
     _cu_launch = launch
     return launch
-
 
 def check(status: int, what: str):
     if status != 0:
@@ -137,34 +156,39 @@ class Kernel:
 
 
 class PreparedLaunch:
-    """One kernel's launch with its arguments converted to ctypes once, at plan time: a call
-    passes only the stream. (Converting the eleven Python values on every call costs ~1.5 us.)"""
+    """One kernel's launch with its configuration and arguments converted to ctypes once, at plan
+    time: a call passes only the stream. programmatic: launched with programmatic stream
+    serialization, for kernels that wait for the previous kernel themselves
+    (waits_for_previous_kernel)."""
 
-    def __init__(self, function: int, grid, block, params, smem: int = 0):
+    def __init__(self, function: int, grid, block, params, smem: int = 0, programmatic: bool = False):
         self.function, self.grid, self.block, self.smem = function, tuple(grid), tuple(block), smem
+        self.programmatic = programmatic
         self.params = params  # the void*[] of argument addresses, kept alive here
-        self._head = (ctypes.c_void_p(function), *(ctypes.c_uint(x) for x in (*self.grid, *self.block, smem)))
-        self._stream, self._stream_handle = ctypes.c_void_p(0), 0
+        self._attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        self.config = LaunchConfig((ctypes.c_uint * 3)(*self.grid), (ctypes.c_uint * 3)(*self.block), smem, None,
+                                   ctypes.pointer(self._attribute), int(programmatic))
+        self._args = (ctypes.byref(self.config), ctypes.c_void_p(function), params, None)
+        self._stream_handle = 0
 
     @classmethod
     def update(cls, launch: "PreparedLaunch | None", function: int, grid: tuple, block: tuple, params,
-               smem: int = 0) -> "PreparedLaunch":
+               smem: int = 0, programmatic: bool = False) -> "PreparedLaunch":
         """launch with its grid set to grid when it runs the same function over the same params
         array, else a new launch: a new plan() changes only the work counts, and patching three
         values costs less than building the ctypes values again. (A captured CUDA graph keeps the
         values it was captured with.)"""
         if (launch is None or launch.function != function or launch.params is not params
-                or launch.block != block or launch.smem != smem):
-            return cls(function, grid, block, params, smem)
+                or launch.block != block or launch.smem != smem or launch.programmatic != programmatic):
+            return cls(function, grid, block, params, smem, programmatic)
         if grid != launch.grid:
-            for value, x in zip(launch._head[1:4], grid):
-                value.value = x
+            launch.config.grid[:] = grid
             launch.grid = grid
         return launch
 
     def __call__(self, stream: int):
         if stream != self._stream_handle:
-            self._stream.value, self._stream_handle = stream, stream
-        status = (_cu_launch or _launcher())(*self._head, self._stream, self.params, None)
+            self.config.stream, self._stream_handle = stream, stream
+        status = (_cu_launch or _launcher())(*self._args)
         if status:
-            check(status, "cuLaunchKernel")
+            check(status, "cuLaunchKernelEx")

@@ -23,7 +23,7 @@ import ctypes
 
 from ..jit.abi import MergeStatesArgs
 from ..jit.engine import Engine
-from ..jit.kernel import PreparedLaunch
+from ..jit.kernel import PreparedLaunch, waits_for_previous_kernel
 from ..jit.merge_spec import MergeSpec, head_dims_accepted
 from ..validation import fail
 from .streams import current_stream
@@ -190,4 +190,5 @@ def _launch(engine, o, o_state: int, lse, lse_state: int, num_states: int, out, 
         num_states=num_states, num_tokens=tokens, num_heads=heads, head_dim=head_dim)
     params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
     blocks = -(-tokens * heads // rows_per_block)
-    PreparedLaunch(kernel.function(device), (blocks, 1, 1), (threads, 1, 1), params)(current_stream(device))
+    PreparedLaunch(kernel.function(device), (blocks, 1, 1), (threads, 1, 1), params,
+                   programmatic=waits_for_previous_kernel(spec.arch))(current_stream(device))

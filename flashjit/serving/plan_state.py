@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import validation
 from ..jit.abi import DecodeArgs, MergeArgs
-from ..jit.kernel import PreparedLaunch
+from ..jit.kernel import PreparedLaunch, waits_for_previous_kernel
 from ..small_arrays import largest
 from .buffers import Capacity, PlanBuffers
 from .plan_setup import Setup
@@ -154,8 +154,9 @@ def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_
     kernel = setup.kernel
     cap, tiling, loaded = buffers.capacity, kernel.tiling, setup.loaded
     decode_grid = tiling.grid(cap.work if graph else work.num_work, setup.num_kv_heads)
+    programmatic = waits_for_previous_kernel(kernel.spec.arch)
     decode = PreparedLaunch.update(None if previous is None else previous.decode_launch, loaded.decode, decode_grid,
-                                   tiling.block, decode_params, tiling.smem_bytes)
+                                   tiling.block, decode_params, tiling.smem_bytes, programmatic)
     kept_merge = None if previous is None else previous.merge_prepared
     if tiling.fused_merge:  # the decode kernel merges split requests itself
         return decode, kept_merge, None
@@ -163,5 +164,5 @@ def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_
     # without a split keeps the prepared merge for the next plan that has one.
     merge = PreparedLaunch.update(kept_merge, loaded.merge, (cap.tokens if graph else work.num_tokens,
                                                              setup.num_qo_heads, 1), tiling.merge_block,
-                                  buffers.merge_params)
+                                  buffers.merge_params, programmatic=programmatic)
     return decode, merge, merge if graph or work.needs_merge else None

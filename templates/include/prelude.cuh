@@ -30,6 +30,19 @@ __device__ unsigned long long fj_timeline[FJ_TIMELINE_CTAS][5];
 #else
 #define FJ_STAMP(i) do {} while (0)
 #endif
+
+// Programmatic dependent launch (sm_90 and later; nothing below). The engine launches every entry
+// point with programmatic stream serialization (kernel.PreparedLaunch), so its CTAs may start
+// while the stream's previous kernel finishes: each entry point calls this before its first global
+// access (FJ_STAMP's diagnostic stamps aside), to wait for that kernel's writes, then lets the next kernel in the stream start
+// launching, whose CTAs wait the same way while this one runs.
+FJ_INLINE void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #define FJ_NEG_INF __int_as_float(0xff800000u)
 #define FJ_LN2 0.69314718055994530942f
 #define FJ_LOG2E 1.44269504088896340736f
