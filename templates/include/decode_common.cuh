@@ -131,20 +131,21 @@ FJ_INLINE void fold_sink(const WorkItem& item, float sink2, float& lse2, float& 
   }
 }
 
-// The sink logits of a tensor-core CTA's M rows: thread t < M loads row t's as the CTA starts and
-// publishes it to shared memory before the epilogue's barrier (finish_rows reads them there).
+// The sink logits of a tensor-core CTA's M rows: thread t < M publishes row t's to shared memory
+// before the epilogue's barrier (finish_rows reads them there). Every thread loads one as the CTA
+// starts, without a branch, and nothing uses the value before publish: a load under `t < M`
+// followed by its conversion made warp 0 wait for it before its first page-id loads.
 template <int M>
 struct RowSinks {
-  float mine;
+  float mine;  // natural units until publish
   FJ_INLINE RowSinks(const VariantParams& vparams, const CtaCoords& cta) {
     mine = FJ_NEG_INF;
     if constexpr (VARIANT_SINK)
-      if (threadIdx.x < M)
-        mine = row_sink2(vparams, cta.kv_head * cfg::GROUP_SIZE + (cta.row_tile * M + threadIdx.x) % cfg::GROUP_SIZE);
+      mine = variant_sink(vparams, cta.kv_head * cfg::GROUP_SIZE + (cta.row_tile * M + threadIdx.x % M) % cfg::GROUP_SIZE);
   }
   FJ_INLINE void publish(float* rows) const {
     if constexpr (VARIANT_SINK)
-      if (threadIdx.x < M) rows[threadIdx.x] = mine;
+      if (threadIdx.x < M) rows[threadIdx.x] = mine * FJ_LOG2E;
   }
 };
 
