@@ -76,7 +76,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   unsigned char* q_smem = smem + STAGES * TILE * (K_PITCH + V_PITCH);  // Q_IN_SMEM or SPLIT_SCORES: after the ring
   __shared__ float red_m[SLICES][M], red_d[SLICES][M], row_sinks[M * ROW_WARPS];
-  // SPLIT_SCORES: each slice's partial S tiles after the ring (tiling.split_score_bytes), two rounds
+  // SPLIT_SCORES: each slice's partial S tiles after the ring (decode_tiling's score_parts), two rounds
   // deep: [slice][round % 2][warp][j][lane] (a warp rewrites a round's buffer only after the next
   // round's barrier, which every reader of it has passed).
   float4* score_parts = reinterpret_cast<float4*>(q_smem);
