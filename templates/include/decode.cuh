@@ -160,7 +160,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   if (holds_row) {
     float inv = dsum > 0.f ? scales.value / dsum : 0.f;
     float lse2 = dsum > 0.f ? m + log2_approx(dsum) : FJ_NEG_INF;
-    fold_sink(item, sink2, lse2, inv);
+    join_sink(item, sink2, m, dsum, scales.value, inv, lse2);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) o[i] *= inv;
     const int token = item.q_begin + q_tok;

@@ -115,19 +115,22 @@ FJ_INLINE float row_sink2(const VariantParams& vparams, int qo_head) {
   return FJ_NEG_INF;
 }
 
-// The variant's sink logit joins one row's softmax: lse2 (base 2, -inf for a row without visible
-// keys) becomes log2(2^lse2 + 2^sink2) and the output's factor inv shrinks by 2^(lse2 - that).
-// Each row's sink enters once, in the state of its request's first work item: the other
-// partials and the merges are unchanged, and the merge of sink-and-partial-0 with the rest is the
-// softmax over every key and the sink. A row without keys gets o = 0 and lse = sink.
-FJ_INLINE void fold_sink(const WorkItem& item, float sink2, float& lse2, float& inv) {
+// The variant's sink logit joins one row's softmax as one more term of its sum. m, d: the row's
+// base-2 reference and its sum relative to it (d = 0 for a row without visible keys); inv, lse2:
+// its output factor (value / d) and base-2 LSE as computed without the sink. Both move to the
+// larger of m and sink2, the sum takes 2^(sink2 - top), and inv and lse2 are recomputed from that
+// state: one exp2 on the path to the output beside the rescale. Each row's sink enters once, in
+// the state of its request's first work item: the other partials and the merges are unchanged,
+// and the merge of sink-and-partial-0 with the rest is the softmax over every key and the sink.
+// A row without keys gets o = 0 and lse = sink.
+FJ_INLINE void join_sink(const WorkItem& item, float sink2, float m, float d, float value, float& inv, float& lse2) {
   if constexpr (VARIANT_SINK) {
-    if (!item.first_of_request) return;
-    const float top = fmaxf(lse2, sink2);
-    if (top == FJ_NEG_INF) return;
-    const float total = top + log2_approx(exp2_approx(lse2 - top) + exp2_approx(sink2 - top));
-    inv *= exp2_approx(lse2 - total);
-    lse2 = total;
+    if (!item.first_of_request || sink2 == FJ_NEG_INF) return;
+    const float top = d > 0.f ? fmaxf(m, sink2) : sink2;
+    const float keep = d > 0.f ? exp2_approx(m - top) : 0.f;
+    const float sum = d * keep + exp2_approx(sink2 - top);
+    inv = value * keep / sum;
+    lse2 = top + log2_approx(sum);
   }
 }
 

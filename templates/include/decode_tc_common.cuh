@@ -47,7 +47,7 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
 // by the online-softmax rule; each thread finishes 4 columns of some rows and writes the output
 // (a request's only item) or a normalized fp32 partial and its base-2 LSE for the merge kernel;
 // the variant's sink (row_sinks [M], published by RowSinks) joins the rows of the request's first
-// item (fold_sink). cfg::SHARED_PREFIX: members > 0, a shared-prefix record's rows, each member's
+// item (join_sink). cfg::SHARED_PREFIX: members > 0, a shared-prefix record's rows, each member's
 // partial in its slot req_work_indptr[member] + q_begin; else the item's partial goes to own_slot
 // (its grid position in other kernels).
 template <int M, int STATES>
@@ -88,7 +88,7 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
     }
     float inv = d_all > 0.f ? scales.value / d_all : 0.f;
     float lse2 = d_all > 0.f ? m_ref + log2_approx(d_all) : FJ_NEG_INF;
-    fold_sink(item, row_sinks[row_in], lse2, inv);
+    join_sink(item, row_sinks[row_in], m_ref, d_all, scales.value, inv, lse2);
     const int token = item.q_begin + q_tok;
     if (item.direct) {
       store_out4(a.out, a.out_stride, a.lse, a.num_qo_heads, token, qo_head, col, acc, inv, lse2);
