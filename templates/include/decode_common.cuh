@@ -136,8 +136,8 @@ FJ_INLINE void join_sink(const WorkItem& item, float sink2, float m, float d, fl
 
 // The sink logits of a tensor-core CTA's M rows: thread t < M publishes row t's to shared memory
 // before the epilogue's barrier (finish_rows reads them there). Every thread loads one as the CTA
-// starts, without a branch, and nothing uses the value before publish: a load under `t < M`
-// followed by its conversion made warp 0 wait for it before its first page-id loads.
+// starts, without a branch, and nothing uses the value before publish, so no warp waits on the
+// load before its first copies.
 template <int M>
 struct RowSinks {
   float mine;  // natural units until publish
