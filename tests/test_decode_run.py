@@ -15,7 +15,8 @@ import torch
 from flashjit.jit import kernel, tiling
 from flashjit.serving.batch_decode import BatchDecode
 from flashjit.serving.host_planner import HostPlanner
-from test_decode_plan import cpu_decoder, fake_loaded, launch_of, native_library, planner, tables  # noqa: F401  (planner: a fixture)
+from test_decode_plan import (cpu_decoder, fake_loaded, launch_of, native_library,  # noqa: F401  (planner: a fixture)
+                              planner, tables)
 
 HEADS, KV_HEADS, DIM, PAGE = 8, 2, 64, 16
 

@@ -82,6 +82,7 @@ def _launcher():
     _cu_launch = launch
     return launch
 
+
 def check(status: int, what: str):
     if status != 0:
         text = ctypes.c_char_p()
