@@ -216,3 +216,20 @@ def test_16bit_ldmatrix_addresses_find_the_chunks_the_loader_swizzled(head_dim):
             vc = v_half if half_block and n >= ntiles - 4 else v_chunk
             kernel = v_row * pitch + (n // 8) * 128 + ((n % 8) ^ vc) * 16
             assert kernel == v_row * pitch + 16 * swizzled_chunk(v_row, n + (mat >> 1), row_chunks), (n, lane)
+
+
+@pytest.mark.parametrize("head_dim, change, split", [(512, {}, True), (256, {}, True), (128, {"split_scores": True}, False),
+                                                     (512, {"q_in_smem": True}, False)])
+def test_split_scores_take_col_split_warps_and_q_in_registers(head_dim, change, split):
+    """Split scores need warps that share a slice (col_split > 1) and Q in registers; where they
+    apply, each slice's two rounds of partial S tiles (16 x 16 fp32 per warp) join shared memory."""
+    table = TUNING.with_rows(fp8=False, head_dim=head_dim, **change)
+    spec = DecodeSpec(head_dim=head_dim, dtype="bf16", group_size=4, tensor_cores=True, arch="sm_90")
+    tiling = decode_tiling(spec, table)
+    assert tiling.split_scores is split
+    if split:
+        unsplit = decode_tiling(spec, table.with_rows(fp8=False, head_dim=head_dim, split_scores=False))
+        slices = tiling.bdx // 32 // tiling.col_split
+        assert tiling.smem_bytes - unsplit.smem_bytes == slices * 2 * tiling.col_split * 16 * 16 * 4
+    fp8 = dataclasses.replace(spec, kv_dtype="e4m3")
+    assert not decode_tiling(fp8, TUNING.with_rows(head_dim=head_dim, split_scores=True)).split_scores
