@@ -23,7 +23,7 @@ from ..errors import KernelNotPrewarmed
 from ..masks.registry import MaskDef
 from .abi import PLAN_MAX_SMEM_BYTES
 from ..masks.variants import VariantDef, variants
-from .spec import DecodeSpec
+from .spec import DecodeSpec, arch_number
 from .tiling import DecodeTiling
 
 DECODE_ENTRY = "flashjit_decode"
@@ -69,7 +69,7 @@ class LaunchConfig(ctypes.Structure):
 def waits_for_previous_kernel(arch: str) -> bool:
     """Whether kernels compiled for arch wait for the previous kernel themselves, so that they may
     be launched with programmatic stream serialization (every template's entry points do from sm_90)."""
-    return int(arch.removeprefix("sm_").rstrip("a")) >= PROGRAMMATIC_LAUNCH_MIN_ARCH
+    return arch_number(arch) >= PROGRAMMATIC_LAUNCH_MIN_ARCH
 
 
 def _launcher():
@@ -109,6 +109,7 @@ class Kernel:
                  variant: VariantDef | None = None):
         self.spec, self.tiling, self.mask, self.cubin, self.key = spec, tiling, mask, cubin, key
         self.variant = variants.get(spec.variant) if variant is None else variant
+        self.programmatic_launch = waits_for_previous_kernel(spec.arch)  # PreparedLaunch's programmatic
         self._loaded: dict[int, LoadedKernel] = {}
         self._lock = threading.Lock()
 

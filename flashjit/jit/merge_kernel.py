@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 from ..errors import KernelNotPrewarmed
+from .kernel import waits_for_previous_kernel
 from .merge_spec import MAX_LANES, MergeSpec
 
 MERGE_STATES_ENTRY = "flashjit_merge_states"
@@ -23,6 +24,7 @@ class MergeStatesKernel:
 
     def __init__(self, spec: MergeSpec, cubin: bytes, key: str):
         self.spec, self.cubin, self.key = spec, cubin, key
+        self.programmatic_launch = waits_for_previous_kernel(spec.arch)  # PreparedLaunch's programmatic
         self._functions: dict[int, tuple[object, int]] = {}  # device -> (CuPy Module, function handle)
         self._lock = threading.Lock()
 

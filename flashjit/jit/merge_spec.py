@@ -10,7 +10,7 @@ import dataclasses
 import re
 
 from ..errors import SpecError
-from .spec import _SHORT, _normalize_arch, normalize_dtype
+from .spec import _SHORT, _normalize_arch, arch_number, normalize_dtype
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 VECTOR_BYTES = 16  # each thread moves one 16-byte vector of a row per state
@@ -45,7 +45,7 @@ class MergeSpec:
 
     @property
     def arch_number(self) -> int:
-        return int(self.arch.removeprefix("sm_").rstrip("a"))
+        return arch_number(self.arch)
 
     @property
     def name(self) -> str:

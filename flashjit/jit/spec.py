@@ -90,8 +90,7 @@ class CacheAndArch:
 
     @property
     def arch_number(self) -> int:
-        """90 for sm_90 and sm_90a: what the templates compare against (e.g. fp8 conversions from 89)."""
-        return int(self.arch.removeprefix("sm_").rstrip("a"))
+        return arch_number(self.arch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +220,11 @@ class DecodeSpec(CacheAndArch):
 
 _CACHED_SPECS: dict = {}
 _CACHED_SPECS_MAX = 1024  # distinct plan() argument sets kept; a serving process uses a handful
+
+
+def arch_number(arch: str) -> int:
+    """90 for sm_90 and sm_90a: what the templates compare against (e.g. fp8 conversions from 89)."""
+    return int(arch.removeprefix("sm_").rstrip("a"))
 
 
 def _normalize_arch(arch) -> str:

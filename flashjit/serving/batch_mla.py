@@ -23,7 +23,7 @@ from .. import validation
 from ..jit.abi import MLAArgs
 from ..jit.engine import Engine
 from ..jit.host_library import load as load_host_library
-from ..jit.kernel import Kernel, LoadedKernel, PreparedLaunch, waits_for_previous_kernel
+from ..jit.kernel import Kernel, LoadedKernel, PreparedLaunch
 from ..jit.mla_spec import MLASpec
 from ..small_arrays import largest
 from .batch_decode import default_engine
@@ -176,7 +176,7 @@ class BatchDecodeMLA:
             else previous.launch.params
         launch = PreparedLaunch.update(None if previous is None else previous.launch, setup.loaded.decode, grid,
                                        tiling.block, params, tiling.smem_bytes,
-                                       waits_for_previous_kernel(setup.kernel.spec.arch))
+                                       setup.kernel.programmatic_launch)
         rows = work.num_tokens if graph is None else capacity.tokens
         self._plan = MLAPlan(setup, tables, buffers, page_ids, max_page, tables.batch, work.num_tokens, rows, args,
                              launch)

@@ -17,7 +17,7 @@ import typing
 import numpy as np
 
 from ..jit.abi import ITEM_INTS, PLAN_MAX_BATCH, PLAN_SMEM_INTS, PlanArgs
-from ..jit.kernel import PreparedLaunch, waits_for_previous_kernel
+from ..jit.kernel import PreparedLaunch
 from .buffers import PlanBuffers
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, WorkPlan
 from .streams import HOST_TO_DEVICE, StreamCopies
@@ -97,7 +97,7 @@ class DevicePlanner:
         params = buffers.params_with(a)
         self.launch = PreparedLaunch.update(self.launch, loaded.plan, (1, 1, 1), (PLAN_THREADS, 1, 1), params,
                                             4 * PLAN_SMEM_INTS * (cap.batch + 1),
-                                            waits_for_previous_kernel(setup.kernel.spec.arch))
+                                            setup.kernel.programmatic_launch)
 
     def __call__(self, stream: int):
         self.launch(stream)

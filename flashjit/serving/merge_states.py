@@ -23,7 +23,7 @@ import ctypes
 
 from ..jit.abi import MergeStatesArgs
 from ..jit.engine import Engine
-from ..jit.kernel import PreparedLaunch, waits_for_previous_kernel
+from ..jit.kernel import PreparedLaunch
 from ..jit.merge_spec import MergeSpec, head_dims_accepted
 from ..validation import fail
 from .streams import current_stream
@@ -191,4 +191,4 @@ def _launch(engine, o, o_state: int, lse, lse_state: int, num_states: int, out, 
     params = (ctypes.c_void_p * 1)(ctypes.addressof(args))
     blocks = -(-tokens * heads // rows_per_block)
     PreparedLaunch(kernel.function(device), (blocks, 1, 1), (threads, 1, 1), params,
-                   programmatic=waits_for_previous_kernel(spec.arch))(current_stream(device))
+                   programmatic=kernel.programmatic_launch)(current_stream(device))

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import validation
 from ..jit.abi import DecodeArgs, MergeArgs
-from ..jit.kernel import PreparedLaunch, waits_for_previous_kernel
+from ..jit.kernel import PreparedLaunch
 from ..small_arrays import largest
 from .buffers import Capacity, PlanBuffers
 from .plan_setup import Setup
@@ -154,7 +154,7 @@ def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_
     kernel = setup.kernel
     cap, tiling, loaded = buffers.capacity, kernel.tiling, setup.loaded
     decode_grid = tiling.grid(cap.work if graph else work.num_work, setup.num_kv_heads)
-    programmatic = waits_for_previous_kernel(kernel.spec.arch)
+    programmatic = kernel.programmatic_launch
     decode = PreparedLaunch.update(None if previous is None else previous.decode_launch, loaded.decode, decode_grid,
                                    tiling.block, decode_params, tiling.smem_bytes, programmatic)
     kept_merge = None if previous is None else previous.merge_prepared
