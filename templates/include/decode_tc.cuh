@@ -43,7 +43,7 @@ constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and sw
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
 constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // Q's fragments in shared memory, not registers
-enum : bool { SPLIT_SCORES = cfg::SPLIT_SCORES && COL_SPLIT > 1 };
+enum : bool { SPLIT_SCORES = cfg::SPLIT_SCORES };
 enum : int { QSTEPS = SPLIT_SCORES ? KSTEPS / COL_SPLIT : KSTEPS };  // S's k-steps per warp
 // > 1: shared-prefix records give each warp rows of its own (enums, as HALF_BLOCK below).
 enum : int { ROW_WARPS = cfg::SHARED_ROW_WARPS };
@@ -61,8 +61,8 @@ static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the sl
 static_assert(!Q_IN_SMEM || cfg::Q_SMEM_BYTES == KSTEPS * 32 * 16, "one 16-byte fragment per k-step and lane");
 static_assert(!ROWS_BY_WARP || (cfg::SHARED_PREFIX && ROW_WARPS == WARPS && COL_SPLIT == 1 && !Q_IN_SMEM),
               "rows by warp: shared-prefix records, one warp per slice, Q in registers");
-static_assert(!SPLIT_SCORES || (!Q_IN_SMEM && QSTEPS % 4 == 0 && !HALF_BLOCK),
-              "split scores: Q in registers, each warp's k-steps whole 128-byte blocks of K's rows");
+static_assert(!SPLIT_SCORES || (COL_SPLIT > 1 && !Q_IN_SMEM && QSTEPS % 4 == 0 && !HALF_BLOCK),
+              "split scores: col-split warps, Q in registers, each warp's k-steps whole 128-byte blocks of K's rows");
 
 // The barrier of one slice's COL_SPLIT warps (named barrier 1 + slice; __syncthreads is 0).
 FJ_INLINE void slice_barrier(int slice) {
