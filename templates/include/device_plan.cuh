@@ -42,8 +42,6 @@ constexpr int NUM_PARTS = sizeof(PARTS) / sizeof(PARTS[0]);
 static_assert(FJ_PLAN_SMEM_INTS == 7, "ABI: plan::Requests keeps 7 ints per request, not "
                                       "flashjit.jit.abi.PLAN_SMEM_INTS");
 
-FJ_INLINE i64 ceil_div64(i64 a, i64 b) { return (a + b - 1) / b; }
-
 // One request's page-table entries, as loaded.
 struct RequestEntry {
   int first_page, end_page, last, q_begin, q_end;
@@ -75,110 +73,168 @@ struct Requests {
   }
 };
 
-// Block-wide reductions and scans, through one word per warp.
-__shared__ i64 warp_values[WARPS];
-__shared__ int warp_sums[2][WARPS];
+// Block-wide reductions and scans, through one word per warp, which warps combine with a word
+// per lane and a few shuffles. Shared-memory loads and shuffles share the SM's one pipe, so with
+// 1024 threads the cost is what every warp issues: warps that hold no request skip their own
+// round, and no thread loads more than a word.
+static_assert(WARPS == 32, "a warp's lanes hold the block's per-warp words");
+__shared__ int warp_max[WARPS];
+__shared__ int2 warp_sums[2][WARPS];  // alternate scans use alternate words (no barrier between)
 
-FJ_INLINE i64 block_max(i64 x) {
-  for (int o = 16; o > 0; o >>= 1) x = max(x, (i64)__shfl_xor_sync(0xffffffffu, x, o));
-  if (threadIdx.x % 32 == 0) warp_values[threadIdx.x / 32] = x;
-  __syncthreads();
-  i64 m = 0;
-#pragma unroll
-  for (int w = 0; w < WARPS; ++w) m = max(m, warp_values[w]);
-  __syncthreads();
-  return m;
+FJ_INLINE unsigned lane_id() { return threadIdx.x % 32; }
+
+FJ_INLINE int warp_max_of(int x) {
+  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
 }
 
-// Inclusive prefix sums of x and of y over the block's threads in order, and the block's totals:
-// the two scans share their barriers.
-FJ_INLINE int2 block_scan2(int x, int y, int2& total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+// The largest x of the block's threads, non-negative; busy: whether this warp holds any x > 0
+// (warp-uniform). Once per plan: its words are never reused.
+FJ_INLINE int block_max(int x, bool busy) {
+  if (busy) x = warp_max_of(x);
+  if (lane_id() == 0) warp_max[threadIdx.x / 32] = x;
+  __syncthreads();
+  return warp_max_of(warp_max[lane_id()]);
+}
+
+FJ_INLINE int2 warp_scan2(int2 v) {  // inclusive
   for (int o = 1; o < 32; o <<= 1) {
-    const int xo = __shfl_up_sync(0xffffffffu, x, o), yo = __shfl_up_sync(0xffffffffu, y, o);
-    if (lane >= o) x += xo, y += yo;
+    const int xo = __shfl_up_sync(0xffffffffu, v.x, o), yo = __shfl_up_sync(0xffffffffu, v.y, o);
+    if (lane_id() >= (unsigned)o) v.x += xo, v.y += yo;
   }
-  if (lane == 31) warp_sums[0][warp] = x, warp_sums[1][warp] = y;
-  __syncthreads();
-  int2 before = make_int2(0, 0);
-  total = make_int2(0, 0);
-#pragma unroll
-  for (int w = 0; w < WARPS; ++w) {
-    const int wx = warp_sums[0][w], wy = warp_sums[1][w];
-    if (w < warp) before.x += wx, before.y += wy;
-    total.x += wx; total.y += wy;
-  }
-  __syncthreads();
-  return make_int2(x + before.x, y + before.y);
+  return v;
 }
 
-// split_plan.makespans for one chunk, reduced over the requests by a group of LANES lanes of a
-// warp (lane: this thread's index in it). Integer parts in 32 bits (lengths and chunks are below
-// 2^31, so len + chunk and twice a remainder fit), which give the host's exact values:
-// floor(len / chunk + 1/2) is the quotient plus one where twice the remainder reaches the chunk.
-template <int LANES>
-__device__ double makespan(const Args& a, const Requests& r, int batch, int chunk, double share, int lane) {
-  const unsigned c = (unsigned)chunk;
-  i64 items = 0, long_items = 0, total = 0;
-  for (int b = lane; b < batch; b += LANES) {
-    const unsigned len = (unsigned)r.len[b], whole = len / c, rest = len - whole * c;
-    items += len ? whole + (rest != 0) : 1;
-    long_items += whole + (2 * rest >= c);
-    total += len;
+// Inclusive prefix sums of x and of y over the block's threads in order, and the block's totals;
+// busy as for block_max. round counts the calls: consecutive calls write different words, and the
+// barrier of the call in between orders a call's reads before the words' next writes.
+FJ_INLINE int2 block_scan2(int x, int y, bool busy, int2& total, int round) {
+  const int warp = threadIdx.x / 32;
+  const int2 mine = busy ? warp_scan2(make_int2(x, y)) : make_int2(0, 0);
+  if (lane_id() == 31) warp_sums[round & 1][warp] = mine;
+  __syncthreads();
+  const int2 warps = warp_scan2(warp_sums[round & 1][lane_id()]);
+  total = make_int2(__shfl_sync(0xffffffffu, warps.x, 31), __shfl_sync(0xffffffffu, warps.y, 31));
+  if (!busy) return mine;
+  const int before_x = __shfl_sync(0xffffffffu, warps.x, (warp + 31) % 32);
+  const int before_y = __shfl_sync(0xffffffffu, warps.y, (warp + 31) % 32);
+  return warp ? make_int2(mine.x + before_x, mine.y + before_y) : mine;
+}
+
+FJ_INLINE unsigned round_up(unsigned x, unsigned g) { return (x + g - 1) / g * g; }
+
+// PARTS[k] (k >= NUM_PARTS: the last) from immediates: a lane-dependent index into the array
+// would load it from global memory, a round trip on the planner's critical path.
+FJ_INLINE int part_count(int k) {
+  int parts = PARTS[NUM_PARTS - 1];
+#pragma unroll
+  for (int j = 0; j < NUM_PARTS - 1; ++j) parts = k == j ? PARTS[j] : parts;
+  return parts;
+}
+
+// n / c and n % c for n < 2^31 and a fixed c >= 1, from magic = 0xffffffff / c: the high word of
+// n * magic is the quotient or one less (magic > 2^32 / c - 1), which the remainder corrects. One
+// multiply in the makespan's inner loop instead of a division.
+struct FixedDivisor {
+  unsigned c, magic;
+  FJ_INLINE explicit FixedDivisor(unsigned divisor) : c(divisor), magic(0xffffffffu / divisor) {}
+  FJ_INLINE unsigned quotient(unsigned n, unsigned& rest) const {
+    unsigned q = __umulhi(n, magic);
+    rest = n - q * c;
+    if (rest >= c) ++q, rest -= c;
+    return q;
   }
-  for (int o = LANES / 2; o > 0; o >>= 1) {
-    items += __shfl_xor_sync(0xffffffffu, items, o);
-    long_items += __shfl_xor_sync(0xffffffffu, long_items, o);
-    total += __shfl_xor_sync(0xffffffffu, total, o);
+};
+
+// a + b for a, b <= SATURATED, saturating there: a count past any work capacity (the host keeps
+// capacities far below) only needs to stay past it.
+constexpr int SATURATED = 1 << 30;
+FJ_INLINE int saturating_add(int a, int b) { return (int)min((unsigned)a + (unsigned)b, (unsigned)SATURATED); }
+
+// split_plan.makespans for one chunk, reduced over the requests by the 32 lanes of a warp; total:
+// the requests' summed span lengths. Integer parts in 32 bits (lengths and chunks are below 2^31,
+// so len + chunk and twice a remainder fit), which give the host's exact values: floor(len / chunk
+// + 1/2) is the quotient plus one where twice the remainder reaches the chunk. Item counts
+// saturate: one past the capacity prices the chunk at +inf whatever its exact value.
+__device__ double makespan(const Args& a, const Requests& r, int batch, int chunk, double share, i64 total) {
+  const FixedDivisor divisor((unsigned)chunk);
+  i64 lane_items = 0, lane_long = 0;
+  for (int b = lane_id(); b < batch; b += 32) {
+    unsigned rest;
+    const unsigned len = (unsigned)r.len[b], whole = divisor.quotient(len, rest);
+    lane_items += whole + (rest != 0 || len == 0);
+    lane_long += whole + (2 * rest >= divisor.c);
+  }
+  int items = (int)min(lane_items, (i64)SATURATED), long_items = (int)min(lane_long, (i64)SATURATED);
+  for (int o = 16; o > 0; o >>= 1) {
+    items = saturating_add(items, __shfl_xor_sync(0xffffffffu, items, o));
+    long_items = saturating_add(long_items, __shfl_xor_sync(0xffffffffu, long_items, o));
   }
   if (items > a.work_capacity) return __longlong_as_double(0x7ff0000000000000ll);  // +inf
-  const double fluid = __dmul_rn((double)(total + items * a.item_overhead), share);
+  const double fluid = __dmul_rn((double)(total + (i64)items * a.item_overhead), share);
   const double waves = ceil(__ddiv_rn(__dmul_rn((double)long_items, (double)a.ctas_per_item), (double)a.max_ctas));
   const double quantized = __dmul_rn(waves, (double)(chunk + a.item_overhead));
   return __dadd_rn(fluid > quantized ? fluid : quantized, items > batch ? (double)a.merge_cost : 0.0);
 }
 
-// split_plan.choose_chunk: every candidate is priced at once, by a half-warp each (no warp prices
-// two in turn), and warp 0 takes the first minimum by shuffles.
-__device__ int choose_chunk(const Args& a, const Requests& r, int batch, i64 longest) {
-  constexpr int LANES = 16, GROUPS = THREADS / LANES;
-  static_assert(NUM_PARTS <= GROUPS && NUM_PARTS <= 64, "a half-warp per candidate, two per lane of warp 0");
-  const i64 g = a.granularity;
-  if (longest <= a.min_chunk) return (int)(ceil_div64(max(longest, (i64)1), g) * g);
-  const i64 floor_chunk = max(ceil_div64(a.min_chunk, g) * g, g);
+// split_plan.choose_chunk. Lane k of every warp holds candidates k and k + 32 and whether the host
+// prices them; warp w prices the priced candidates w, w + WARPS, ... (in the host's order) with all
+// its lanes, and warp 0 takes the first minimum.
+__device__ int choose_chunk(const Args& a, const Requests& r, int batch, int longest) {
+  static_assert(NUM_PARTS <= 64, "two candidates per lane");
+  const unsigned g = a.granularity, lane = lane_id();
+  if (longest <= a.min_chunk) return (int)round_up(max(longest, 1), g);
+  const unsigned floor_chunk = max(round_up(a.min_chunk, g), g);
   const int max_parts = max(1, a.max_ctas / a.ctas_per_item);
-  const double share = __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas);
+  auto chunk_of = [&](int parts) { return max(round_up(((unsigned)longest + parts - 1) / parts, g), floor_chunk); };
+  const int parts_low = part_count(lane), parts_high = part_count(lane + 32);
+  const unsigned chunk_low = chunk_of(parts_low), chunk_high = chunk_of(parts_high);
+  const unsigned last_low = __shfl_sync(0xffffffffu, chunk_low, 31);
+  const unsigned previous_low = __shfl_up_sync(0xffffffffu, chunk_low, 1);
+  const unsigned high_up = __shfl_up_sync(0xffffffffu, chunk_high, 1), previous_high = lane ? high_up : last_low;
+  // The host's loop stops past max_parts and after the floor, and skips a repeated chunk.
+  auto priced = [&](int k, int parts, unsigned chunk, unsigned previous) {
+    return k < NUM_PARTS && parts <= max_parts && (k == 0 || (previous != chunk && previous != floor_chunk));
+  };
+  const bool low_priced = priced(lane, parts_low, chunk_low, previous_low);
+  const bool high_priced = priced(lane + 32, parts_high, chunk_high, previous_high);
+  const unsigned low_mask = __ballot_sync(0xffffffffu, low_priced), high_mask = __ballot_sync(0xffffffffu, high_priced);
+  const unsigned below = (1u << lane) - 1;
+  const int num_low = __popc(low_mask), num_priced = num_low + __popc(high_mask);
+  const int low_rank = __popc(low_mask & below), high_rank = num_low + __popc(high_mask & below);
+  auto nth_chunk = [&](int n) {  // the n-th priced candidate's chunk, n warp-uniform
+    const unsigned low_hit = __ballot_sync(0xffffffffu, low_priced && low_rank == n);
+    const unsigned high_hit = __ballot_sync(0xffffffffu, high_priced && high_rank == n);
+    const unsigned from_low = __shfl_sync(0xffffffffu, chunk_low, low_hit ? __ffs(low_hit) - 1 : 0);
+    const unsigned from_high = __shfl_sync(0xffffffffu, chunk_high, high_hit ? __ffs(high_hit) - 1 : 0);
+    return low_hit ? from_low : from_high;
+  };
   __shared__ double costs[NUM_PARTS];
-  __shared__ int chunks[NUM_PARTS];
-  const int i = threadIdx.x / LANES, lane = threadIdx.x % LANES;
-  if (threadIdx.x / 32 < (NUM_PARTS + 1) / 2) {  // whole warps: makespan's shuffles take all 32 lanes
-    const int part = min(i, NUM_PARTS - 1);  // an odd count's spare half-warp prices the last again
-    const i64 chunk = max(ceil_div64(ceil_div64(longest, PARTS[part]), g) * g, floor_chunk);
-    const i64 previous = part ? max(ceil_div64(ceil_div64(longest, PARTS[part - 1]), g) * g, floor_chunk) : 0;
-    // The host's loop stops past max_parts and after the floor, and skips a repeated chunk.
-    const bool priced = PARTS[part] <= max_parts && (part == 0 || (previous != chunk && previous != floor_chunk));
-    const double cost = makespan<LANES>(a, r, batch, (int)chunk, share, lane);  // priced or not: no divergence
-    if (lane == 0 && i < NUM_PARTS) {
-      costs[i] = cost;
-      chunks[i] = priced ? (int)chunk : 0;
+  __shared__ int best;
+  if ((int)threadIdx.x / 32 < num_priced) {  // a pricing warp
+    i64 total = 0;  // the same for every candidate
+    for (int b = lane; b < batch; b += 32) total += r.len[b];
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+    const double share = __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas);
+    for (int n = threadIdx.x / 32; n < num_priced; n += WARPS) {
+      const double cost = makespan(a, r, batch, (int)nth_chunk(n), share, total);
+      if (lane == 0) costs[n] = cost;
     }
   }
   __syncthreads();
-  __shared__ int best;
-  if (threadIdx.x < 32) {
-    // The first priced candidate of least cost: the least (unpriced, cost, index), two per lane.
+  if (threadIdx.x < 32) {  // the first minimum, two candidates per lane
     int index = -1;
     double cost = 0.0;
-    for (int k = threadIdx.x; k < NUM_PARTS; k += 32) {
-      if (chunks[k] && (index < 0 || costs[k] < cost)) index = k, cost = costs[k];
-    }
+    for (int n = lane; n < num_priced; n += 32)
+      if (index < 0 || costs[n] < cost) index = n, cost = costs[n];
     for (int o = 16; o > 0; o >>= 1) {
       const int other = __shfl_xor_sync(0xffffffffu, index, o);
       const double other_cost = __shfl_xor_sync(0xffffffffu, cost, o);
       if (other >= 0 && (index < 0 || other_cost < cost || (other_cost == cost && other < index)))
         index = other, cost = other_cost;
     }
-    if (threadIdx.x == 0) best = index < 0 ? 0 : chunks[index];
+    const unsigned chunk = nth_chunk(index);  // index >= 0: the first candidate is always priced
+    if (lane == 0) best = (int)chunk;
   }
   __syncthreads();
   return best;
@@ -202,27 +258,30 @@ __device__ void build(const Args& a, const MaskParams& params) {
   RequestEntry first{};  // the entries of this thread's first request, fetched before the batch is known
   if (threadIdx.x < a.batch_capacity) first = Requests::fetch(a, threadIdx.x);
   const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
-  i64 longest = 0;
+  int longest = 0;
   for (int b = threadIdx.x; b < batch; b += THREADS) {
     r.store(a, params, b, b < THREADS ? first : Requests::fetch(a, b));
-    longest = max(longest, (i64)r.len[b]);
+    longest = max(longest, r.len[b]);
   }
-  longest = block_max(longest);  // its barrier also publishes the requests
-  int chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? (int)max(longest, (i64)1)
+  const bool busy = (int)(threadIdx.x / 32 * 32) < batch;  // this warp's first round holds requests
+  longest = block_max(longest, busy);  // its barrier also publishes the requests
+  int chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? max(longest, 1)
                                                                           : choose_chunk(a, r, batch, longest);
+  int round = 0;
   for (int pass = 0; pass < 2; ++pass) {  // a second pass only when a forced chunk overflows the capacity
     int work_carry = 0, token_carry = 0;
     for (int base = 0; base < batch; base += THREADS) {
       const int b = base + threadIdx.x;
-      const int items = b < batch ? max((int)ceil_div64(r.len[b], chunk), 1) : 0, tokens = b < batch ? r.q_len[b] : 0;
+      const int items = b < batch ? max((int)(((unsigned)r.len[b] + chunk - 1) / (unsigned)chunk), 1) : 0;
+      const int tokens = b < batch ? r.q_len[b] : 0;
       int2 total;
-      const int2 ends = block_scan2(items, tokens, total);
+      const int2 ends = block_scan2(items, tokens, base + (int)(threadIdx.x / 32 * 32) < batch, total, round++);
       if (b < batch) r.work_at[b + 1] = work_carry + ends.x, r.tokens_at[b + 1] = token_carry + ends.y;
       work_carry += total.x;
       token_carry += total.y;
     }
     if (work_carry <= a.work_capacity || pass) break;
-    chunk = (int)max(longest, (i64)1);  // one item per request: batch <= batch_capacity <= work_capacity
+    chunk = max(longest, 1);  // one item per request: batch <= batch_capacity <= work_capacity
   }
   if (threadIdx.x == 0) r.work_at[0] = r.tokens_at[0] = 0;
   __syncthreads();
@@ -244,8 +303,9 @@ __device__ void build(const Args& a, const MaskParams& params) {
   for (int b = threadIdx.x; b <= batch; b += THREADS) {
     a.req_work_indptr[b] = r.work_at[b];
     a.req_qo_indptr[b] = r.tokens_at[b];
+    if (b < batch)  // each request names itself on its query tokens (within the capacity)
+      for (int t = r.tokens_at[b], end = min(r.tokens_at[b + 1], num_tokens); t < end; ++t) a.token_request[t] = b;
   }
-  for (int t = threadIdx.x; t < num_tokens; t += THREADS) a.token_request[t] = last_at_most(r.tokens_at, batch + 1, t);
   if (threadIdx.x == 0) *a.num_tokens = num_tokens, *a.chunk_out = chunk, *a.num_work_out = num_work;
 }
 
