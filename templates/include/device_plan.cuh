@@ -123,13 +123,11 @@ FJ_INLINE int2 block_scan2(int x, int y, bool busy, int2& total, int round) {
 
 FJ_INLINE unsigned round_up(unsigned x, unsigned g) { return (x + g - 1) / g * g; }
 
-// PARTS[k] (k >= NUM_PARTS: the last) from immediates: a lane-dependent index into the array
-// would load it from global memory, a round trip on the planner's critical path.
-FJ_INLINE int part_count(int k) {
-  int parts = PARTS[NUM_PARTS - 1];
-#pragma unroll
-  for (int j = 0; j < NUM_PARTS - 1; ++j) parts = k == j ? PARTS[j] : parts;
-  return parts;
+// Lane k's candidates PARTS[k] and PARTS[k + 32] (past the end: the last). A lane-dependent index
+// reads the array from global memory: the planner loads them with the page table, whose round trip
+// hides theirs.
+FJ_INLINE int2 lane_candidates() {
+  return make_int2(PARTS[min((int)lane_id(), NUM_PARTS - 1)], PARTS[min((int)lane_id() + 32, NUM_PARTS - 1)]);
 }
 
 // n / c and n % c for n < 2^31 and a fixed c >= 1, from magic = 0xffffffff / c: the high word of
@@ -180,14 +178,14 @@ __device__ double makespan(const Args& a, const Requests& r, int batch, int chun
 // split_plan.choose_chunk. Lane k of every warp holds candidates k and k + 32 and whether the host
 // prices them; warp w prices the priced candidates w, w + WARPS, ... (in the host's order) with all
 // its lanes, and warp 0 takes the first minimum.
-__device__ int choose_chunk(const Args& a, const Requests& r, int batch, int longest) {
+__device__ int choose_chunk(const Args& a, const Requests& r, int batch, int longest, int2 candidates) {
   static_assert(NUM_PARTS <= 64, "two candidates per lane");
   const unsigned g = a.granularity, lane = lane_id();
   if (longest <= a.min_chunk) return (int)round_up(max(longest, 1), g);
   const unsigned floor_chunk = max(round_up(a.min_chunk, g), g);
   const int max_parts = max(1, a.max_ctas / a.ctas_per_item);
   auto chunk_of = [&](int parts) { return max(round_up(((unsigned)longest + parts - 1) / parts, g), floor_chunk); };
-  const int parts_low = part_count(lane), parts_high = part_count(lane + 32);
+  const int parts_low = candidates.x, parts_high = candidates.y;
   const unsigned chunk_low = chunk_of(parts_low), chunk_high = chunk_of(parts_high);
   const unsigned last_low = __shfl_sync(0xffffffffu, chunk_low, 31);
   const unsigned previous_low = __shfl_up_sync(0xffffffffu, chunk_low, 1);
@@ -255,6 +253,7 @@ FJ_INLINE int last_at_most(const int* values, int n, int x) {
 __device__ void build(const Args& a, const MaskParams& params) {
   extern __shared__ int smem[];
   Requests r(smem, a.batch_capacity);
+  const int2 candidates = lane_candidates();
   RequestEntry first{};  // the entries of this thread's first request, fetched before the batch is known
   if (threadIdx.x < a.batch_capacity) first = Requests::fetch(a, threadIdx.x);
   const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
@@ -266,7 +265,7 @@ __device__ void build(const Args& a, const MaskParams& params) {
   const bool busy = (int)(threadIdx.x / 32 * 32) < batch;  // this warp's first round holds requests
   longest = block_max(longest, busy);  // its barrier also publishes the requests
   int chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? max(longest, 1)
-                                                                          : choose_chunk(a, r, batch, longest);
+                                                                          : choose_chunk(a, r, batch, longest, candidates);
   int round = 0;
   for (int pass = 0; pass < 2; ++pass) {  // a second pass only when a forced chunk overflows the capacity
     int work_carry = 0, token_carry = 0;
