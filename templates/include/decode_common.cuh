@@ -88,8 +88,10 @@ struct WorkItem {
     first_of_request = true;
     if constexpr (VARIANT_SINK) {  // a sink joins the state of the request's first item only
       // A request's items are consecutive records: the first is the one whose predecessor belongs
-      // to another request. Record w - 1 loads beside record w, so this adds no dependent load.
-      first_of_request = direct || w == 0 || __ldg(a.work_items + RECORD_INT4S * (w - 1)).x != request;
+      // to another request. Record w - 1's request is loaded whatever record w holds, so the load
+      // issues beside record w's instead of a round of dependent loads after it.
+      const int previous = w > 0 ? __ldg(reinterpret_cast<const int*>(a.work_items + RECORD_INT4S * (w - 1))) : -1;
+      first_of_request = direct || previous != request;
     }
     if constexpr (cfg::STATIC_SHARE < 100) {
       const int4 group = __ldg(a.work_items + RECORD_INT4S * w + 2);
@@ -136,8 +138,8 @@ FJ_INLINE void join_sink(const WorkItem& item, float sink2, float m, float d, fl
 
 // The sink logits of a tensor-core CTA's M rows: thread t < M publishes row t's to shared memory
 // before the epilogue's barrier (finish_rows reads them there). Every thread loads one as the CTA
-// starts, without a branch, and nothing uses the value before publish, so no warp waits on the
-// load before its first copies.
+// starts, beside its work item and without a branch, and nothing uses the value before publish, so
+// no warp waits on the load before its first copies.
 template <int M>
 struct RowSinks {
   float mine;  // natural units until publish

@@ -83,9 +83,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
 
   const CtaCoords cta(a);
   const int w = cta.work, kv_head = cta.kv_head;
+  const RowSinks<M> sinks(vparams, cta);
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
-  const RowSinks<M> sinks(vparams, cta);
   const MaskParams params = mask_bind(unbound, item.request);
   const int tid = threadIdx.x, lane = tid % 32;
   const int slice = tid / 32 / COL_SPLIT, col_part = tid / 32 % COL_SPLIT;  // the warp's keys, and O's columns
