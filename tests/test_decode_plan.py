@@ -24,6 +24,7 @@ from flashjit import DecodeSpec
 from flashjit.jit import host_library
 from flashjit.serving.batch_decode import BatchDecode
 from flashjit.serving.buffers import Capacity, PageIdRange, PlanBuffers
+from flashjit.serving.graph_mode import SPLIT_WAVES
 from flashjit.serving.plan_setup import LOG2E
 from flashjit.jit.cache import KernelCache
 from flashjit.serving.host_planner import HostPlanner, item_records
@@ -245,6 +246,31 @@ def test_cuda_graph_mode_plans_within_the_first_capacity(planner):
     indptr, indices, last = tables([10], 16, rng)
     with pytest.raises(ValueError, match="the first plan's kernel"):
         decoder.plan(indptr, indices, last, 32, 8, 64, 16, mask="sliding_window", window_left=700)
+
+
+def test_a_small_cuda_graph_batch_holds_a_wave_of_items_a_request_and_plans_as_eager_plans(planner):
+    """No planned chunk cuts a request into more than one wave of items, so max_batch_size=2 holds
+    two waves rather than 2 + SPLIT_WAVES of them (fewer padding CTAs a replay launches), and plans
+    the chunks an eager plan does; a forced chunk keeps the SPLIT_WAVES room."""
+    rng = np.random.default_rng(3)
+    graph = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=2, max_num_pages=8000)
+    eager = cpu_decoder(planner)
+    split = False
+    for kv_lens in ([60000, 100], [30000], [5, 7], [40000, 40000]):
+        indptr, indices, last = tables(kv_lens, 16, rng)
+        for decoder in (graph, eager):
+            decoder.plan(indptr, indices, last, 32, 8, 128, 16)
+        assert graph.work.chunk_tokens == eager.work.chunk_tokens and graph.work.num_work == eager.work.num_work
+        split |= graph.work.max_splits > 1
+    assert split  # a long request was cut into several items within the capacity
+    tiling = graph.current_plan.setup.kernel.tiling
+    wave = 132 * 2 // (8 * tiling.row_tiles)  # fake_loaded: 132 SMs, 2 CTAs each; 8 KV heads
+    assert graph.current_plan.capacity.work == 2 * wave < 2 + SPLIT_WAVES * wave
+    assert graph.current_plan.decode_launch.grid[0] * graph.current_plan.decode_launch.grid[1] == 2 * wave * 8
+    forced = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=2, max_num_pages=8000)
+    indptr, indices, last = tables([30000], 16, rng)
+    forced.plan(indptr, indices, last, 32, 8, 128, 16, chunk_tokens=512)
+    assert forced.current_plan.capacity.work == 2 + SPLIT_WAVES * wave >= forced.work.num_work == 59
 
 
 # ---- the spec memo -----------------------------------------------------------------------------------------

@@ -204,12 +204,14 @@ class BatchDecodeMLA:
     def _split(self, setup: MLASetup, tables, chunk_tokens, disable_split_kv: bool, previous):
         if chunk_tokens is not None and (type(chunk_tokens) is not int or not 1 <= chunk_tokens <= validation.INT32_MAX):
             validation.fail("chunk_tokens", f"a positive int up to {validation.INT32_MAX}", repr(chunk_tokens))
+        planned = chunk_tokens is None or disable_split_kv  # at most a wave of items a request
         if disable_split_kv:
             chunk_tokens = max(1, largest(tables.kv_lens, 1))
         tiling, loaded, graph = setup.kernel.tiling, setup.loaded, self._graph
         ctas_per_item, max_ctas = tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
         capacity = None if graph is None else graph.capacity(setup.spec, tables.batch, tables.num_tokens,
-                                                             max(tables.batch, max_ctas // ctas_per_item), previous)
+                                                             max(tables.batch, max_ctas // ctas_per_item), previous,
+                                                             planned_chunk=planned)
         work = tables.plan(None, None, ctas_per_item=ctas_per_item, max_ctas=max_ctas, granularity=tiling.tile_tokens,
                            chunk_tokens=chunk_tokens, max_items=capacity.work if capacity else None)
         if capacity is None:

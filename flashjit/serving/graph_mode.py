@@ -12,7 +12,9 @@ from .device_planner import MAX_DEVICE_PLAN_BATCH, DevicePlanner
 _REFUSED = "plan() with use_cuda_graph=True"
 # Work items beyond one per request that the capacity holds: waves of split chunks for the long
 # requests of a skewed batch. The eager plan of a 64-request log-uniform batch takes 2.3 waves,
-# so 4 leave it room; a padding position costs a replay ~1 ns (one record read, then exit).
+# so 4 leave it room. A planned chunk cuts no request into more than one wave of items
+# (split_plan.chunk_candidates), so fewer than SPLIT_WAVES requests need only a wave each: every
+# padding position is a CTA each replay launches, which reads its record and exits.
 SPLIT_WAVES = 4
 # A sharing graph's partial slots: a shared record writes one per member, so a request takes one
 # per chunk of its shared spans. Eager plans of 16 to 64 samples of one prompt take 6 to 24 a
@@ -91,9 +93,12 @@ class GraphLimits:
             validation.fail(_REFUSED, f"the first plan's kernel {previous.setup.spec.name}", setup.spec.name)
 
     def capacity(self, spec, batch: int, tokens: int, one_wave_items: int, previous,
-                 fixed_split_tokens: int | None = None, shared_slot_bytes: int | None = None) -> Capacity:
+                 fixed_split_tokens: int | None = None, shared_slot_bytes: int | None = None,
+                 planned_chunk: bool = True) -> Capacity:
         """The buffer sizes, fixed at the first plan: a work item per request and SPLIT_WAVES waves
-        of splits (one_wave_items: the work items one wave of CTAs holds). A first plan with
+        of splits (one_wave_items: the work items one wave of CTAs holds), or, where the first plan
+        lets the planner choose the chunk (planned_chunk) and nothing is shared, a wave per request
+        if that is fewer: no planned chunk makes more items than that. A first plan with
         fixed_split_tokens holds every batch the page-id buffer can: its requests (max_batch_size)
         have at most max_num_pages x page_size tokens in all, so at most max_batch_size + those
         tokens // fixed_split_tokens items; otherwise a batch over the capacity would make a replay's
@@ -105,6 +110,8 @@ class GraphLimits:
         else:
             max_tokens = self.max_tokens or self.max_batch_size * spec.max_q_len
             work = self.max_batch_size + SPLIT_WAVES * one_wave_items
+            if planned_chunk and shared_slot_bytes is None:
+                work = min(work, self.max_batch_size * one_wave_items)
             if fixed_split_tokens is not None:
                 work = max(work, self.max_batch_size + self.page_ids.numel() * spec.page_size // fixed_split_tokens)
             slots = 0 if shared_slot_bytes is None else min(self.max_batch_size * SHARED_SLOTS_PER_REQUEST,

@@ -112,7 +112,8 @@ def graph_capacity(setup: Setup, tables, graph, previous: Plan | None, rule: Spl
     one_wave_items = max(1, loaded.num_sms * loaded.ctas_per_sm // (setup.num_kv_heads * setup.kernel.tiling.row_tiles))
     slot_bytes = spec.max_q_len * setup.num_qo_heads * (setup.head_dim + 1) * 4 if spec.shared_prefix else None
     return graph.capacity(spec, tables.batch, tables.num_tokens, one_wave_items, previous,
-                          rule.chunk_tokens if rule.fixed_split else None, slot_bytes)
+                          rule.chunk_tokens if rule.fixed_split else None, slot_bytes,
+                          planned_chunk=rule.chunk_tokens is None or rule.one_item)
 
 
 def split_work(setup: Setup, tables, rule: SplitRule, graph, previous: Plan | None) -> tuple[WorkPlan, Capacity]:
