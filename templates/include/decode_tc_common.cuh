@@ -55,8 +55,7 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
                            const float* red_o, const float (*red_m)[M], const float (*red_d)[M],
                            const float* row_sinks, int members = 0, int own_slot = -1) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4;
-  // One cell: 4 output columns of one row.
-  auto finish_cell = [&](int cell) {
+  for (int cell = threadIdx.x; cell < M * COLS4; cell += 32 * cfg::WARPS) {
     const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
     const int row = cta.row_tile * M + row_in;
     int q_tok = row / cfg::GROUP_SIZE;
@@ -65,14 +64,14 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
       slot_item = own_slot;
       if (members > 0) {
         const int member = q_tok / item.q_len;
-        if (member >= members) return;
+        if (member >= members) continue;
         q_tok -= member * item.q_len;
         slot_item = __ldg(a.req_work_indptr + item.request + member) + item.q_begin;
       } else if (row >= cfg::GROUP_SIZE * cfg::MAX_Q_LEN || q_tok >= item.q_len) {
-        return;
+        continue;
       }
     } else if (row >= cfg::GROUP_SIZE * cfg::MAX_Q_LEN || q_tok >= item.q_len) {
-      return;
+      continue;
     }
     const int qo_head = cta.kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     float m_all = FJ_NEG_INF;
@@ -98,14 +97,6 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
       *reinterpret_cast<float4*>(a.tmp_o + slot * D + col) = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
       if (col == 0) a.tmp_lse[slot] = lse2;
     }
-  };
-  // With a sink, each cell's join adds a chain of special-function ops to the kernel's tail:
-  // two cells a thread in flight at once overlap their chains.
-  if constexpr (VARIANT_SINK) {
-#pragma unroll 2
-    for (int cell = threadIdx.x; cell < M * COLS4; cell += 32 * cfg::WARPS) finish_cell(cell);
-  } else {
-    for (int cell = threadIdx.x; cell < M * COLS4; cell += 32 * cfg::WARPS) finish_cell(cell);
   }
   if constexpr (cfg::FUSED_MERGE)
     if (!item.direct) merge_if_last<M, 32 * cfg::WARPS>(a, item, cta, threadIdx.x);
