@@ -124,7 +124,8 @@ FJ_INLINE float row_sink2(const VariantParams& vparams, int qo_head) {
 // state: one exp2 on the path to the output beside the rescale. Each row's sink enters once, in
 // the state of its request's first work item: the other partials and the merges are unchanged,
 // and the merge of sink-and-partial-0 with the rest is the softmax over every key and the sink.
-// A row without keys gets o = 0 and lse = sink.
+// A row without keys gets o = 0 and lse = sink. (The CUDA-core kernel's epilogue; the tensor-core
+// kernels' finish_rows merges the sink as one more state, the same math.)
 FJ_INLINE void join_sink(const WorkItem& item, float sink2, float m, float d, float value, float& inv, float& lse2) {
   if constexpr (VARIANT_SINK) {
     if (!item.first_of_request || sink2 == FJ_NEG_INF) return;

@@ -47,9 +47,10 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
 // by the online-softmax rule; each thread finishes 4 columns of some rows and writes the output
 // (a request's only item) or a normalized fp32 partial and its base-2 LSE for the merge kernel;
 // the variant's sink (row_sinks [M], published by RowSinks) joins the rows of the request's first
-// item (join_sink). cfg::SHARED_PREFIX: members > 0, a shared-prefix record's rows, each member's
-// partial in its slot req_work_indptr[member] + q_begin; else the item's partial goes to own_slot
-// (its grid position in other kernels).
+// item as one more state, so its exp2 runs beside the states' rather than after their sum.
+// cfg::SHARED_PREFIX: members > 0, a shared-prefix record's rows, each member's partial in its
+// slot req_work_indptr[member] + q_begin; else the item's partial goes to own_slot (its grid
+// position in other kernels).
 template <int M, int STATES>
 FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales& scales, const CtaCoords& cta,
                            const float* red_o, const float (*red_m)[M], const float (*red_d)[M],
@@ -74,9 +75,13 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
       continue;
     }
     const int qo_head = cta.kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
-    float m_all = FJ_NEG_INF;
+    float m_all = FJ_NEG_INF, sink2 = FJ_NEG_INF;
 #pragma unroll
     for (int wi = 0; wi < STATES; ++wi) m_all = fmaxf(m_all, red_m[wi][row_in]);
+    if constexpr (VARIANT_SINK) {  // the sink: a state of max sink2, sum 1 and output 0
+      sink2 = item.first_of_request ? row_sinks[row_in] : FJ_NEG_INF;
+      m_all = fmaxf(m_all, sink2);
+    }
     const float m_ref = m_all == FJ_NEG_INF ? 0.f : m_all;
     float d_all = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -86,9 +91,9 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
       const float4 part = *reinterpret_cast<const float4*>(red_o + (wi * M + row_in) * D + col);
       acc[0] += weight * part.x; acc[1] += weight * part.y; acc[2] += weight * part.z; acc[3] += weight * part.w;
     }
-    float inv = d_all > 0.f ? scales.value / d_all : 0.f;
-    float lse2 = d_all > 0.f ? m_ref + log2_approx(d_all) : FJ_NEG_INF;
-    join_sink(item, row_sinks[row_in], m_ref, d_all, scales.value, inv, lse2);
+    if constexpr (VARIANT_SINK) d_all += exp2_approx(sink2 - m_ref);  // 0 without a sink to join
+    const float inv = d_all > 0.f ? scales.value / d_all : 0.f;
+    const float lse2 = d_all > 0.f ? m_ref + log2_approx(d_all) : FJ_NEG_INF;
     const int token = item.q_begin + q_tok;
     if (item.direct) {
       store_out4(a.out, a.out_stride, a.lse, a.num_qo_heads, token, qo_head, col, acc, inv, lse2);
