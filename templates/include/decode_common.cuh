@@ -137,21 +137,22 @@ FJ_INLINE void join_sink(const WorkItem& item, float sink2, float m, float d, fl
   }
 }
 
-// The sink logits of a tensor-core CTA's M rows: thread t < M publishes row t's to shared memory
-// before the epilogue's barrier (finish_rows reads them there). Every thread loads one as the CTA
-// starts, beside its work item and without a branch, and nothing uses the value before publish, so
-// no warp waits on the load before its first copies.
+// The sink logits of a tensor-core CTA's M rows: thread t < M loads row t's as the CTA starts,
+// beside its work item, and publishes it to shared memory before the epilogue's barrier
+// (finish_rows reads them there); nothing uses the value before publish, so no warp waits on the
+// load before its first copies. Only those M threads load: every CTA of a step reads the same few
+// lines, and one request a CTA keeps the line's queue in L2 short.
 template <int M>
 struct RowSinks {
-  float mine;  // natural units until publish
+  float mine;  // natural units (finish_rows converts them: a multiply here would wait on the load)
   FJ_INLINE RowSinks(const VariantParams& vparams, const CtaCoords& cta) {
     mine = FJ_NEG_INF;
     if constexpr (VARIANT_SINK)
-      mine = variant_sink(vparams, cta.kv_head * cfg::GROUP_SIZE + (cta.row_tile * M + threadIdx.x % M) % cfg::GROUP_SIZE);
+      if (threadIdx.x < M) mine = variant_sink(vparams, cta.kv_head * cfg::GROUP_SIZE + (cta.row_tile * M + threadIdx.x) % cfg::GROUP_SIZE);
   }
   FJ_INLINE void publish(float* rows) const {
     if constexpr (VARIANT_SINK)
-      if (threadIdx.x < M) rows[threadIdx.x] = mine * FJ_LOG2E;
+      if (threadIdx.x < M) rows[threadIdx.x] = mine;
   }
 };
 

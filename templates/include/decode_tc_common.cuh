@@ -46,8 +46,9 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
 // (unnormalized O in head-dim order), red_m / red_d [STATES][M] (base-2 max and sum). Rows merge
 // by the online-softmax rule; each thread finishes 4 columns of some rows and writes the output
 // (a request's only item) or a normalized fp32 partial and its base-2 LSE for the merge kernel;
-// the variant's sink (row_sinks [M], published by RowSinks) joins the rows of the request's first
-// item as one more state, so its exp2 runs beside the states' rather than after their sum.
+// the variant's sink (row_sinks [M] in natural units, published by RowSinks) joins the rows of
+// the request's first item as one more state, so its exp2 runs beside the states' rather than
+// after their sum.
 // cfg::SHARED_PREFIX: members > 0, a shared-prefix record's rows, each member's partial in its
 // slot req_work_indptr[member] + q_begin; else the item's partial goes to own_slot (its grid
 // position in other kernels).
@@ -79,7 +80,7 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
 #pragma unroll
     for (int wi = 0; wi < STATES; ++wi) m_all = fmaxf(m_all, red_m[wi][row_in]);
     if constexpr (VARIANT_SINK) {  // the sink: a state of max sink2, sum 1 and output 0
-      sink2 = item.first_of_request ? row_sinks[row_in] : FJ_NEG_INF;
+      sink2 = item.first_of_request ? row_sinks[row_in] * FJ_LOG2E : FJ_NEG_INF;
       m_all = fmaxf(m_all, sink2);
     }
     const float m_ref = m_all == FJ_NEG_INF ? 0.f : m_all;
