@@ -140,8 +140,8 @@ FJ_INLINE void join_sink(const WorkItem& item, float sink2, float m, float d, fl
 // The sink logits of a tensor-core CTA's M rows: thread t < M loads row t's as the CTA starts,
 // beside its work item, and publishes it to shared memory before the epilogue's barrier
 // (finish_rows reads them there); nothing uses the value before publish, so no warp waits on the
-// load before its first copies. Only those M threads load: every CTA of a step reads the same few
-// lines, and one request a CTA keeps the line's queue in L2 short.
+// load before its first copies. Only those M threads load: one request a CTA to the few lines
+// every CTA of a step reads.
 template <int M>
 struct RowSinks {
   float mine;  // natural units (finish_rows converts them: a multiply here would wait on the load)
