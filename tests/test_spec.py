@@ -140,6 +140,18 @@ def test_from_name_validates_fields():
     assert info.value.field == "head_dim"
 
 
+@pytest.mark.parametrize("variant", ["sinks", "soft_cap"])
+def test_a_shared_prefix_spec_with_a_variant_is_refused_by_name(variant):
+    """plan() shares prefixes under no variant, and a shared record's rows publish no sinks."""
+    args = dict(head_dim=128, dtype="bf16", mask="causal", group_size=4, arch="sm_90", tensor_cores=True)
+    assert DecodeSpec(**args, shared_prefix=True).name.endswith("_tc_sp")
+    with pytest.raises(SpecError) as info:
+        DecodeSpec(**args, variant=variant, shared_prefix=True)
+    assert info.value.field == "shared_prefix" and variant in str(info.value) and "'none'" in str(info.value)
+    with pytest.raises(SpecError):
+        DecodeSpec.from_name(f"decode_d128_bf16_kvbf16_causal-{variant}_p16_g4_q1_nhd_sm90_tc_sp")
+
+
 def test_names_and_digests_are_distinct():
     specs = [DecodeSpec(d, dtype=t, mask=m, page_size=p, arch=a)
              for d in HEAD_DIMS for t in ("bf16", "fp16") for m in ("none", "causal")

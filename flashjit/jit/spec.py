@@ -147,6 +147,9 @@ class DecodeSpec(CacheAndArch):
         if self.variant not in variants:
             raise SpecError("variant", self.variant,
                             ", ".join(sorted(variants.names())) + " (or a variant added with register_variant)")
+        if self.shared_prefix and self.variant != "none":  # plan() shares prefixes under no variant
+            raise SpecError("shared_prefix", self.shared_prefix, f"False with variant {self.variant!r} "
+                            "(shared-prefix kernels take variant 'none')")
 
     @classmethod
     def cached(cls, head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch,

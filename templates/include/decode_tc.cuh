@@ -61,6 +61,8 @@ static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the sl
 static_assert(!Q_IN_SMEM || cfg::Q_SMEM_BYTES == KSTEPS * 32 * 16, "one 16-byte fragment per k-step and lane");
 static_assert(!ROWS_BY_WARP || (cfg::SHARED_PREFIX && ROW_WARPS == WARPS && COL_SPLIT == 1 && !Q_IN_SMEM),
               "rows by warp: shared-prefix records, one warp per slice, Q in registers");
+static_assert(!cfg::SHARED_PREFIX || (!VARIANT_SINK && !VARIANT_LOGITS),
+              "shared-prefix kernels take no variant: a shared record's rows publish no sinks");
 static_assert(!SPLIT_SCORES || (COL_SPLIT > 1 && !Q_IN_SMEM && QSTEPS % 4 == 0 && !HALF_BLOCK),
               "split scores: col-split warps, Q in registers, each warp's k-steps whole 128-byte blocks of K's rows");
 
