@@ -9,6 +9,7 @@ cost, and the last is its floor of loads, barriers and writes."""
 from __future__ import annotations
 
 import random
+import tempfile
 
 PLANS_PER_GRAPH = 20
 
@@ -51,7 +52,7 @@ def main(argv=None):
     parser.add_argument("--requests", default="16,256", help="comma-separated batch sizes")
     parser.add_argument("--iters", type=int, default=30)
     args = parser.parse_args(argv)
-    engine, timer = flashjit.Engine(), Timer(torch, args.iters)
+    engine, timer = flashjit.Engine(cache_dir=tempfile.mkdtemp()), Timer(torch, args.iters)
     for requests in (int(n) for n in args.requests.split(",")):
         cells = [f"{name} {planner_us(torch, engine, timer, requests, options=options):.2f} us"
                  for name, options in MODES.items()]

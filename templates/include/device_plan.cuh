@@ -35,8 +35,11 @@ struct Args {
 };
 
 constexpr int THREADS = 1024, WARPS = THREADS / 32;
+constexpr unsigned ALL_LANES = 0xffffffffu;
 constexpr int PARTS[] = {FJ_SPLIT_CANDIDATES};  // split_plan.SPLIT_CANDIDATES
 constexpr int NUM_PARTS = sizeof(PARTS) / sizeof(PARTS[0]);
+static_assert(NUM_PARTS <= 64, "a lane holds two candidates");
+static_assert(WARPS == 32, "a warp's lanes hold the block's per-warp words");
 // Dynamic shared memory, per request (plus one): its span's length and begin, kv_len, query tokens,
 // first page, and the offsets of its work items and query tokens. The host sizes it by this count.
 static_assert(FJ_PLAN_SMEM_INTS == 7, "ABI: plan::Requests keeps 7 ints per request, not "
@@ -61,64 +64,69 @@ struct Requests {
     return {__ldg(a.indptr + b), __ldg(a.indptr + b + 1), __ldg(a.last_page_len + b), __ldg(a.qo_indptr + b),
             __ldg(a.qo_indptr + b + 1)};
   }
-  // Request b's span worth reading and query tokens; an inverted span is empty, inputs are clamped.
-  FJ_INLINE void store(const Args& a, const MaskParams& params, int b, const RequestEntry& e) {
+  // Request b's span worth reading (returned) and query tokens; an inverted span is empty, inputs are
+  // clamped.
+  FJ_INLINE int store(const Args& a, const MaskParams& params, int b, const RequestEntry& e) {
     const int last = min(max(e.last, 1), a.page_size);
     const i64 pages = max(e.end_page - e.first_page, 0);
     const int n = (int)min(pages ? (pages - 1) * a.page_size + last : (i64)0, (i64)0x7fffffff);
     const int q = max(e.q_end - e.q_begin, 0);
     const int span_begin = mask_span_begin(params, n, q);
-    kv_len[b] = n; q_len[b] = q; begin[b] = span_begin; len[b] = max(n, span_begin) - span_begin;
-    page_begin[b] = e.first_page;
+    const int span = max(n, span_begin) - span_begin;
+    kv_len[b] = n; q_len[b] = q; begin[b] = span_begin; len[b] = span; page_begin[b] = e.first_page;
+    return span;
   }
 };
 
-// Block-wide reductions and scans, through one word per warp, which warps combine with a word
-// per lane and a few shuffles. Shared-memory loads and shuffles share the SM's one pipe, so with
-// 1024 threads the cost is what every warp issues: warps that hold no request skip their own
-// round, and no thread loads more than a word.
-static_assert(WARPS == 32, "a warp's lanes hold the block's per-warp words");
-__shared__ int warp_max[WARPS];
-__shared__ int2 warp_sums[2][WARPS];  // alternate scans use alternate words (no barrier between)
-
+// One CTA on one SM: what every warp executes costs 32 times its instructions in issue slots, so a
+// step runs only in the warps whose data it needs (those that hold requests, the warps pricing
+// chunks, warp 0 choosing) while the rest wait at the next barrier, which costs nothing; warp
+// reductions are one REDUX each (sm_80), and block-wide steps go through one word per warp.
 FJ_INLINE unsigned lane_id() { return threadIdx.x % 32; }
+FJ_INLINE int warp_id() { return threadIdx.x / 32; }
 
-FJ_INLINE int warp_max_of(int x) {
-  for (int o = 16; o > 0; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
+__shared__ unsigned warp_words[3][WARPS];  // block_max_sum's
+__shared__ int2 warp_sums[2][WARPS];         // block_scan2's; alternate scans use alternate words
 
-// The largest x of the block's threads, non-negative; busy: whether this warp holds any x > 0
-// (warp-uniform). Once per plan: its words are never reused.
-FJ_INLINE int block_max(int x, bool busy) {
-  if (busy) x = warp_max_of(x);
-  if (lane_id() == 0) warp_max[threadIdx.x / 32] = x;
+// The largest x >= 0 of the block's threads, and the sum of their s in [0, 2^34): three words per
+// warp, then three REDUX per warp. The sums go in 16-bit halves, whose totals fit 32 bits.
+FJ_INLINE int block_max_sum(int x, i64 s, i64& sum) {
+  const unsigned high = __reduce_add_sync(ALL_LANES, (unsigned)(s >> 16));
+  const unsigned low = __reduce_add_sync(ALL_LANES, (unsigned)s & 0xffffu);
+  x = __reduce_max_sync(ALL_LANES, x);
+  if (lane_id() == 0) warp_words[0][warp_id()] = x, warp_words[1][warp_id()] = high, warp_words[2][warp_id()] = low;
   __syncthreads();
-  return warp_max_of(warp_max[lane_id()]);
+  sum = ((i64)__reduce_add_sync(ALL_LANES, warp_words[1][lane_id()]) << 16) + __reduce_add_sync(ALL_LANES, warp_words[2][lane_id()]);
+  return (int)__reduce_max_sync(ALL_LANES, warp_words[0][lane_id()]);
 }
 
 FJ_INLINE int2 warp_scan2(int2 v) {  // inclusive
   for (int o = 1; o < 32; o <<= 1) {
-    const int xo = __shfl_up_sync(0xffffffffu, v.x, o), yo = __shfl_up_sync(0xffffffffu, v.y, o);
+    const int xo = __shfl_up_sync(ALL_LANES, v.x, o), yo = __shfl_up_sync(ALL_LANES, v.y, o);
     if (lane_id() >= (unsigned)o) v.x += xo, v.y += yo;
   }
   return v;
 }
 
-// Inclusive prefix sums of x and of y over the block's threads in order, and the block's totals;
-// busy as for block_max. round counts the calls: consecutive calls write different words, and the
-// barrier of the call in between orders a call's reads before the words' next writes.
-FJ_INLINE int2 block_scan2(int x, int y, bool busy, int2& total, int round) {
-  const int warp = threadIdx.x / 32;
-  const int2 mine = busy ? warp_scan2(make_int2(x, y)) : make_int2(0, 0);
-  if (lane_id() == 31) warp_sums[round & 1][warp] = mine;
+// Inclusive prefix sums of x and of y over the threads of the first busy_warps warps in order, and
+// their totals, in those warps (the others only meet the barrier). round counts the calls:
+// consecutive calls write different words, and the barrier of the call in between orders a call's
+// reads before the words' next writes.
+FJ_INLINE int2 block_scan2(int x, int y, int busy_warps, int2& total, int round) {
+  const bool busy = warp_id() < busy_warps;
+  int2* sums = warp_sums[round & 1];
+  int2 mine = make_int2(0, 0);
+  if (busy) {
+    mine = warp_scan2(make_int2(x, y));
+    if (lane_id() == 31) sums[warp_id()] = mine;
+  }
   __syncthreads();
-  const int2 warps = warp_scan2(warp_sums[round & 1][lane_id()]);
-  total = make_int2(__shfl_sync(0xffffffffu, warps.x, 31), __shfl_sync(0xffffffffu, warps.y, 31));
   if (!busy) return mine;
-  const int before_x = __shfl_sync(0xffffffffu, warps.x, (warp + 31) % 32);
-  const int before_y = __shfl_sync(0xffffffffu, warps.y, (warp + 31) % 32);
-  return warp ? make_int2(mine.x + before_x, mine.y + before_y) : mine;
+  const int2 word = (int)lane_id() < busy_warps ? sums[lane_id()] : make_int2(0, 0);
+  total = make_int2(__reduce_add_sync(ALL_LANES, word.x), __reduce_add_sync(ALL_LANES, word.y));
+  const bool before = (int)lane_id() < warp_id();
+  return make_int2(mine.x + __reduce_add_sync(ALL_LANES, before ? word.x : 0),
+                   mine.y + __reduce_add_sync(ALL_LANES, before ? word.y : 0));
 }
 
 FJ_INLINE unsigned round_up(unsigned x, unsigned g) { return (x + g - 1) / g * g; }
@@ -132,7 +140,7 @@ FJ_INLINE int2 lane_candidates() {
 
 // n / c and n % c for n < 2^31 and a fixed c >= 1, from magic = 0xffffffff / c: the high word of
 // n * magic is the quotient or one less (magic > 2^32 / c - 1), which the remainder corrects. One
-// multiply in the makespan's inner loop instead of a division.
+// multiply per request instead of a division.
 struct FixedDivisor {
   unsigned c, magic;
   FJ_INLINE explicit FixedDivisor(unsigned divisor) : c(divisor), magic(0xffffffffu / divisor) {}
@@ -144,106 +152,104 @@ struct FixedDivisor {
   }
 };
 
-// a + b for a, b <= SATURATED, saturating there: a count past any work capacity (the host keeps
-// capacities far below) only needs to stay past it.
-constexpr int SATURATED = 1 << 30;
-FJ_INLINE int saturating_add(int a, int b) { return (int)min((unsigned)a + (unsigned)b, (unsigned)SATURATED); }
+// Counts saturate at SATURATED: past any work capacity (3 x capacity int4 records are indexed in
+// 32 bits), so a saturated count prices its chunk at +inf as the exact one would.
+constexpr unsigned SATURATED = 1u << 30;
 
-// split_plan.makespans for one chunk, reduced over the requests by the 32 lanes of a warp; total:
-// the requests' summed span lengths. Integer parts in 32 bits (lengths and chunks are below 2^31,
-// so len + chunk and twice a remainder fit), which give the host's exact values: floor(len / chunk
-// + 1/2) is the quotient plus one where twice the remainder reaches the chunk. Item counts
-// saturate: one past the capacity prices the chunk at +inf whatever its exact value.
-__device__ double makespan(const Args& a, const Requests& r, int batch, int chunk, double share, i64 total) {
-  const FixedDivisor divisor((unsigned)chunk);
-  i64 lane_items = 0, lane_long = 0;
-  for (int b = lane_id(); b < batch; b += 32) {
-    unsigned rest;
-    const unsigned len = (unsigned)r.len[b], whole = divisor.quotient(len, rest);
-    lane_items += whole + (rest != 0 || len == 0);
-    lane_long += whole + (2 * rest >= divisor.c);
+// A candidate's item counts summed over the slices of requests, exactly: 32-bit shared atomics
+// (a 64-bit one is a compare-and-swap loop) with the carries counted beside them.
+struct CandidateSums {
+  unsigned low[2][64], carries[2][64];  // [items, long items][candidate]
+  FJ_INLINE void zero() {
+    if (threadIdx.x < 2 * 64) (&low[0][0])[threadIdx.x] = (&carries[0][0])[threadIdx.x] = 0;
   }
-  int items = (int)min(lane_items, (i64)SATURATED), long_items = (int)min(lane_long, (i64)SATURATED);
-  for (int o = 16; o > 0; o >>= 1) {
-    items = saturating_add(items, __shfl_xor_sync(0xffffffffu, items, o));
-    long_items = saturating_add(long_items, __shfl_xor_sync(0xffffffffu, long_items, o));
+  FJ_INLINE void add(int which, int n, unsigned x) {
+    const unsigned old = atomicAdd(&low[which][n], x);
+    if (old + x < old) atomicAdd(&carries[which][n], 1u);
   }
-  if (items > a.work_capacity) return __longlong_as_double(0x7ff0000000000000ll);  // +inf
+  FJ_INLINE unsigned sum(int which, int n) const { return carries[which][n] ? SATURATED : min(low[which][n], SATURATED); }
+};
+__shared__ CandidateSums candidate_sums;
+
+// split_plan.makespans for one chunk from its counts (items <= SATURATED), in the host's doubles:
+// the _rn intrinsics are never fused into FMAs, so every cost, hence every comparison, is the host's.
+FJ_INLINE double makespan(const Args& a, int batch, unsigned chunk, unsigned items, unsigned long_items, i64 total,
+                          double share) {
+  if (items > (unsigned)a.work_capacity) return __longlong_as_double(0x7ff0000000000000ll);  // +inf
   const double fluid = __dmul_rn((double)(total + (i64)items * a.item_overhead), share);
   const double waves = ceil(__ddiv_rn(__dmul_rn((double)long_items, (double)a.ctas_per_item), (double)a.max_ctas));
   const double quantized = __dmul_rn(waves, (double)(chunk + a.item_overhead));
-  return __dadd_rn(fluid > quantized ? fluid : quantized, items > batch ? (double)a.merge_cost : 0.0);
+  return __dadd_rn(fluid > quantized ? fluid : quantized, items > (unsigned)batch ? (double)a.merge_cost : 0.0);
 }
 
-// split_plan.choose_chunk. Lane k of every warp holds candidates k and k + 32 and whether the host
-// prices them; warp w prices the priced candidates w, w + WARPS, ... (in the host's order) with all
-// its lanes, and warp 0 takes the first minimum.
-__device__ int choose_chunk(const Args& a, const Requests& r, int batch, int longest, int2 candidates) {
-  static_assert(NUM_PARTS <= 64, "two candidates per lane");
+// split_plan.choose_chunk, its result in every thread. The host prices chunk_candidates: PARTS up
+// to max_parts, duplicates and the floor's repeats dropped. Candidates are non-increasing, so the
+// dropped ones repeat their predecessor's chunk and cost, and pricing the whole prefix of PARTS up
+// to max_parts picks the same first minimum. Lane k of a pricing warp counts candidate k's items
+// (or k + 32's, in a second warp per slice when more than 32 are priced) over a slice of about 32
+// requests, into candidate_sums; then warp 0 prices them all and takes the first minimum.
+__device__ unsigned choose_chunk(const Args& a, const Requests& r, int batch, int longest, i64 total, int2 candidates) {
+  __shared__ unsigned chosen;
   const unsigned g = a.granularity, lane = lane_id();
-  if (longest <= a.min_chunk) return (int)round_up(max(longest, 1), g);
+  if (longest <= a.min_chunk) return round_up(max(longest, 1), g);
   const unsigned floor_chunk = max(round_up(a.min_chunk, g), g);
   const int max_parts = max(1, a.max_ctas / a.ctas_per_item);
   auto chunk_of = [&](int parts) { return max(round_up(((unsigned)longest + parts - 1) / parts, g), floor_chunk); };
-  const int parts_low = candidates.x, parts_high = candidates.y;
-  const unsigned chunk_low = chunk_of(parts_low), chunk_high = chunk_of(parts_high);
-  const unsigned last_low = __shfl_sync(0xffffffffu, chunk_low, 31);
-  const unsigned previous_low = __shfl_up_sync(0xffffffffu, chunk_low, 1);
-  const unsigned high_up = __shfl_up_sync(0xffffffffu, chunk_high, 1), previous_high = lane ? high_up : last_low;
-  // The host's loop stops past max_parts and after the floor, and skips a repeated chunk.
-  auto priced = [&](int k, int parts, unsigned chunk, unsigned previous) {
-    return k < NUM_PARTS && parts <= max_parts && (k == 0 || (previous != chunk && previous != floor_chunk));
-  };
-  const bool low_priced = priced(lane, parts_low, chunk_low, previous_low);
-  const bool high_priced = priced(lane + 32, parts_high, chunk_high, previous_high);
-  const unsigned low_mask = __ballot_sync(0xffffffffu, low_priced), high_mask = __ballot_sync(0xffffffffu, high_priced);
-  const unsigned below = (1u << lane) - 1;
-  const int num_low = __popc(low_mask), num_priced = num_low + __popc(high_mask);
-  const int low_rank = __popc(low_mask & below), high_rank = num_low + __popc(high_mask & below);
-  auto nth_chunk = [&](int n) {  // the n-th priced candidate's chunk, n warp-uniform
-    const unsigned low_hit = __ballot_sync(0xffffffffu, low_priced && low_rank == n);
-    const unsigned high_hit = __ballot_sync(0xffffffffu, high_priced && high_rank == n);
-    const unsigned from_low = __shfl_sync(0xffffffffu, chunk_low, low_hit ? __ffs(low_hit) - 1 : 0);
-    const unsigned from_high = __shfl_sync(0xffffffffu, chunk_high, high_hit ? __ffs(high_hit) - 1 : 0);
-    return low_hit ? from_low : from_high;
-  };
-  __shared__ double costs[NUM_PARTS];
-  __shared__ int best;
-  if ((int)threadIdx.x / 32 < num_priced) {  // a pricing warp
-    i64 total = 0;  // the same for every candidate
-    for (int b = lane; b < batch; b += 32) total += r.len[b];
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
+  auto priced = [&](int k, int parts) { return k < NUM_PARTS && parts <= max_parts; };
+  const int halves = priced(32, PARTS[min(32, NUM_PARTS - 1)]) ? 2 : 1;
+  const int slices = min(WARPS / halves, (batch + 31) / 32);  // batch >= 1: its longest span is past min_chunk
+
+  if (warp_id() < slices * halves) {
+    const int half = warp_id() % halves, slice = warp_id() / halves, n = lane + 32 * half;
+    const int parts = half ? candidates.y : candidates.x;
+    const int per_slice = (batch + slices - 1) / slices, first = slice * per_slice, end = min(batch, first + per_slice);
+    if (priced(n, parts) && first < end) {
+      const FixedDivisor divisor(chunk_of(parts));
+      unsigned long long items = 0, long_items = 0;
+      for (int b = first; b < end; ++b) {  // every lane reads the same length: one broadcast load
+        unsigned rest;
+        const unsigned len = (unsigned)r.len[b], whole = divisor.quotient(len, rest);
+        items += whole + (rest != 0 || len == 0);  // an empty span is one (empty) item
+        long_items += whole + (2 * rest >= divisor.c);
+      }
+      candidate_sums.add(0, n, (unsigned)min(items, (unsigned long long)SATURATED));
+      candidate_sums.add(1, n, (unsigned)min(long_items, (unsigned long long)SATURATED));
+    }
+  }
+  __syncthreads();
+
+  if (warp_id() == 0) {
     const double share = __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas);
-    for (int n = threadIdx.x / 32; n < num_priced; n += WARPS) {
-      const double cost = makespan(a, r, batch, (int)nth_chunk(n), share, total);
-      if (lane == 0) costs[n] = cost;
+    double cost = __longlong_as_double(0x7ff0000000000000ll);  // +inf: unpriced
+    unsigned index = 0, chunk = 0;
+    for (int half = 0; half < halves; ++half) {
+      const int n = lane + 32 * half, parts = half ? candidates.y : candidates.x;
+      if (!priced(n, parts)) continue;
+      const unsigned c = chunk_of(parts);
+      const double price = makespan(a, batch, c, candidate_sums.sum(0, n), candidate_sums.sum(1, n), total, share);
+      if (half == 0 || price < cost) cost = price, index = n, chunk = c;
     }
+    // The first minimum: costs are non-negative, so their bits order as unsigned integers.
+    const unsigned high = (unsigned)__double2hiint(cost), low = (unsigned)__double2loint(cost);
+    const unsigned least_high = __reduce_min_sync(ALL_LANES, high);
+    const unsigned least_low = __reduce_min_sync(ALL_LANES, high == least_high ? low : 0xffffffffu);
+    const unsigned best = __reduce_min_sync(ALL_LANES, high == least_high && low == least_low ? index : 64u);
+    if (index == best && (best != 0 || lane == 0)) chosen = chunk;
   }
   __syncthreads();
-  if (threadIdx.x < 32) {  // the first minimum, two candidates per lane
-    int index = -1;
-    double cost = 0.0;
-    for (int n = lane; n < num_priced; n += 32)
-      if (index < 0 || costs[n] < cost) index = n, cost = costs[n];
-    for (int o = 16; o > 0; o >>= 1) {
-      const int other = __shfl_xor_sync(0xffffffffu, index, o);
-      const double other_cost = __shfl_xor_sync(0xffffffffu, cost, o);
-      if (other >= 0 && (index < 0 || other_cost < cost || (other_cost == cost && other < index)))
-        index = other, cost = other_cost;
-    }
-    const unsigned chunk = nth_chunk(index);  // index >= 0: the first candidate is always priced
-    if (lane == 0) best = (int)chunk;
-  }
-  __syncthreads();
-  return best;
+  return chosen;
 }
 
-// The last index b in [0, n) with values[b] <= x (values increasing from values[0] <= x).
-FJ_INLINE int last_at_most(const int* values, int n, int x) {
-  int low = 0, high = n - 1;
-  while (low < high) {
-    const int mid = (low + high + 1) / 2;
-    if (values[mid] <= x) low = mid; else high = mid - 1;
+// The last request whose work items begin at or before w0, for w0 below the plan's items (warp-
+// uniform): a 32-way search of work_at[0..batch], which strictly increases (every request has an item).
+FJ_INLINE int request_of(const int* work_at, int batch, int w0) {
+  int low = 0, count = batch + 1;  // the answer is in [low, low + count)
+  while (count > 1) {
+    const int step = (count + 31) / 32, probe = low + (int)lane_id() * step;
+    const bool at_or_before = probe < low + count && work_at[probe] <= w0;
+    const int k = __popc(__ballot_sync(ALL_LANES, at_or_before)) - 1;  // work_at[low] <= w0: k >= 0
+    low += k * step;
+    count = min(step, count - k * step);
   }
   return low;
 }
@@ -254,47 +260,63 @@ __device__ void build(const Args& a, const MaskParams& params) {
   extern __shared__ int smem[];
   Requests r(smem, a.batch_capacity);
   const int2 candidates = lane_candidates();
-  RequestEntry first{};  // the entries of this thread's first request, fetched before the batch is known
-  if (threadIdx.x < a.batch_capacity) first = Requests::fetch(a, threadIdx.x);
+  RequestEntry prefetched{};  // this thread's first request's entries, fetched before the batch is known
+  if (threadIdx.x < a.batch_capacity) prefetched = Requests::fetch(a, threadIdx.x);
   const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
+  candidate_sums.zero();
+  if (threadIdx.x == 0) r.work_at[0] = r.tokens_at[0] = 0;
   int longest = 0;
+  i64 total = 0;  // the spans' summed length
   for (int b = threadIdx.x; b < batch; b += THREADS) {
-    r.store(a, params, b, b < THREADS ? first : Requests::fetch(a, b));
-    longest = max(longest, r.len[b]);
+    const int len = r.store(a, params, b, b < THREADS ? prefetched : Requests::fetch(a, b));
+    longest = max(longest, len);
+    total += len;
   }
-  const bool busy = (int)(threadIdx.x / 32 * 32) < batch;  // this warp's first round holds requests
-  longest = block_max(longest, busy);  // its barrier also publishes the requests
-  int chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? max(longest, 1)
-                                                                          : choose_chunk(a, r, batch, longest, candidates);
-  int round = 0;
+  longest = block_max_sum(longest, total, total);  // its barrier also publishes the requests
+  unsigned chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? max(longest, 1)
+                                                                              : choose_chunk(a, r, batch, longest, total, candidates);
+  int round = 0, num_work, num_tokens;
   for (int pass = 0; pass < 2; ++pass) {  // a second pass only when a forced chunk overflows the capacity
-    int work_carry = 0, token_carry = 0;
+    int2 carry = make_int2(0, 0);  // in the warps holding this round's requests
     for (int base = 0; base < batch; base += THREADS) {
-      const int b = base + threadIdx.x;
-      const int items = b < batch ? max((int)(((unsigned)r.len[b] + chunk - 1) / (unsigned)chunk), 1) : 0;
-      const int tokens = b < batch ? r.q_len[b] : 0;
-      int2 total;
-      const int2 ends = block_scan2(items, tokens, base + (int)(threadIdx.x / 32 * 32) < batch, total, round++);
-      if (b < batch) r.work_at[b + 1] = work_carry + ends.x, r.tokens_at[b + 1] = token_carry + ends.y;
-      work_carry += total.x;
-      token_carry += total.y;
+      const int b = base + threadIdx.x, busy_warps = min(WARPS, (batch - base + 31) / 32);
+      int items = 0, tokens = 0;
+      if (warp_id() < busy_warps && b < batch) {
+        unsigned rest;
+        items = max((int)FixedDivisor(chunk).quotient((unsigned)r.len[b], rest) + (rest != 0), 1);
+        tokens = r.q_len[b];
+      }
+      int2 round_total = make_int2(0, 0);
+      const int2 ends = block_scan2(items, tokens, busy_warps, round_total, round++);
+      if (b < batch) r.work_at[b + 1] = carry.x + ends.x, r.tokens_at[b + 1] = carry.y + ends.y;
+      carry = make_int2(carry.x + round_total.x, carry.y + round_total.y);
     }
-    if (work_carry <= a.work_capacity || pass) break;
+    __syncthreads();
+    num_work = r.work_at[batch], num_tokens = min(r.tokens_at[batch], a.token_capacity);
+    if (num_work <= a.work_capacity || pass) break;
     chunk = max(longest, 1);  // one item per request: batch <= batch_capacity <= work_capacity
   }
-  if (threadIdx.x == 0) r.work_at[0] = r.tokens_at[0] = 0;
-  __syncthreads();
-  const int num_work = r.work_at[batch], num_tokens = min(r.tokens_at[batch], a.token_capacity);
 
   int4* records = reinterpret_cast<int4*>(a.work_items);
-  for (int w = threadIdx.x; w < a.work_capacity; w += THREADS) {
+  for (int w0 = warp_id() * 32; w0 < a.work_capacity; w0 += THREADS) {
+    const int w = w0 + lane_id();
+    int b = 0;
+    if (w0 < num_work) {
+      // Items w0..w0 + 31 belong to requests b0..b0 + 31 (each has an item): item w to b0 plus the
+      // number of those requests whose items end at or before it.
+      const int b0 = request_of(r.work_at, batch, w0), next = b0 + 1 + (int)lane_id();
+      const unsigned ends = (unsigned)((next <= batch ? r.work_at[next] : 0x7fffffff) - w0);  // >= 1
+      const unsigned boundaries = __reduce_or_sync(ALL_LANES, ends < 32 ? 1u << ends : 0u);
+      b = b0 + __popc(boundaries & ((2u << lane_id()) - 1));
+    }
+    if (w >= a.work_capacity) continue;
     if (w >= num_work) {  // padding: a grid position past this plan's items
       records[3 * w] = make_int4(-1, 0, 0, 0);
       continue;
     }
-    const int b = last_at_most(r.work_at, batch + 1, w), i = w - r.work_at[b];
+    const int i = w - r.work_at[b], items = r.work_at[b + 1] - r.work_at[b];
     const int begin = r.begin[b], end = begin + r.len[b], first = begin + i * chunk;
-    const int last = (int)min((i64)first + chunk, (i64)end), items = r.work_at[b + 1] - r.work_at[b];
+    const int last = (int)min((i64)first + chunk, (i64)end);
     records[3 * w] = make_int4(b, first, last, r.kv_len[b]);
     records[3 * w + 1] = make_int4(r.page_begin[b], r.tokens_at[b], r.q_len[b], items);
     records[3 * w + 2] = a.fixed_split ? make_int4(0, first, last, 1) : make_int4(i, begin, end, items);

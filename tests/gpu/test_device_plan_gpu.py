@@ -67,15 +67,14 @@ CONFIGS = [  # (qo heads, kv heads, head_dim, tensor cores)
     (32, 8, 128, None), (32, 32, 128, None), (64, 8, 64, True), (32, 4, 96, None), (16, 2, 256, True)]
 
 
-@pytest.mark.parametrize("heads, kv_heads, head_dim, tensor_cores", CONFIGS)
-@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window"])
-def test_gpu_planner_writes_the_host_planners_work_list(engine, heads, kv_heads, head_dim, tensor_cores, mask):
-    rng, gen = random.Random(heads * 7 + head_dim), torch.Generator().manual_seed(head_dim)
-    page_size, max_q = rng.choice([1, 16, 64]), 1 if mask == "none" else 4
-    options = dict(use_cuda_graph=True, max_batch_size=700, max_num_pages=8_000_000, max_q_len=max_q)
+def assert_planners_agree(engine, heads, kv_heads, head_dim, tensor_cores, mask, batches, seed, page_sizes=(1, 16, 64)):
+    """Both planners over skewed batches of each size, the chunk planned, forced and one per request."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    page_size, max_q = rng.choice(page_sizes), 1 if mask == "none" else 4
+    options = dict(use_cuda_graph=True, max_batch_size=max(batches), max_num_pages=8_000_000, max_q_len=max_q)
     on_gpu = flashjit.BatchDecode(engine, **options)
     on_host = flashjit.BatchDecode(engine, load_kernel=host_planned, **options)
-    for batch, split in itertools.product([1, 37, 700], ["auto", "forced", "none"]):
+    for batch, split in itertools.product(batches, ["auto", "forced", "none"]):
         # a forced chunk that fits the capacity: a few items per request at 37, one at 700
         split = {"auto": {}, "forced": {"chunk_tokens": 4096 if batch < 100 else 65536},
                  "none": {"disable_split_kv": True}}[split]
@@ -96,6 +95,18 @@ def test_gpu_planner_writes_the_host_planners_work_list(engine, heads, kv_heads,
         for got, want in zip(gpu[3:], host[3:]):
             assert torch.equal(got, want)
         assert on_gpu.work.chunk_tokens == on_host.work.chunk_tokens
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, tensor_cores", CONFIGS)
+@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window"])
+def test_gpu_planner_writes_the_host_planners_work_list(engine, heads, kv_heads, head_dim, tensor_cores, mask):
+    assert_planners_agree(engine, heads, kv_heads, head_dim, tensor_cores, mask, [1, 37, 700], heads * 7 + head_dim)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(32, 8), (8, 1)])  # one KV head: a wave of items prices all 34 candidates
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_gpu_planner_agrees_on_batches_of_several_requests_per_thread(engine, heads, kv_heads, mask):
+    assert_planners_agree(engine, heads, kv_heads, 128, None, mask, [1500, 4096], kv_heads * 13, page_sizes=(16, 64))
 
 
 def decode_checked(decoder_out, batch_tables, q, k, v, mask, params, n):
