@@ -131,20 +131,6 @@ FJ_INLINE int2 block_scan2(int x, int y, int busy_warps, int2& total, int round)
 
 FJ_INLINE unsigned round_up(unsigned x, unsigned g) { return (x + g - 1) / g * g; }
 
-// The parameters sit in the constant bank, whose cache this one-shot CTA meets cold: a step that
-// reads a field first would wait a round trip to L2 for its line. Combining every field at entry
-// with a value the page table's loads return (so that the loads are issued first) makes those
-// waits one, hidden behind the loads. The condition is never met in practice, and its store is
-// overwritten at the end if it is.
-FJ_INLINE void warm_parameters(const Args& a, int loaded) {
-  const u64 pointers = (u64)a.work_items ^ (u64)a.num_tokens ^ (u64)a.req_qo_indptr ^ (u64)a.req_work_indptr ^
-                       (u64)a.token_request ^ (u64)a.chunk_out ^ (u64)a.num_work_out;
-  const int sizes = a.page_size ^ a.batch_capacity ^ a.work_capacity ^ a.token_capacity ^ a.ctas_per_item ^
-                    a.max_ctas ^ a.granularity ^ a.min_chunk ^ a.chunk_tokens ^ a.fixed_split ^ a.item_overhead ^
-                    a.merge_cost;
-  if ((pointers ^ (u64)(sizes ^ loaded)) == 0x9e3779b97f4a7c15ull) *a.num_tokens = 0;
-}
-
 // Lane k's candidates PARTS[k] and PARTS[k + 32] (past the end: the last). A lane-dependent index
 // reads the array from global memory: the planner loads them with the page table, whose round trip
 // hides theirs.
@@ -216,19 +202,15 @@ __device__ unsigned choose_chunk(const Args& a, const Requests& r, int batch, in
   if (warp_id() < slices * halves) {
     const int half = warp_id() % halves, slice = warp_id() / halves, n = lane + 32 * half;
     const int parts = half ? candidates.y : candidates.x;
-    const int per_slice = round_up((batch + slices - 1) / slices, 4), first = slice * per_slice;
-    const int end = min(batch, first + per_slice);
+    const int per_slice = (batch + slices - 1) / slices, first = slice * per_slice, end = min(batch, first + per_slice);
     if (priced(n, parts) && first < end) {
       const FixedDivisor divisor(chunk_of(parts));
       unsigned long long items = 0, long_items = 0;
-      for (int b = first; b < end; b += 4) {  // every lane reads the same 4 lengths: one broadcast load
-        const int4 lens = *reinterpret_cast<const int4*>(r.len + b);  // len is 16-byte aligned, b a multiple of 4
-        auto count = [&](int len, int at) {  // an empty span is one (empty) item
-          unsigned rest;
-          const unsigned whole = divisor.quotient((unsigned)len, rest);
-          if (at < end) items += whole + (rest != 0 || len == 0), long_items += whole + (2 * rest >= divisor.c);
-        };
-        count(lens.x, b), count(lens.y, b + 1), count(lens.z, b + 2), count(lens.w, b + 3);
+      for (int b = first; b < end; ++b) {  // every lane reads the same length: one broadcast load
+        unsigned rest;
+        const unsigned len = (unsigned)r.len[b], whole = divisor.quotient(len, rest);
+        items += whole + (rest != 0 || len == 0);  // an empty span is one (empty) item
+        long_items += whole + (2 * rest >= divisor.c);
       }
       candidate_sums.add(0, n, (unsigned)min(items, (unsigned long long)SATURATED));
       candidate_sums.add(1, n, (unsigned)min(long_items, (unsigned long long)SATURATED));
@@ -281,7 +263,6 @@ __device__ void build(const Args& a, const MaskParams& params) {
   RequestEntry prefetched{};  // this thread's first request's entries, fetched before the batch is known
   if (threadIdx.x < a.batch_capacity) prefetched = Requests::fetch(a, threadIdx.x);
   const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
-  warm_parameters(a, batch ^ prefetched.end_page);
   candidate_sums.zero();
   if (threadIdx.x == 0) r.work_at[0] = r.tokens_at[0] = 0;
   int longest = 0;
