@@ -46,7 +46,8 @@ def fake_loaded(kernel, device_index) -> LoadedKernel:
 def cpu_decoder(engine, **options) -> BatchDecode:
     """A BatchDecode on the CPU; options are BatchDecode's (use_cuda_graph, max_batch_size, host_planner, ...)."""
     options.setdefault("host_planner", HostPlanner(native_library()))
-    return BatchDecode(engine, CPU, arch="sm_90", load_kernel=fake_loaded, **options)
+    options.setdefault("load_kernel", fake_loaded)
+    return BatchDecode(engine, CPU, arch="sm_90", **options)
 
 
 @functools.cache
@@ -271,6 +272,42 @@ def test_a_small_cuda_graph_batch_holds_a_wave_of_items_a_request_and_plans_as_e
     indptr, indices, last = tables([30000], 16, rng)
     forced.plan(indptr, indices, last, 32, 8, 128, 16, chunk_tokens=512)
     assert forced.current_plan.capacity.work == 2 + SPLIT_WAVES * wave >= forced.work.num_work == 59
+
+
+
+PLAN_FN = 0xF0
+
+
+def gpu_planned(kernel, device_index) -> LoadedKernel:
+    """fake_loaded with a planner entry: CUDA-graph plans make their work list 'on the GPU'."""
+    return dataclasses.replace(fake_loaded(kernel, device_index), plan=PLAN_FN)
+
+
+@pytest.mark.parametrize("split", [{"chunk_tokens": 64}, {"fixed_split_tokens": 64}])
+def test_a_forced_chunk_past_the_gpu_planners_capacity_is_refused_as_the_host_planners_is(planner, monkeypatch, split):
+    """The GPU planner would fall back to one item per request where a forced chunk overflows the
+    capacity; plan() refuses it first, counting items over the spans the mask reads (a narrower
+    window makes the same chunk fit), and the plan before stays."""
+    from flashjit.jit import kernel
+
+    launched = []
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: launched.append(launch_of(args)[0]) or 0)
+    rng = np.random.default_rng(4)
+    small = tables([300, 20], 16, rng)
+    decoders = {name: cpu_decoder(planner, use_cuda_graph=True, max_batch_size=2, max_num_pages=4000, load_kernel=load,
+                                  current_stream=lambda device_index: 0)
+                for name, load in (("gpu", gpu_planned), ("host", fake_loaded))}
+    long = tables([30000, 30000], 16, rng)
+    window = dict(mask="sliding_window", window_left=900)
+    for name, decoder in decoders.items():
+        decoder.plan(*small, 32, 8, 128, 16, **window)  # a planned chunk sizes the capacity
+        before, capacity = decoder.current_plan, decoder.current_plan.capacity.work
+        assert (decoder.graph_page_table is not None) == (name == "gpu")
+        with pytest.raises(ValueError, match=f"at most {capacity} work items .*938 items of 64 tokens"):
+            decoder.plan(*long, 32, 8, 128, 16, mask="sliding_window", window_left=40000, **split)
+        assert decoder.current_plan is before
+        decoder.plan(*long, 32, 8, 128, 16, **window, **split)  # 2 x 15 items of the 901-token windows
+    assert PLAN_FN in launched
 
 
 # ---- the spec memo -----------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ from .graph_mode import graph_limits
 from .host_planner import HostPlanner
 from .plan_setup import MAX_SETUPS, Setup, make_setup, on_tensor_cores
 from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
-from .plan_state import Plan, fixed_split_items, graph_capacity, prepare_launches, split_rule, split_work
+from .plan_state import (Plan, check_forced_chunk_fits, graph_capacity, prepare_launches, split_rule,
+                         split_work)
 from .run_checks import NO_CACHE, scale_key
 from .shared_decode import host_page_ids, kernel_may_share, may_share, plan_graph_sharing, shared_spans, shared_work
 from .split_plan import WorkPlan
@@ -215,12 +216,7 @@ class BatchDecode:
                 work, capacity = split_work(setup, tables, rule, graph, previous)
             else:  # the work list is made on the GPU, from the page table copied below
                 work, capacity = None, graph_capacity(setup, tables, graph, previous, rule)
-                if rule.fixed_split and fixed_split_items(tables.kv_lens, rule.chunk_tokens) > capacity.work:
-                    # the GPU planner would fall back to one item per request
-                    validation.fail("fixed_split_tokens", f"at most {capacity.work} work items (CUDA-graph capacity; "
-                                    "a first plan with fixed_split_tokens sizes it for any batch)",
-                                    f"up to {fixed_split_items(tables.kv_lens, rule.chunk_tokens)} items of "
-                                    f"{rule.chunk_tokens} tokens")
+                check_forced_chunk_fits(setup, tables, rule, capacity)
         finally:
             landed, max_page = page_range.wait(), -1
             if landed:  # run() checks the cache against the largest id

@@ -97,11 +97,36 @@ def split_rule(chunk_tokens, fixed_split_tokens, disable_split_kv) -> SplitRule:
                      "disable_split_kv" if disable_split_kv else "chunk_tokens")
 
 
-def fixed_split_items(kv_lens, chunk: int) -> int:
-    """Work items a fixed split of chunk makes at most over requests of these kv_lens (spans are
-    no longer than the request): what a plan on the GPU may write."""
-    lens = np.asarray(kv_lens, dtype=np.int64)
-    return int(np.maximum((lens + (chunk - 1)) // chunk, 1).sum())
+def request_spans(setup: Setup, tables) -> tuple:
+    """(span_begin, span_end) the mask reads per request (its kv_span, checked), None where every
+    span starts at 0 or ends at the request's kv_len."""
+    kernel = setup.kernel
+    if kernel.mask.kv_span is None:
+        return None, None
+    span_begin, span_end = kernel.mask.kv_span(tables.kv_lens, tables.q_lens, setup.params)
+    for name, span in (("begins", span_begin), ("ends", span_end)):  # the C planner reads one per request
+        if span is not None and (span.shape if isinstance(span, np.ndarray) else np.shape(span)) != (tables.batch,):
+            validation.fail(f"mask {kernel.mask.name!r}'s kv_span", f"{tables.batch} span {name}, one per request",
+                            f"shape {np.shape(span)}")
+    return span_begin, np.minimum(span_end, np.iinfo(np.int32).max)
+
+
+def span_lengths(tables, span_begin, span_end) -> np.ndarray:
+    return np.asarray(tables.kv_lens if span_end is None else span_end if span_begin is None
+                      else span_end - span_begin, dtype=np.int64)
+
+
+def check_forced_chunk_fits(setup: Setup, tables, rule: SplitRule, capacity: Capacity):
+    """Refuses a forced chunk (chunk_tokens or fixed_split_tokens) that cuts the batch into more
+    items than CUDA-graph mode's capacity holds, as split_work does: the GPU planner, which makes
+    this plan's work list, would fall back to one item per request instead."""
+    if rule.chunk_tokens is None or rule.one_item:
+        return
+    chunk = rule.chunk_tokens
+    items = int(np.maximum((span_lengths(tables, *request_spans(setup, tables)) + (chunk - 1)) // chunk, 1).sum())
+    if items > capacity.work:
+        validation.fail(rule.argument, f"at most {capacity.work} work items (CUDA-graph capacity)",
+                        f"{items} items of {chunk} tokens")
 
 
 def graph_capacity(setup: Setup, tables, graph, previous: Plan | None, rule: SplitRule = PLANNED) -> Capacity:
@@ -119,20 +144,11 @@ def graph_capacity(setup: Setup, tables, graph, previous: Plan | None, rule: Spl
 def split_work(setup: Setup, tables, rule: SplitRule, graph, previous: Plan | None) -> tuple[WorkPlan, Capacity]:
     """The work items over the span the mask reads, and the capacity they need: in CUDA-graph
     mode (graph: GraphLimits) the fixed one, which bounds them."""
-    span_begin = span_end = None  # None: every span starts at 0 and ends at the request's kv_len
     kernel = setup.kernel
-    if kernel.mask.kv_span is not None:
-        span_begin, span_end = kernel.mask.kv_span(tables.kv_lens, tables.q_lens, setup.params)
-        for name, span in (("begins", span_begin), ("ends", span_end)):  # the C planner reads one per request
-            if span is not None and (span.shape if isinstance(span, np.ndarray) else np.shape(span)) != (tables.batch,):
-                validation.fail(f"mask {kernel.mask.name!r}'s kv_span", f"{tables.batch} span {name}, one per request",
-                                f"shape {np.shape(span)}")
-        span_end = np.minimum(span_end, np.iinfo(np.int32).max)
+    span_begin, span_end = request_spans(setup, tables)
     chunk_tokens = rule.chunk_tokens
     if rule.one_item:
-        span_lens = (tables.kv_lens if span_end is None else span_end if span_begin is None
-                     else span_end - span_begin)
-        chunk_tokens = max(1, largest(span_lens, 1))
+        chunk_tokens = max(1, largest(span_lengths(tables, span_begin, span_end), 1))
     tiling, batch, loaded = kernel.tiling, tables.batch, setup.loaded
     ctas_per_item, max_ctas = setup.num_kv_heads * tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
     capacity = None if graph is None else graph_capacity(setup, tables, graph, previous, rule)
