@@ -88,8 +88,8 @@ struct WorkItem {
     first_of_request = true;
     if constexpr (VARIANT_SINK) {  // a sink joins the state of the request's first item only
       // A request's items are consecutive records: the first is the one whose predecessor belongs
-      // to another request. Record w - 1's request is loaded whatever record w holds, so the load
-      // issues beside record w's instead of a round of dependent loads after it.
+      // to another request. Record w - 1's request is loaded whatever record w holds, so that no
+      // load waits for record w's fields (the compiler still issues it after the padding test).
       const int previous = w > 0 ? __ldg(reinterpret_cast<const int*>(a.work_items + RECORD_INT4S * (w - 1))) : -1;
       first_of_request = direct || previous != request;
     }
