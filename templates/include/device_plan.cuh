@@ -129,28 +129,66 @@ FJ_INLINE int2 block_scan2(int x, int y, int busy_warps, int2& total, int round)
                    mine.y + __reduce_add_sync(ALL_LANES, before ? word.y : 0));
 }
 
-FJ_INLINE unsigned round_up(unsigned x, unsigned g) { return (x + g - 1) / g * g; }
-
-// Lane k's candidates PARTS[k] and PARTS[k + 32] (past the end: the last). A lane-dependent index
-// reads the array from global memory: the planner loads them with the page table, whose round trip
-// hides theirs.
-FJ_INLINE int2 lane_candidates() {
-  return make_int2(PARTS[min((int)lane_id(), NUM_PARTS - 1)], PARTS[min((int)lane_id() + 32, NUM_PARTS - 1)]);
-}
-
 // n / c and n % c for n < 2^31 and a fixed c >= 1, from magic = 0xffffffff / c: the high word of
 // n * magic is the quotient or one less (magic > 2^32 / c - 1), which the remainder corrects. One
 // multiply per request instead of a division.
 struct FixedDivisor {
   unsigned c, magic;
   FJ_INLINE explicit FixedDivisor(unsigned divisor) : c(divisor), magic(0xffffffffu / divisor) {}
+  FJ_INLINE FixedDivisor(unsigned divisor, unsigned its_magic) : c(divisor), magic(its_magic) {}
   FJ_INLINE unsigned quotient(unsigned n, unsigned& rest) const {
     unsigned q = __umulhi(n, magic);
     rest = n - q * c;
     if (rest >= c) ++q, rest -= c;
     return q;
   }
+  FJ_INLINE unsigned ceil_quotient(unsigned n) const {
+    unsigned rest;
+    const unsigned q = quotient(n, rest);
+    return q + (rest != 0);
+  }
+  FJ_INLINE unsigned round_up(unsigned n) const { return ceil_quotient(n) * c; }  // n + c - 1 below 2^32
 };
+
+// FixedDivisor's magic of each of PARTS, computed by the compiler.
+struct PartMagics {
+  unsigned of[NUM_PARTS];
+  __host__ __device__ constexpr PartMagics() : of() {
+    for (int k = 0; k < NUM_PARTS; ++k) of[k] = 0xffffffffu / PARTS[k];
+  }
+};
+constexpr PartMagics PART_MAGICS{};
+
+// Lane k's candidates PARTS[k] and PARTS[k + 32] (past the end: the last), and their magics. A
+// lane-dependent index reads the arrays from global memory: the planner loads them with the page
+// table, whose round trip hides theirs.
+struct LaneCandidates {
+  int parts_low, parts_high;
+  unsigned magic_low, magic_high;
+  FJ_INLINE LaneCandidates() {
+    const int low = min((int)lane_id(), NUM_PARTS - 1), high = min((int)lane_id() + 32, NUM_PARTS - 1);
+    parts_low = PARTS[low], parts_high = PARTS[high];
+    magic_low = PART_MAGICS.of[low], magic_high = PART_MAGICS.of[high];
+  }
+  FJ_INLINE FixedDivisor divisor(int half) const {
+    return half ? FixedDivisor(parts_high, magic_high) : FixedDivisor(parts_low, magic_low);
+  }
+};
+
+// What choose_chunk derives from the parameters alone: thread 0 works it out while the page table's
+// loads are in flight, where its divisions cost nothing, rather than every pricing warp after them.
+struct ChunkConstants {
+  unsigned granularity, granularity_magic, floor_chunk;
+  int max_parts;
+  double share;  // a CTA slot's share of the GPU's, for the fluid bound
+};
+__shared__ ChunkConstants chunk_constants;
+
+FJ_INLINE void set_chunk_constants(const Args& a) {
+  const FixedDivisor by_granularity((unsigned)a.granularity);
+  chunk_constants = {by_granularity.c, by_granularity.magic, max(by_granularity.round_up(a.min_chunk), by_granularity.c),
+                     max(1, a.max_ctas / a.ctas_per_item), __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas)};
+}
 
 // Counts saturate at SATURATED: past any work capacity (3 x capacity int4 records are indexed in
 // 32 bits), so a saturated count prices its chunk at +inf as the exact one would.
@@ -188,23 +226,28 @@ FJ_INLINE double makespan(const Args& a, int batch, unsigned chunk, unsigned ite
 // to max_parts picks the same first minimum. Lane k of a pricing warp counts candidate k's items
 // (or k + 32's, in a second warp per slice when more than 32 are priced) over a slice of about 32
 // requests, into candidate_sums; then warp 0 prices them all and takes the first minimum.
-__device__ unsigned choose_chunk(const Args& a, const Requests& r, int batch, int longest, i64 total, int2 candidates) {
+__device__ unsigned choose_chunk(const Args& a, const Requests& r, int batch, int longest, i64 total,
+                                const LaneCandidates& candidates) {
   __shared__ unsigned chosen;
-  const unsigned g = a.granularity, lane = lane_id();
-  if (longest <= a.min_chunk) return round_up(max(longest, 1), g);
-  const unsigned floor_chunk = max(round_up(a.min_chunk, g), g);
-  const int max_parts = max(1, a.max_ctas / a.ctas_per_item);
-  auto chunk_of = [&](int parts) { return max(round_up(((unsigned)longest + parts - 1) / parts, g), floor_chunk); };
-  auto priced = [&](int k, int parts) { return k < NUM_PARTS && parts <= max_parts; };
+  const ChunkConstants k = chunk_constants;
+  const FixedDivisor by_granularity(k.granularity, k.granularity_magic);
+  const unsigned lane = lane_id();
+  if (longest <= a.min_chunk) return by_granularity.round_up(max(longest, 1));
+  auto chunk_of = [&](int half) {
+    return max(by_granularity.round_up(candidates.divisor(half).ceil_quotient(longest)), k.floor_chunk);
+  };
+  auto priced = [&](int n, int parts) { return n < NUM_PARTS && parts <= k.max_parts; };
   const int halves = priced(32, PARTS[min(32, NUM_PARTS - 1)]) ? 2 : 1;
+  // Slices of 32 requests, or of a 16th or 32nd of the batch where there are more than warps for them.
   const int slices = min(WARPS / halves, (batch + 31) / 32);  // batch >= 1: its longest span is past min_chunk
+  const int per_slice = slices < WARPS / halves ? 32 : halves == 2 ? (batch + 15) / 16 : (batch + 31) / 32;
 
   if (warp_id() < slices * halves) {
     const int half = warp_id() % halves, slice = warp_id() / halves, n = lane + 32 * half;
-    const int parts = half ? candidates.y : candidates.x;
-    const int per_slice = (batch + slices - 1) / slices, first = slice * per_slice, end = min(batch, first + per_slice);
+    const int parts = half ? candidates.parts_high : candidates.parts_low;
+    const int first = slice * per_slice, end = min(batch, first + per_slice);
     if (priced(n, parts) && first < end) {
-      const FixedDivisor divisor(chunk_of(parts));
+      const FixedDivisor divisor(chunk_of(half));
       unsigned long long items = 0, long_items = 0;
       for (int b = first; b < end; ++b) {  // every lane reads the same length: one broadcast load
         unsigned rest;
@@ -219,14 +262,13 @@ __device__ unsigned choose_chunk(const Args& a, const Requests& r, int batch, in
   __syncthreads();
 
   if (warp_id() == 0) {
-    const double share = __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas);
     double cost = __longlong_as_double(0x7ff0000000000000ll);  // +inf: unpriced
     unsigned index = 0, chunk = 0;
     for (int half = 0; half < halves; ++half) {
-      const int n = lane + 32 * half, parts = half ? candidates.y : candidates.x;
+      const int n = lane + 32 * half, parts = half ? candidates.parts_high : candidates.parts_low;
       if (!priced(n, parts)) continue;
-      const unsigned c = chunk_of(parts);
-      const double price = makespan(a, batch, c, candidate_sums.sum(0, n), candidate_sums.sum(1, n), total, share);
+      const unsigned c = chunk_of(half);
+      const double price = makespan(a, batch, c, candidate_sums.sum(0, n), candidate_sums.sum(1, n), total, k.share);
       if (half == 0 || price < cost) cost = price, index = n, chunk = c;
     }
     // The first minimum: costs are non-negative, so their bits order as unsigned integers.
@@ -259,12 +301,15 @@ FJ_INLINE int request_of(const int* work_at, int batch, int w0) {
 __device__ void build(const Args& a, const MaskParams& params) {
   extern __shared__ int smem[];
   Requests r(smem, a.batch_capacity);
-  const int2 candidates = lane_candidates();
+  const LaneCandidates candidates;
   RequestEntry prefetched{};  // this thread's first request's entries, fetched before the batch is known
   if (threadIdx.x < a.batch_capacity) prefetched = Requests::fetch(a, threadIdx.x);
   const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
   candidate_sums.zero();
-  if (threadIdx.x == 0) r.work_at[0] = r.tokens_at[0] = 0;
+  if (threadIdx.x == 0) {
+    r.work_at[0] = r.tokens_at[0] = 0;
+    if (a.chunk_tokens == 0) set_chunk_constants(a);
+  }
   int longest = 0;
   i64 total = 0;  // the spans' summed length
   for (int b = threadIdx.x; b < batch; b += THREADS) {
