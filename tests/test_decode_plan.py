@@ -274,7 +274,6 @@ def test_a_small_cuda_graph_batch_holds_a_wave_of_items_a_request_and_plans_as_e
     assert forced.current_plan.capacity.work == 2 + SPLIT_WAVES * wave >= forced.work.num_work == 59
 
 
-
 PLAN_FN = 0xF0
 
 

@@ -112,6 +112,7 @@ def request_spans(setup: Setup, tables) -> tuple:
 
 
 def span_lengths(tables, span_begin, span_end) -> np.ndarray:
+    """Each request's span length, from request_spans."""
     return np.asarray(tables.kv_lens if span_end is None else span_end if span_begin is None
                       else span_end - span_begin, dtype=np.int64)
 

@@ -78,10 +78,10 @@ struct Requests {
   }
 };
 
-// One CTA on one SM: what every warp executes costs 32 times its instructions in issue slots, so a
-// step runs only in the warps whose data it needs (those that hold requests, the warps pricing
-// chunks, warp 0 choosing) while the rest wait at the next barrier, which costs nothing; warp
-// reductions are one REDUX each (sm_80), and block-wide steps go through one word per warp.
+// One CTA on one SM, whose time is its chain of dependent steps: a step runs only in the warps whose
+// data it needs (those that hold requests, the warps pricing chunks, warp 0 choosing), leaving the
+// SM's issue slots to them while the rest wait at the next barrier; warp reductions are one REDUX
+// each (sm_80), and block-wide steps go through one word per warp.
 FJ_INLINE unsigned lane_id() { return threadIdx.x % 32; }
 FJ_INLINE int warp_id() { return threadIdx.x / 32; }
 

@@ -75,7 +75,7 @@ def assert_planners_agree(engine, heads, kv_heads, head_dim, tensor_cores, mask,
     on_gpu = flashjit.BatchDecode(engine, **options)
     on_host = flashjit.BatchDecode(engine, load_kernel=host_planned, **options)
     for batch, split in itertools.product(batches, ["auto", "forced", "none"]):
-        # a forced chunk that fits the capacity: a few items per request at 37, one at 700
+        # a forced chunk that fits the capacity: a few items per request at 37, one from 700 on
         split = {"auto": {}, "forced": {"chunk_tokens": 4096 if batch < 100 else 65536},
                  "none": {"disable_split_kv": True}}[split]
         kv_lens = skewed_lengths(rng, batch, page_size)
