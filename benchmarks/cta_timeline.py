@@ -27,8 +27,9 @@ CTAS = 65536  # FJ_TIMELINE_CTAS
 NUM_SMS_MAX = 1024  # an upper bound on %smid
 
 
-def timeline_engine(cache_dir):
-    """An Engine whose kernels carry the timeline stamps (built beside the cached plain ones)."""
+def stamped_engine(cache_dir, define: str = "FJ_TIMELINE"):
+    """An Engine whose kernels are built with -D{define} (built beside the cached plain ones): the
+    timeline stamps, or another diagnostic the templates compile in on request."""
     import flashjit
     from flashjit.jit.compile import compile_source
     from flashjit.jit.kernel import Kernel
@@ -41,8 +42,8 @@ def timeline_engine(cache_dir):
         def get_kernel(self, spec):
             if spec not in self._stamped:
                 plain = super().get_kernel(spec)
-                cubin = compile_source(self.source(spec), spec.arch, spec.name, extra_options=("-DFJ_TIMELINE",)).cubin
-                self._stamped[spec] = Kernel(spec, plain.tiling, plain.mask, cubin, plain.key + "+timeline")
+                cubin = compile_source(self.source(spec), spec.arch, spec.name, extra_options=(f"-D{define}",)).cubin
+                self._stamped[spec] = Kernel(spec, plain.tiling, plain.mask, cubin, f"{plain.key}+{define}")
             return self._stamped[spec]
 
     return TimelineEngine(cache_dir=cache_dir)
@@ -69,7 +70,7 @@ def main(argv=None):
     import torch
     from cupy.cuda import runtime
 
-    engine = timeline_engine(tempfile.mkdtemp())
+    engine = stamped_engine(tempfile.mkdtemp())
     timer = Timer(torch, 1)
     for case in (c for c in CASES if c.name in args.cases):
         batch = build_inputs(torch, case)

@@ -19,9 +19,9 @@ PLANS_PER_GRAPH = 20
 MODES = {"planned": {}, "chunk forced": {"chunk_tokens": 16384}, "one item per request": {"disable_split_kv": True}}
 
 
-def planner_us(torch, engine, timer, requests: int = 256, seed: int = 0, options: dict | None = None) -> float:
-    """Median µs of one replan() over a skewed batch of `requests` (32 q / 8 kv heads, d128, page 16),
-    from a graph of PLANS_PER_GRAPH of them (a lone launch would time its own launch latency)."""
+def replan_graph(torch, engine, requests: int = 256, seed: int = 0, options: dict | None = None):
+    """(decoder, graph): a CUDA graph of PLANS_PER_GRAPH replan() calls over a skewed batch of
+    `requests` (32 q / 8 kv heads, d128, page 16), planned with plan()'s options."""
     import flashjit
     from flashjit.deploy.random_batches import make_batch
 
@@ -37,7 +37,15 @@ def planner_us(torch, engine, timer, requests: int = 256, seed: int = 0, options
     with torch.cuda.graph(graph):
         for _ in range(PLANS_PER_GRAPH):
             decoder.replan()
-    return timer.median_us(graph.replay, flush=False) / PLANS_PER_GRAPH
+    return decoder, graph
+
+
+def planner_us(torch, engine, timer, requests: int = 256, seed: int = 0, options: dict | None = None) -> float:
+    """Median µs of one replan() (a lone launch would time its own launch latency)."""
+    decoder, graph = replan_graph(torch, engine, requests, seed, options)  # the graph reads the decoder's buffers
+    us = timer.median_us(graph.replay, flush=False) / PLANS_PER_GRAPH
+    del decoder
+    return us
 
 
 def main(argv=None):

@@ -11,6 +11,24 @@
 // The inputs come from the device's page-table buffer, where a host-side plan() copies them, or
 // where the caller wrote them in place; they are clamped rather than trusted (a negative page
 // count is an empty request, a last-page length outside the page is clamped to it).
+
+// Thread 0's %clock64 after each step of a plan, for benchmarks/planner_phases.py, compiled in only
+// with -DFJ_PLAN_STAMPS (the cubin built without it is unchanged): the plan's time is a chain of
+// dependent steps, and the stamps show each one's share. Each plan overwrites the one before's.
+#ifdef FJ_PLAN_STAMPS
+__device__ unsigned long long fj_plan_stamps[FJ_PLAN_STAMPS];
+#define FJ_PLAN_STAMP(i)                                                \
+  do {                                                                  \
+    if (threadIdx.x == 0) {                                             \
+      unsigned long long now_;                                          \
+      asm volatile("mov.u64 %0, %%clock64;" : "=l"(now_));              \
+      fj_plan_stamps[i] = now_;                                         \
+    }                                                                   \
+  } while (0)
+#else
+#define FJ_PLAN_STAMP(i) do {} while (0)
+#endif
+
 namespace plan {
 using namespace fj;
 
@@ -299,6 +317,7 @@ FJ_INLINE int request_of(const int* work_at, int batch, int w0) {
 // The whole plan: one round of loads from the page table (issued with the batch size's), the rest
 // in shared memory.
 __device__ void build(const Args& a, const MaskParams& params) {
+  FJ_PLAN_STAMP(0);
   extern __shared__ int smem[];
   Requests r(smem, a.batch_capacity);
   const LaneCandidates candidates;
@@ -317,9 +336,12 @@ __device__ void build(const Args& a, const MaskParams& params) {
     longest = max(longest, len);
     total += len;
   }
+  FJ_PLAN_STAMP(1);
   longest = block_max_sum(longest, total, total);  // its barrier also publishes the requests
+  FJ_PLAN_STAMP(2);
   unsigned chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? max(longest, 1)
                                                                               : choose_chunk(a, r, batch, longest, total, candidates);
+  FJ_PLAN_STAMP(3);
   int round = 0, num_work, num_tokens;
   for (int pass = 0; pass < 2; ++pass) {  // a second pass only when a forced chunk overflows the capacity
     int2 carry = make_int2(0, 0);  // in the warps holding this round's requests
@@ -341,6 +363,7 @@ __device__ void build(const Args& a, const MaskParams& params) {
     if (num_work <= a.work_capacity || pass) break;
     chunk = max(longest, 1);  // one item per request: batch <= batch_capacity <= work_capacity
   }
+  FJ_PLAN_STAMP(4);
 
   int4* records = reinterpret_cast<int4*>(a.work_items);
   for (int w0 = warp_id() * 32; w0 < a.work_capacity; w0 += THREADS) {
@@ -366,6 +389,7 @@ __device__ void build(const Args& a, const MaskParams& params) {
     records[3 * w + 1] = make_int4(r.page_begin[b], r.tokens_at[b], r.q_len[b], items);
     records[3 * w + 2] = a.fixed_split ? make_int4(0, first, last, 1) : make_int4(i, begin, end, items);
   }
+  FJ_PLAN_STAMP(5);
   for (int b = threadIdx.x; b <= batch; b += THREADS) {
     a.req_work_indptr[b] = r.work_at[b];
     a.req_qo_indptr[b] = r.tokens_at[b];
@@ -373,6 +397,7 @@ __device__ void build(const Args& a, const MaskParams& params) {
       for (int t = r.tokens_at[b], end = min(r.tokens_at[b + 1], num_tokens); t < end; ++t) a.token_request[t] = b;
   }
   if (threadIdx.x == 0) *a.num_tokens = num_tokens, *a.chunk_out = chunk, *a.num_work_out = num_work;
+  FJ_PLAN_STAMP(6);
 }
 
 }  // namespace plan

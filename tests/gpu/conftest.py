@@ -1,5 +1,7 @@
 """GPU tests: skipped cleanly on machines without CUDA."""
 
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -11,3 +13,13 @@ if not torch.cuda.is_available():
 def pytest_collection_modifyitems(items):
     for item in items:
         item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_kernel_cache(tmp_path_factory):
+    """The default engine (what integrations use) builds into a folder of this run rather than the
+    user's cache, unless FLASHJIT_CACHE_DIR names one."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get("FLASHJIT_CACHE_DIR"):
+            patch.setenv("FLASHJIT_CACHE_DIR", str(tmp_path_factory.mktemp("default-engine")))
+        yield
