@@ -42,10 +42,8 @@ def replan_graph(torch, engine, requests: int = 256, seed: int = 0, options: dic
 
 def planner_us(torch, engine, timer, requests: int = 256, seed: int = 0, options: dict | None = None) -> float:
     """Median µs of one replan() (a lone launch would time its own launch latency)."""
-    decoder, graph = replan_graph(torch, engine, requests, seed, options)  # the graph reads the decoder's buffers
-    us = timer.median_us(graph.replay, flush=False) / PLANS_PER_GRAPH
-    del decoder
-    return us
+    decoder, graph = replan_graph(torch, engine, requests, seed, options)  # decoder: the buffers the graph reads
+    return timer.median_us(graph.replay, flush=False) / PLANS_PER_GRAPH
 
 
 def main(argv=None):

@@ -19,7 +19,7 @@ from ..jit.kernel import PreparedLaunch
 from ..small_arrays import largest
 from .buffers import Capacity, PlanBuffers
 from .plan_setup import Setup
-from .split_plan import WorkPlan
+from .split_plan import WorkPlan, item_counts
 
 
 class Plan(typing.NamedTuple):  # a NamedTuple: immutable, and built in a quarter of a frozen dataclass's time
@@ -124,7 +124,7 @@ def check_forced_chunk_fits(setup: Setup, tables, rule: SplitRule, capacity: Cap
     if rule.chunk_tokens is None or rule.one_item:
         return
     chunk = rule.chunk_tokens
-    items = int(np.maximum((span_lengths(tables, *request_spans(setup, tables)) + (chunk - 1)) // chunk, 1).sum())
+    items = int(item_counts(span_lengths(tables, *request_spans(setup, tables)), [chunk])[0][0])
     if items > capacity.work:
         validation.fail(rule.argument, f"at most {capacity.work} work items (CUDA-graph capacity)",
                         f"{items} items of {chunk} tokens")
