@@ -216,8 +216,8 @@ __shared__ FixedDivisor plan_chunk;
 // 32 bits), so a saturated count prices its chunk at +inf as the exact one would.
 constexpr unsigned SATURATED = 1u << 30;
 
-// Each slice's item counts per candidate, saturated, for warp 0 to add up: plain stores, where shared
-// atomics on the same 64 words from every warp would queue behind each other.
+// Each slice's item counts per candidate, saturated, for warp 0 to add up: plain stores and one pass
+// of loads, rather than shared atomics and their carry words.
 struct SliceCounts {
   unsigned of[2][WARPS][64];  // [items, long items][slice][candidate]
   FJ_INLINE unsigned sum(int which, int n, int slices) const {  // saturated: exact below SATURATED
@@ -244,9 +244,9 @@ FJ_INLINE double makespan(const Args& a, int batch, unsigned chunk, unsigned ite
 // block leaves. The host prices chunk_candidates: PARTS up to max_parts, duplicates and the floor's
 // repeats dropped. Candidates are non-increasing, so the dropped ones repeat their predecessor's
 // chunk and cost, and pricing the whole prefix of PARTS up to max_parts picks the same first
-// minimum. Lane k of every warp counts candidate k's items (or k + 32's, in every other warp when
-// more than 32 are priced) over its slice of the requests, a 32nd or a 16th of them, into
-// slice_counts; then warp 0 adds them up, prices every candidate and takes the first minimum.
+// minimum. Lane k of a pricing warp counts candidate k's items (or k + 32's, in a second warp per
+// slice when more than 32 are priced) over its slice of the requests, into slice_counts; then warp
+// 0 adds them up, prices every candidate and takes the first minimum.
 __device__ void choose_chunk(const Args& a, const Requests& r, int batch, int longest, i64 total,
                              const LaneCandidates& candidates) {
   const ChunkConstants k = chunk_constants;
@@ -257,10 +257,15 @@ __device__ void choose_chunk(const Args& a, const Requests& r, int batch, int lo
   };
   auto priced = [&](int n, int parts) { return n < NUM_PARTS && parts <= k.max_parts; };
   const int halves = priced(32, PARTS[min(32, NUM_PARTS - 1)]) ? 2 : 1;
-  const int slices = WARPS / halves, per_slice = halves == 2 ? (batch + 15) >> 4 : (batch + 31) >> 5;
+  // Slices of 32 requests, or of a 16th or 32nd of the batch where the warps run out: pricing in
+  // every warp measured slower, each warp issuing its own set-up (a division among it).
+  const int most = WARPS / halves;
+  const bool many = batch > 32 * most;
+  const int slices = many ? most : (batch + 31) >> 5;
+  const int per_slice = !many ? 32 : halves == 2 ? (batch + 15) >> 4 : (batch + 31) >> 5;
 
-  {
-    const int half = warp_id() % halves, slice = warp_id() / halves, n = lane + 32 * half;
+  if (warp_id() < slices * halves) {
+    const int half = halves == 2 ? warp_id() & 1 : 0, slice = warp_id() >> (halves - 1), n = lane + 32 * half;
     const int parts = half ? candidates.parts_high : candidates.parts_low;
     const int first = slice * per_slice, end = min(batch, first + per_slice);
     unsigned long long items = 0, long_items = 0;
