@@ -147,47 +147,87 @@ FJ_INLINE int2 block_scan2(int x, int y, int busy_warps, int2& total, int round)
                    mine.y + __reduce_add_sync(ALL_LANES, before ? word.y : 0));
 }
 
-FJ_INLINE unsigned round_up(unsigned x, unsigned g) { return (x + g - 1) / g * g; }
-
-// Lane k's candidates PARTS[k] and PARTS[k + 32] (past the end: the last). A lane-dependent index
-// reads the array from global memory: the planner loads them with the page table, whose round trip
-// hides theirs.
-FJ_INLINE int2 lane_candidates() {
-  return make_int2(PARTS[min((int)lane_id(), NUM_PARTS - 1)], PARTS[min((int)lane_id() + 32, NUM_PARTS - 1)]);
-}
-
 // n / c and n % c for n < 2^31 and a fixed c >= 1, from magic = 0xffffffff / c: the high word of
 // n * magic is the quotient or one less (magic > 2^32 / c - 1), which the remainder corrects. One
 // multiply per request instead of a division.
 struct FixedDivisor {
   unsigned c, magic;
+  FixedDivisor() = default;  // for shared memory
   FJ_INLINE explicit FixedDivisor(unsigned divisor) : c(divisor), magic(0xffffffffu / divisor) {}
+  FJ_INLINE FixedDivisor(unsigned divisor, unsigned its_magic) : c(divisor), magic(its_magic) {}
   FJ_INLINE unsigned quotient(unsigned n, unsigned& rest) const {
     unsigned q = __umulhi(n, magic);
     rest = n - q * c;
     if (rest >= c) ++q, rest -= c;
     return q;
   }
+  FJ_INLINE unsigned ceil_quotient(unsigned n) const {
+    unsigned rest;
+    const unsigned q = quotient(n, rest);
+    return q + (rest != 0);
+  }
+  FJ_INLINE unsigned round_up(unsigned n) const { return ceil_quotient(n) * c; }  // n + c - 1 below 2^32
 };
+
+// FixedDivisor's magic of each of PARTS, computed by the compiler.
+struct PartMagics {
+  unsigned of[NUM_PARTS];
+  __host__ __device__ constexpr PartMagics() : of() {
+    for (int k = 0; k < NUM_PARTS; ++k) of[k] = 0xffffffffu / PARTS[k];
+  }
+};
+constexpr PartMagics PART_MAGICS{};
+
+// Lane k's candidates PARTS[k] and PARTS[k + 32] (past the end: the last), and their magics. A
+// lane-dependent index reads the arrays from global memory: the planner loads them with the page
+// table, whose round trip hides theirs.
+struct LaneCandidates {
+  int parts_low, parts_high;
+  unsigned magic_low, magic_high;
+  FJ_INLINE LaneCandidates() {
+    const int low = min((int)lane_id(), NUM_PARTS - 1), high = min((int)lane_id() + 32, NUM_PARTS - 1);
+    parts_low = PARTS[low], parts_high = PARTS[high];
+    magic_low = PART_MAGICS.of[low], magic_high = PART_MAGICS.of[high];
+  }
+  FJ_INLINE FixedDivisor divisor(int half) const {
+    return half ? FixedDivisor(parts_high, magic_high) : FixedDivisor(parts_low, magic_low);
+  }
+};
+
+// What choose_chunk derives from the parameters alone: thread 0 works it out while the page table's
+// loads are in flight, where its divisions cost nothing, rather than every pricing warp after them.
+struct ChunkConstants {
+  unsigned granularity, granularity_magic, floor_chunk;
+  int max_parts;
+  double share;  // a CTA slot's share of the GPU's, for the fluid bound
+};
+__shared__ ChunkConstants chunk_constants;
+
+FJ_INLINE void set_chunk_constants(const Args& a) {
+  const FixedDivisor by_granularity((unsigned)a.granularity);
+  chunk_constants = {by_granularity.c, by_granularity.magic, max(by_granularity.round_up(a.min_chunk), by_granularity.c),
+                     max(1, a.max_ctas / a.ctas_per_item), __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas)};
+}
+
+// The chunk the requests are cut into, with its FixedDivisor magic (0: one item per request).
+__shared__ FixedDivisor plan_chunk;
 
 // Counts saturate at SATURATED: past any work capacity (3 x capacity int4 records are indexed in
 // 32 bits), so a saturated count prices its chunk at +inf as the exact one would.
 constexpr unsigned SATURATED = 1u << 30;
 
-// A candidate's item counts summed over the slices of requests, exactly: 32-bit shared atomics
-// (a 64-bit one is a compare-and-swap loop) with the carries counted beside them.
-struct CandidateSums {
-  unsigned low[2][64], carries[2][64];  // [items, long items][candidate]
-  FJ_INLINE void zero() {
-    if (threadIdx.x < 2 * 64) (&low[0][0])[threadIdx.x] = (&carries[0][0])[threadIdx.x] = 0;
+// Each slice's item counts per candidate, saturated, for warp 0 to add up: plain stores and one pass
+// of loads, rather than shared atomics and their carry words.
+struct SliceCounts {
+  unsigned of[2][WARPS][64];  // [items, long items][slice][candidate]
+  FJ_INLINE unsigned sum(int which, int n, int slices) const {  // saturated: exact below SATURATED
+    unsigned long long total = 0;
+#pragma unroll 8
+    for (int s = 0; s < slices; ++s) total += of[which][s][n];
+    return (unsigned)min(total, (unsigned long long)SATURATED);
   }
-  FJ_INLINE void add(int which, int n, unsigned x) {
-    const unsigned old = atomicAdd(&low[which][n], x);
-    if (old + x < old) atomicAdd(&carries[which][n], 1u);
-  }
-  FJ_INLINE unsigned sum(int which, int n) const { return carries[which][n] ? SATURATED : min(low[which][n], SATURATED); }
 };
-__shared__ CandidateSums candidate_sums;
+__shared__ SliceCounts slice_counts;
 
 // split_plan.makespans for one chunk from its counts (items <= SATURATED), in the host's doubles:
 // the _rn intrinsics are never fused into FMAs, so every cost, hence every comparison, is the host's.
@@ -200,62 +240,69 @@ FJ_INLINE double makespan(const Args& a, int batch, unsigned chunk, unsigned ite
   return __dadd_rn(fluid > quantized ? fluid : quantized, items > (unsigned)batch ? (double)a.merge_cost : 0.0);
 }
 
-// split_plan.choose_chunk, its result in every thread. The host prices chunk_candidates: PARTS up
-// to max_parts, duplicates and the floor's repeats dropped. Candidates are non-increasing, so the
-// dropped ones repeat their predecessor's chunk and cost, and pricing the whole prefix of PARTS up
-// to max_parts picks the same first minimum. Lane k of a pricing warp counts candidate k's items
-// (or k + 32's, in a second warp per slice when more than 32 are priced) over a slice of about 32
-// requests, into candidate_sums; then warp 0 prices them all and takes the first minimum.
-__device__ unsigned choose_chunk(const Args& a, const Requests& r, int batch, int longest, i64 total, int2 candidates) {
-  __shared__ unsigned chosen;
-  const unsigned g = a.granularity, lane = lane_id();
-  if (longest <= a.min_chunk) return round_up(max(longest, 1), g);
-  const unsigned floor_chunk = max(round_up(a.min_chunk, g), g);
-  const int max_parts = max(1, a.max_ctas / a.ctas_per_item);
-  auto chunk_of = [&](int parts) { return max(round_up(((unsigned)longest + parts - 1) / parts, g), floor_chunk); };
-  auto priced = [&](int k, int parts) { return k < NUM_PARTS && parts <= max_parts; };
+// split_plan.choose_chunk for a longest span past min_chunk, its result in plan_chunk when the
+// block leaves. The host prices chunk_candidates: PARTS up to max_parts, duplicates and the floor's
+// repeats dropped. Candidates are non-increasing, so the dropped ones repeat their predecessor's
+// chunk and cost, and pricing the whole prefix of PARTS up to max_parts picks the same first
+// minimum. Lane k of a pricing warp counts candidate k's items (or k + 32's, in a second warp per
+// slice when more than 32 are priced) over its slice of the requests, into slice_counts; then warp
+// 0 adds them up, prices every candidate and takes the first minimum.
+__device__ void choose_chunk(const Args& a, const Requests& r, int batch, int longest, i64 total,
+                             const LaneCandidates& candidates) {
+  const ChunkConstants k = chunk_constants;
+  const FixedDivisor by_granularity(k.granularity, k.granularity_magic);
+  const unsigned lane = lane_id();
+  auto chunk_of = [&](int half) {
+    return max(by_granularity.round_up(candidates.divisor(half).ceil_quotient(longest)), k.floor_chunk);
+  };
+  auto priced = [&](int n, int parts) { return n < NUM_PARTS && parts <= k.max_parts; };
   const int halves = priced(32, PARTS[min(32, NUM_PARTS - 1)]) ? 2 : 1;
-  const int slices = min(WARPS / halves, (batch + 31) / 32);  // batch >= 1: its longest span is past min_chunk
+  // Slices of 32 requests, or of a 16th or 32nd of the batch where the warps run out: pricing in
+  // every warp measured slower, each warp issuing its own set-up (a division among it).
+  const int most = WARPS / halves;
+  const bool many = batch > 32 * most;
+  const int slices = many ? most : (batch + 31) >> 5;
+  const int per_slice = !many ? 32 : halves == 2 ? (batch + 15) >> 4 : (batch + 31) >> 5;
 
   if (warp_id() < slices * halves) {
-    const int half = warp_id() % halves, slice = warp_id() / halves, n = lane + 32 * half;
-    const int parts = half ? candidates.y : candidates.x;
-    const int per_slice = (batch + slices - 1) / slices, first = slice * per_slice, end = min(batch, first + per_slice);
+    const int half = halves == 2 ? warp_id() & 1 : 0, slice = warp_id() >> (halves - 1), n = lane + 32 * half;
+    const int parts = half ? candidates.parts_high : candidates.parts_low;
+    const int first = slice * per_slice, end = min(batch, first + per_slice);
+    unsigned long long items = 0, long_items = 0;
     if (priced(n, parts) && first < end) {
-      const FixedDivisor divisor(chunk_of(parts));
-      unsigned long long items = 0, long_items = 0;
+      const FixedDivisor divisor(chunk_of(half));
+#pragma unroll 4
       for (int b = first; b < end; ++b) {  // every lane reads the same length: one broadcast load
         unsigned rest;
         const unsigned len = (unsigned)r.len[b], whole = divisor.quotient(len, rest);
         items += whole + (rest != 0 || len == 0);  // an empty span is one (empty) item
         long_items += whole + (2 * rest >= divisor.c);
       }
-      candidate_sums.add(0, n, (unsigned)min(items, (unsigned long long)SATURATED));
-      candidate_sums.add(1, n, (unsigned)min(long_items, (unsigned long long)SATURATED));
     }
+    slice_counts.of[0][slice][n] = (unsigned)min(items, (unsigned long long)SATURATED);
+    slice_counts.of[1][slice][n] = (unsigned)min(long_items, (unsigned long long)SATURATED);
   }
   __syncthreads();
 
   if (warp_id() == 0) {
-    const double share = __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas);
     double cost = __longlong_as_double(0x7ff0000000000000ll);  // +inf: unpriced
     unsigned index = 0, chunk = 0;
     for (int half = 0; half < halves; ++half) {
-      const int n = lane + 32 * half, parts = half ? candidates.y : candidates.x;
+      const int n = lane + 32 * half, parts = half ? candidates.parts_high : candidates.parts_low;
       if (!priced(n, parts)) continue;
-      const unsigned c = chunk_of(parts);
-      const double price = makespan(a, batch, c, candidate_sums.sum(0, n), candidate_sums.sum(1, n), total, share);
+      const unsigned c = chunk_of(half);
+      const double price = makespan(a, batch, c, slice_counts.sum(0, n, slices), slice_counts.sum(1, n, slices), total, k.share);
       if (half == 0 || price < cost) cost = price, index = n, chunk = c;
     }
+    const FixedDivisor mine(max(chunk, 1u));  // its division overlaps the reductions below
     // The first minimum: costs are non-negative, so their bits order as unsigned integers.
     const unsigned high = (unsigned)__double2hiint(cost), low = (unsigned)__double2loint(cost);
     const unsigned least_high = __reduce_min_sync(ALL_LANES, high);
     const unsigned least_low = __reduce_min_sync(ALL_LANES, high == least_high ? low : 0xffffffffu);
     const unsigned best = __reduce_min_sync(ALL_LANES, high == least_high && low == least_low ? index : 64u);
-    if (index == best && (best != 0 || lane == 0)) chosen = chunk;
+    if (index == best && (best != 0 || lane == 0)) plan_chunk = mine;
   }
   __syncthreads();
-  return chosen;
 }
 
 // The last request whose work items begin at or before w0, for w0 below the plan's items (warp-
@@ -278,12 +325,16 @@ __device__ void build(const Args& a, const MaskParams& params) {
   FJ_PLAN_STAMP(0);
   extern __shared__ int smem[];
   Requests r(smem, a.batch_capacity);
-  const int2 candidates = lane_candidates();
+  const LaneCandidates candidates;
   RequestEntry prefetched{};  // this thread's first request's entries, fetched before the batch is known
   if (threadIdx.x < a.batch_capacity) prefetched = Requests::fetch(a, threadIdx.x);
-  const int batch = min(max(__ldg(a.batch), 0), a.batch_capacity);
-  candidate_sums.zero();
-  if (threadIdx.x == 0) r.work_at[0] = r.tokens_at[0] = 0;
+  const int batch_read = __ldg(a.batch);
+  if (threadIdx.x == 0) {  // before anything waits for the loads
+    r.work_at[0] = r.tokens_at[0] = 0;
+    if (a.chunk_tokens == 0) set_chunk_constants(a);
+    if (a.chunk_tokens > 0) plan_chunk = FixedDivisor((unsigned)a.chunk_tokens);
+  }
+  const int batch = min(max(batch_read, 0), a.batch_capacity);
   int longest = 0;
   i64 total = 0;  // the spans' summed length
   for (int b = threadIdx.x; b < batch; b += THREADS) {
@@ -294,8 +345,15 @@ __device__ void build(const Args& a, const MaskParams& params) {
   FJ_PLAN_STAMP(1);
   longest = block_max_sum(longest, total, total);  // its barrier also publishes the requests
   FJ_PLAN_STAMP(2);
-  unsigned chunk = a.chunk_tokens > 0 ? a.chunk_tokens : a.chunk_tokens < 0 ? max(longest, 1)
-                                                                              : choose_chunk(a, r, batch, longest, total, candidates);
+  // A chunk past every span makes one item a request, which needs no division.
+  bool one_item = a.chunk_tokens < 0 || (a.chunk_tokens == 0 && longest <= a.min_chunk);
+  unsigned chunk = max(longest, 1);
+  if (a.chunk_tokens == 0 && one_item) {
+    chunk = FixedDivisor(chunk_constants.granularity, chunk_constants.granularity_magic).round_up(chunk);
+  } else if (!one_item) {
+    if (a.chunk_tokens == 0) choose_chunk(a, r, batch, longest, total, candidates);
+    chunk = plan_chunk.c;
+  }
   FJ_PLAN_STAMP(3);
   int round = 0, num_work, num_tokens;
   for (int pass = 0; pass < 2; ++pass) {  // a second pass only when a forced chunk overflows the capacity
@@ -304,8 +362,7 @@ __device__ void build(const Args& a, const MaskParams& params) {
       const int b = base + threadIdx.x, busy_warps = min(WARPS, (batch - base + 31) / 32);
       int items = 0, tokens = 0;
       if (warp_id() < busy_warps && b < batch) {
-        unsigned rest;
-        items = max((int)FixedDivisor(chunk).quotient((unsigned)r.len[b], rest) + (rest != 0), 1);
+        items = one_item ? 1 : max((int)plan_chunk.ceil_quotient((unsigned)r.len[b]), 1);
         tokens = r.q_len[b];
       }
       int2 round_total = make_int2(0, 0);
@@ -316,7 +373,7 @@ __device__ void build(const Args& a, const MaskParams& params) {
     __syncthreads();
     num_work = r.work_at[batch], num_tokens = min(r.tokens_at[batch], a.token_capacity);
     if (num_work <= a.work_capacity || pass) break;
-    chunk = max(longest, 1);  // one item per request: batch <= batch_capacity <= work_capacity
+    chunk = max(longest, 1), one_item = true;  // batch <= batch_capacity <= work_capacity
   }
   FJ_PLAN_STAMP(4);
 
