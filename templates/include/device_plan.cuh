@@ -195,7 +195,7 @@ struct LaneCandidates {
 };
 
 // What choose_chunk derives from the parameters alone: thread 0 works it out while the page table's
-// loads are in flight, where its divisions cost nothing, rather than every pricing warp after them.
+// loads are in flight, rather than every pricing warp after them.
 struct ChunkConstants {
   unsigned granularity, granularity_magic, floor_chunk;
   int max_parts;
@@ -209,7 +209,9 @@ FJ_INLINE void set_chunk_constants(const Args& a) {
                      max(1, a.max_ctas / a.ctas_per_item), __ddiv_rn((double)a.ctas_per_item, (double)a.max_ctas)};
 }
 
-// The chunk the requests are cut into, with its FixedDivisor magic (0: one item per request).
+// The chunk the requests are cut into, as a FixedDivisor for the scan: a forced chunk's set by
+// thread 0 as the plan starts, a chosen one's by choose_chunk (a plan of one item per request
+// divides nothing).
 __shared__ FixedDivisor plan_chunk;
 
 // Counts saturate at SATURATED: past any work capacity (3 x capacity int4 records are indexed in
