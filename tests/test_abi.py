@@ -124,3 +124,30 @@ def test_the_c_planner_builds_only_with_the_record_width(define):
         assert result.returncode == 0, result.stderr
     else:
         assert result.returncode != 0 and "FJ_ITEM_INTS" in result.stderr
+
+
+@pytest.mark.parametrize("block_bytes, static_bytes, batch", [
+    (232_448, 17_000, abi.PLAN_MAX_BATCH),  # an H100/H200's 227 KB a block: every batch the planner takes
+    (101_376, 17_000, 3012),                # sm_86/sm_89's 99 KB: what fits beside the static arrays
+    (17_000, 17_000, 0),                    # not one request
+])
+def test_the_gpu_planners_batch_fits_the_devices_shared_memory(block_bytes, static_bytes, batch):
+    fits = lambda requests: abi.plan_smem_bytes(requests) + static_bytes <= block_bytes  # noqa: E731
+    assert abi.plan_batch_limit(block_bytes, static_bytes) == batch
+    assert batch == 0 or fits(batch)
+    assert batch == abi.PLAN_MAX_BATCH or not fits(batch + 1)  # the limit, not less
+
+
+def test_the_planners_limit_reads_the_devices_opt_in_and_the_functions_static_shared_memory(monkeypatch):
+    from cupy.cuda import driver, runtime
+
+    from flashjit.jit import kernel
+
+    asked = []
+    monkeypatch.setattr(runtime, "deviceGetAttribute",
+                        lambda attribute, device: asked.append(("device", attribute, device)) or 101_376)
+    monkeypatch.setattr(driver, "funcGetAttribute",
+                        lambda attribute, function: asked.append(("function", attribute, function)) or 17_000)
+    assert kernel.planner_batch_limit(0xF0, 3) == 3012
+    assert sorted(asked) == [("device", runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, 3),
+                             ("function", driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, 0xF0)]

@@ -309,6 +309,30 @@ def test_a_forced_chunk_past_the_gpu_planners_capacity_is_refused_as_the_host_pl
     assert PLAN_FN in launched
 
 
+def test_a_batch_past_what_the_devices_shared_memory_holds_plans_on_the_host(planner, monkeypatch):
+    """On a GPU of about 100 KB of shared memory a block the planner holds fewer requests
+    (LoadedKernel.plan_max_batch): a larger max_batch_size plans on the host, a smaller one on the GPU."""
+    from flashjit.jit import kernel
+
+    launched = []
+    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: launched.append(launch_of(args)[0]) or 0)
+
+    def smaller_planner(kernel, device_index) -> LoadedKernel:
+        return dataclasses.replace(gpu_planned(kernel, device_index), plan_max_batch=3)
+
+    page_table = tables([300, 20, 4000], 16, np.random.default_rng(5))
+    for max_batch_size, on_gpu in ((3, True), (4, False)):
+        decoder = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=max_batch_size, max_num_pages=400,
+                              load_kernel=smaller_planner, current_stream=lambda device_index: 0)
+        decoder.plan(*page_table, 32, 8, 128, 16)
+        assert (decoder.graph_page_table is not None) == on_gpu
+        assert (PLAN_FN in launched) == on_gpu
+        launched.clear()
+        if not on_gpu:
+            with pytest.raises(RuntimeError, match="fewer on GPUs of about 100 KB"):
+                decoder.replan()
+
+
 # ---- the spec memo -----------------------------------------------------------------------------------------
 
 def test_the_same_arguments_reuse_the_spec_and_others_change_it(planner):

@@ -32,9 +32,23 @@ WORK_ITEM_FIELDS = ("request", "v_begin", "v_end", "kv_len", "page_begin", "q_be
 ITEM_INTS = len(WORK_ITEM_FIELDS)
 
 # The GPU planner's shared memory: PLAN_SMEM_INTS int32 per request (plus one), for at most
-# PLAN_MAX_BATCH requests (a larger CUDA-graph batch plans on the host).
+# PLAN_MAX_BATCH requests, or fewer where a device's shared memory per block holds fewer beside the
+# planner's static arrays (plan_batch_limit); a larger CUDA-graph batch plans on the host.
 PLAN_SMEM_INTS, PLAN_MAX_BATCH = 7, 4096
-PLAN_MAX_SMEM_BYTES = 4 * PLAN_SMEM_INTS * (PLAN_MAX_BATCH + 1)
+
+
+def plan_smem_bytes(batch: int) -> int:
+    """The GPU planner's dynamic shared memory for a batch capacity of `batch` requests."""
+    return 4 * PLAN_SMEM_INTS * (batch + 1)
+
+
+def plan_batch_limit(block_smem_bytes: int, static_smem_bytes: int) -> int:
+    """The most requests the GPU planner takes on a device whose blocks may have block_smem_bytes
+    of shared memory (its opt-in limit), beside the planner's static_smem_bytes: PLAN_MAX_BATCH
+    where it fits (an H100 or H200, an A100), fewer on GPUs of about 100 KB a block (sm_86, sm_89,
+    sm_120), 0 if not even one."""
+    fits = (block_smem_bytes - static_smem_bytes) // (4 * PLAN_SMEM_INTS) - 1
+    return max(0, min(PLAN_MAX_BATCH, fits))
 
 # The split counts both planners try for the longest span (the render defines FJ_SPLIT_CANDIDATES).
 SPLIT_CANDIDATES = tuple(range(1, 25)) + (28, 32, 40, 48, 56, 64, 80, 96, 112, 128)

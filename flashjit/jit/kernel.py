@@ -21,7 +21,7 @@ import threading
 
 from ..errors import KernelNotPrewarmed
 from ..masks.registry import MaskDef
-from .abi import PLAN_MAX_SMEM_BYTES
+from .abi import PLAN_MAX_BATCH, plan_batch_limit, plan_smem_bytes
 from ..masks.variants import VariantDef, variants
 from .spec import DecodeSpec, arch_number
 from .tiling import DecodeTiling
@@ -90,6 +90,16 @@ def check(status: int, what: str):
         raise RuntimeError(f"{what} failed: CUDA error {status} ({(text.value or b'?').decode()})")
 
 
+def planner_batch_limit(plan: int, device_index: int) -> int:
+    """The most requests the loaded GPU planner `plan` takes on the device: what the device's opt-in
+    shared memory per block holds beside the planner's static arrays (abi.plan_batch_limit)."""
+    from cupy.cuda import driver as cuda_driver, runtime
+
+    block_bytes = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_index)
+    static_bytes = cuda_driver.funcGetAttribute(cuda_driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, plan)
+    return plan_batch_limit(block_bytes, static_bytes)
+
+
 @dataclasses.dataclass
 class LoadedKernel:
     """Driver handles of one spec's entry points on one device."""
@@ -100,6 +110,7 @@ class LoadedKernel:
     ctas_per_sm: int
     num_sms: int
     plan: int | None = None  # the GPU planner (CUDA-graph mode), in every module since the same render
+    plan_max_batch: int = PLAN_MAX_BATCH  # the most requests its shared memory holds on this device
 
 
 class Kernel:
@@ -142,8 +153,9 @@ class Kernel:
                 decode = module.get_function(self.tiling.entry).ptr
                 merge = None if self.tiling.fused_merge else module.get_function(MERGE_ENTRY).ptr
                 plan = module.get_function(PLAN_ENTRY).ptr
+                plan_max_batch = planner_batch_limit(plan, device_index)
                 check(driver().cuFuncSetAttribute(plan, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                  PLAN_MAX_SMEM_BYTES), "cuFuncSetAttribute")
+                                                  plan_smem_bytes(plan_max_batch)), "cuFuncSetAttribute")
                 smem = self.tiling.smem_bytes
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
                     check(driver().cuFuncSetAttribute(decode, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
@@ -152,7 +164,7 @@ class Kernel:
             check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 ctypes.byref(occupancy), decode, self.tiling.threads, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
             num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms, plan)
+            loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms, plan, plan_max_batch)
             self._loaded[device_index] = loaded
             return loaded
 

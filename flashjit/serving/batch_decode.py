@@ -314,7 +314,8 @@ class BatchDecode:
         plan = self._plan
         if plan is None or not isinstance(plan.tables, DeviceTables):
             raise RuntimeError("replan() needs a plan made on the GPU: use_cuda_graph=True, max_batch_size up to "
-                               f"{MAX_DEVICE_PLAN_BATCH} and a mask without host-side spans (none, causal, sliding_window); "
+                               f"{MAX_DEVICE_PLAN_BATCH} (fewer on GPUs of about 100 KB of shared memory a block) "
+                               "and a mask without host-side spans (none, causal, sliding_window); "
                                f"the current plan is {'missing' if plan is None else 'made on the host'}")
         self._graph.planner(self._current_stream(self._device_index))
 

@@ -16,14 +16,14 @@ import typing
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, PLAN_MAX_BATCH, PLAN_SMEM_INTS, PlanArgs
+from ..jit.abi import ITEM_INTS, PLAN_MAX_BATCH, PlanArgs, plan_smem_bytes
 from ..jit.kernel import PreparedLaunch
 from .buffers import PlanBuffers
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, WorkPlan
 from .streams import HOST_TO_DEVICE, StreamCopies
 
 PLAN_THREADS = 1024  # plan::THREADS
-MAX_DEVICE_PLAN_BATCH = PLAN_MAX_BATCH  # a larger max_batch_size plans on the host
+MAX_DEVICE_PLAN_BATCH = PLAN_MAX_BATCH  # a larger max_batch_size plans on the host (fewer on some GPUs)
 HEADER_INTS = 4  # batch (read), then the planner's chunk and work-item count (written), one spare
 
 
@@ -96,7 +96,7 @@ class DevicePlanner:
         a.item_overhead, a.merge_cost = ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS
         params = buffers.params_with(a)
         self.launch = PreparedLaunch.update(self.launch, loaded.plan, (1, 1, 1), (PLAN_THREADS, 1, 1), params,
-                                            4 * PLAN_SMEM_INTS * (cap.batch + 1),
+                                            plan_smem_bytes(cap.batch),
                                             setup.kernel.programmatic_launch)
 
     def __call__(self, stream: int):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .. import validation
 from .buffers import Capacity
-from .device_planner import MAX_DEVICE_PLAN_BATCH, DevicePlanner
+from .device_planner import DevicePlanner
 
 _REFUSED = "plan() with use_cuda_graph=True"
 # Work items beyond one per request that the capacity holds: waves of split chunks for the long
@@ -65,9 +65,10 @@ class GraphLimits:
 
     def device_planner(self, setup) -> DevicePlanner | None:
         """The GPU planner, where it serves the setup's kernel (its module has the entry, the mask
-        computes its spans on the GPU, the batch fits its shared memory), else None: plan on the host."""
+        computes its spans on the GPU, the batch fits its shared memory on this device), else None:
+        plan on the host."""
         if (setup.loaded.plan is None or not setup.kernel.mask.plans_on_device
-                or self.max_batch_size > MAX_DEVICE_PLAN_BATCH):
+                or self.max_batch_size > setup.loaded.plan_max_batch):
             return None
         if self.planner is None:
             self.planner = DevicePlanner(self.max_batch_size, self.device)

@@ -95,7 +95,9 @@ class GraphDecoder:
                           **plan_form)
         if self.decoder.graph_page_table is None:
             raise RuntimeError("the CUDA-graph decoder plans on the host for this configuration; transformers' "
-                               "graphs need its GPU planner (masks none/causal/sliding_window)")
+                               "graphs need its GPU planner (masks none/causal/sliding_window, and "
+                               f"{self.num_pieces} pieces within what this GPU's shared memory per block holds: "
+                               "lower max_batch_tokens)")
 
     def prepare(self, cu_q, cu_k, key_index):
         batch, indptr, last_page_len, qo_indptr, page_ids = device_step_tables(
