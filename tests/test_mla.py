@@ -25,6 +25,7 @@ from flashjit.jit.kernel import LoadedKernel
 from flashjit.jit.mla_spec import MLASpec
 from flashjit.jit.spec import DecodeSpec
 from flashjit.jit.mla_tiling import MLA_TUNING, cta_rows, mla_tiling
+from flashjit.jit.spec import dynamic_shared_limit
 from flashjit.jit.render import render
 from flashjit.serving.batch_mla import BatchDecodeMLA
 from flashjit.serving.host_planner import HostPlanner, item_records
@@ -390,7 +391,7 @@ def test_benchmark_rows_and_sweep_variants():
             t = mla_tiling(spec, table)
             assert (t.rows, t.warps, t.tile_tokens) == (rows, warps, tile)
             assert t.warps % t.m_tiles == 0 and (t.tile_tokens // t.key_slices) % 8 == 0
-            assert t.smem_bytes <= bench.SMEM_LIMIT
+            assert t.smem_bytes <= dynamic_shared_limit("sm_90")
     entry = {"row": "b2 L100 h16", "floor_us": 10.0,
              "impls": {"flashjit": {"us": 12.5, "gbs": 1.0, "tflops": 2.0}, "flashinfer": {"error": "ImportError: x"}}}
     text = bench.format_row(entry)

@@ -159,7 +159,7 @@ class Kernel:
                 smem = self.tiling.smem_bytes
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
                     check(driver().cuFuncSetAttribute(decode, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-                          "cuFuncSetAttribute")
+                          f"cuFuncSetAttribute ({self.spec.name}'s {smem} bytes of shared memory on cuda:{device_index})")
             occupancy = ctypes.c_int(0)
             check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 ctypes.byref(occupancy), decode, self.tiling.threads, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")

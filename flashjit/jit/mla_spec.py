@@ -18,7 +18,8 @@ import hashlib
 import re
 
 from ..errors import SpecError
-from .spec import FP8_DTYPES, QUERY_DTYPES, _SHORT, CacheAndArch, _check_int, _normalize_arch, normalize_dtype
+from .spec import (FP8_DTYPES, QUERY_DTYPES, _SHORT, CacheAndArch, _check_int, _normalize_arch, check_shared_memory,
+                   normalize_dtype)
 
 LATENT_DIMS = (512,)  # kv_lora_rank of DeepSeek-V2/V3/R1 and Kimi-K2
 ROPE_DIMS = (64,)     # qk_rope_head_dim of the same models
@@ -63,6 +64,9 @@ class MLASpec(CacheAndArch):
             set_("arch", _normalize_arch(self.arch))
         except SpecError as exc:  # the shared checks name DecodeSpec: name this class instead
             raise _error(exc.field, exc.value, exc.accepted) from None
+        from .mla_tiling import mla_tiling  # late import: the tiling reads the spec
+
+        check_shared_memory(self, mla_tiling(self).smem_bytes, "a 16-bit cache takes less", owner="MLASpec")
 
     # What the shared parts of the engine and the decode headers ask of a spec.
     @property

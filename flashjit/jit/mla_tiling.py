@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from .mla_spec import MLASpec
+from .spec import dynamic_shared_limit
 
 MMA_M = 16
 ENTRY = "flashjit_mla"
@@ -119,9 +120,18 @@ def cta_rows(total_rows: int) -> int:
 
 
 def mla_tiling(spec: MLASpec, table: MLATuning | None = None) -> MLATiling:
+    """The tiling of a spec under table (MLA_TUNING when None): cta_rows' rows a CTA, or half as many
+    (down to 16) while its shared memory is more than the spec's arch gives a block."""
     table = MLA_TUNING if table is None else table
+    rows = cta_rows(spec.num_heads * spec.max_q_len)
+    tiling = _tiling(spec, table, rows)
+    while tiling.smem_bytes > dynamic_shared_limit(spec.arch) and tiling.rows > MMA_M:
+        tiling = _tiling(spec, table, tiling.rows // 2)
+    return tiling
+
+
+def _tiling(spec: MLASpec, table: MLATuning, rows: int) -> MLATiling:
     total = spec.num_heads * spec.max_q_len
-    rows = cta_rows(total)
     row = table.row(spec.kv_is_fp8, rows)
     qk_row_bytes = spec.qk_dim * 2  # 16-bit Q and converted latent rows
     q_bytes = rows * qk_row_bytes

@@ -19,6 +19,12 @@ FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # OCP fp8, as torch names them
 KV_DTYPES = QUERY_DTYPES + FP8_DTYPES
 KV_LAYOUTS = ("NHD", "HND")
 ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
+# The most shared memory one block may have on each arch (CUDA's opt-in limit per block). A tensor-core
+# or MLA kernel's dynamic shared memory (its tiling's smem_bytes) and its static arrays (softmax
+# states, sinks, merge words: at most 1552 bytes, the MLA kernel's at 64 rows, per ptxas) must fit.
+BLOCK_SHARED_BYTES = {"sm_80": 166_912, "sm_86": 101_376, "sm_87": 166_912, "sm_89": 101_376,
+                      "sm_90": 232_448, "sm_90a": 232_448, "sm_100": 232_448, "sm_120": 101_376}
+KERNEL_STATIC_SHARED_BYTES = 1664
 MAX_PAGE_SIZE = 256
 MAX_GROUP_SIZE = 64
 MAX_Q_LEN = 16
@@ -150,6 +156,10 @@ class DecodeSpec(CacheAndArch):
         if self.shared_prefix and self.variant != "none":  # plan() shares prefixes under no variant
             raise SpecError("shared_prefix", self.shared_prefix, f"False with variant {self.variant!r} "
                             "(shared-prefix kernels take variant 'none')")
+        if self.tensor_cores:  # the CUDA-core kernel's arrays are static, within 48 KB on every arch
+            from .tiling import decode_tiling  # late import: the tiling reads the spec
+
+            check_shared_memory(self, decode_tiling(self).smem_bytes, "a smaller head_dim or an fp8 cache takes less")
 
     @classmethod
     def cached(cls, head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch,
@@ -228,6 +238,21 @@ _CACHED_SPECS_MAX = 1024  # distinct plan() argument sets kept; a serving proces
 def arch_number(arch: str) -> int:
     """90 for sm_90 and sm_90a: what the templates compare against (e.g. fp8 conversions from 89)."""
     return int(arch.removeprefix("sm_").rstrip("a"))
+
+
+def dynamic_shared_limit(arch: str) -> int:
+    """The dynamic shared memory a tensor-core or MLA kernel's tiling may take on arch."""
+    return BLOCK_SHARED_BYTES[arch] - KERNEL_STATIC_SHARED_BYTES
+
+
+def check_shared_memory(spec, dynamic_bytes: int, hint: str, owner: str = "DecodeSpec"):
+    """Refuses a spec whose kernel needs more shared memory a block than its arch has (it would
+    compile, then fail to launch), naming the archs where it fits."""
+    if dynamic_bytes > dynamic_shared_limit(spec.arch):
+        fits = [arch for arch in ARCHS if dynamic_shared_limit(arch) >= dynamic_bytes]
+        raise SpecError("arch", spec.arch, f"{', '.join(fits)} for {spec.name}, whose kernel takes "
+                        f"{dynamic_bytes} bytes of shared memory a block beside its static arrays, where "
+                        f"{spec.arch} blocks have {BLOCK_SHARED_BYTES[spec.arch]} in all ({hint})", owner)
 
 
 def _normalize_arch(arch) -> str:
