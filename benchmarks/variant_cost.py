@@ -7,8 +7,8 @@ A variant adds a few instructions to a kernel: on a short call (gpt-oss's 128-to
 about 9 µs) that is a fraction of a microsecond, less than two rows of benchmarks/decode.py timed
 seconds apart drift from each other. Here both sides of a pair are planned over one batch and timed
 in alternating rounds, each round the median of --iters calls under the decode benchmark's flush
-and timer (benchmarks/timing.py), so both see the same clocks and L2 state; a side's time is the
-median of its rounds. Each side's output is checked against the float32 reference (with its
+and timer (benchmarks/timing.py), so both see the same clocks and L2 state; each side is planned
+twice (PLAN_ORDER), and its time is the median of both copies' rounds. Each side's output is checked against the float32 reference (with its
 variant) before it is timed. Eager calls of flashjit's BatchDecode, as the decode benchmark's
 eager column.
 """
@@ -29,13 +29,22 @@ def variant_pairs(cases) -> list[tuple[Case, Case]]:
             for case in cases if case.variant is not None]
 
 
+# Each side is planned twice, in the order base, variant, variant, base: whatever the order of
+# allocation does to a call (where its decoder's buffers and output land) falls on both sides alike.
+PLAN_ORDER = ("base", "variant", "variant", "base")
+
+
 def interleaved_us(timer, calls: dict, rounds: int) -> dict:
-    """{name: median µs over the rounds} of calls timed in turn, round after round."""
-    times = {name: [] for name in calls}
+    """{name: median µs} of calls keyed (name, copy), timed in turn, round after round: a name's
+    median is over the rounds of all its copies."""
+    times = {key: [] for key in calls}
     for _ in range(rounds):
-        for name, call in calls.items():
-            times[name].append(timer.median_us(call))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+        for key, call in calls.items():
+            times[key].append(timer.median_us(call))
+    by_name = {}
+    for (name, _), ts in times.items():
+        by_name.setdefault(name, []).extend(ts)
+    return {name: statistics.median(ts) for name, ts in by_name.items()}
 
 
 def pair_cost(torch, engine, timer, base: Case, case: Case, rounds: int) -> dict:
@@ -47,12 +56,13 @@ def pair_cost(torch, engine, timer, base: Case, case: Case, rounds: int) -> dict
     batch = build_inputs(torch, base)  # the variant row's shape: the same batch, caches and queries
     fp8 = quantize(batch, base)
     calls = {}
-    for side, row in (("base", base), ("variant", case)):
+    for copy, side in enumerate(PLAN_ORDER):
+        row = case if side == "variant" else base
         run, _, _ = flashjit_impl(torch, batch, row, engine, fp8)
         _, problem = checked_output(run, reference(batch, row, fp8), torch.cuda.synchronize)
         if problem:
             return {"error": f"{side}: {problem}"}
-        calls[side] = run
+        calls[side, copy] = run
     us = interleaved_us(timer, calls, rounds)
     return {"base_us": us["base"], "variant_us": us["variant"], "cost": us["variant"] / us["base"] - 1}
 
