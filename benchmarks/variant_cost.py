@@ -8,9 +8,9 @@ about 9 µs) that is a fraction of a microsecond, less than two rows of benchmar
 seconds apart drift from each other. Here both sides of a pair are planned over one batch and timed
 in alternating rounds, each round the median of --iters calls under the decode benchmark's flush
 and timer (benchmarks/timing.py), so both see the same clocks and L2 state; each side is planned
-twice (PLAN_ORDER), and its time is the median of both copies' rounds. Each side's output is checked against the float32 reference (with its
-variant) before it is timed. Eager calls of flashjit's BatchDecode, as the decode benchmark's
-eager column.
+twice (PLAN_ORDER), and its time is the median of both copies' rounds. Each side's output is
+checked against the float32 reference (with its variant) before it is timed. Eager calls of
+flashjit's BatchDecode, as the decode benchmark's eager column.
 """
 
 from __future__ import annotations
