@@ -435,8 +435,9 @@ struct PagedKVStage {
 // prepare() runs once the first stages' copies are issued: the CTA's setup that the copies do not
 // need (Q and its conversion, the scales) then overlaps their flight instead of delaying the first
 // page lookup by a round trip (a Q conversion waits for Q's load). consume(stage, t) runs between
-// two barriers with tile t resident in `stage`.
-template <int STAGES, int TILE, class Stage, class Prepare, class Consume>
+// two barriers with tile t resident in `stage`; with ASYNC_READS, where wgmma reads it, each thread
+// fences its copies to the async proxy before the first.
+template <int STAGES, int TILE, bool ASYNC_READS = false, class Stage, class Prepare, class Consume>
 FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&& prepare, Consume&& consume) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -456,6 +457,7 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&&
     }
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
+    if constexpr (ASYNC_READS) fence_async_proxy();
     __syncthreads();
     if (t == 0) FJ_STAMP(1);
     consume(t % STAGES, t);
