@@ -5,8 +5,8 @@ The operand test places Q, a stage of latent rows and P where the kernel's copie
 (mla.cuh's operand_offset, the P stores), builds the kernel's matrix descriptors for every MMA it
 issues (each formula below is the kernel's, term for term), reads the operands back through the
 PTX ISA's canonical 128-byte-swizzled layouts (K-major for Q, K and P; N-major for V) and checks
-that the MMAs compute Q K^T and P V. Warpgroup 0's P in registers is checked against the MMA's A
-fragment the same way.
+that the MMAs compute Q K^T and P V. Both warpgroups' P in registers (warpgroup 0's from its scores,
+warpgroup 1's by ldmatrix from shared memory) is checked against the MMA's A fragment the same way.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def test_the_mmas_read_q_k_v_and_p_where_the_copies_put_them():
         v_at = kv_at + group * (HALF // 64) * KV_BLOCK
         for kk in range(TILE // 16):
             v = read_n_major(smem, smem_operand(v_at + kk * 16 * 128, KV_BLOCK), HALF)
-            a = p_fragments(p, kk) if group == 0 else read_k_major(smem, smem_operand(p_at + kk * 32, 16), M)
+            a = p_fragments(p, kk) if group == 0 else ldmatrix_fragments(smem, p_at, kk)
             o += a @ v
         np.testing.assert_array_equal(o, p @ kv[:, group * HALF:(group + 1) * HALF])
 
@@ -181,5 +181,24 @@ def p_fragments(p: np.ndarray, kk: int) -> np.ndarray:
             g, t = lane // 4, lane % 4
             for reg, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 8 + 2 * t), (g + 8, 8 + 2 * t))):
                 a[warp * 16 + row, col:col + 2] = regs[reg]
+    assert not np.isnan(a).any()
+    return a
+
+
+def ldmatrix_fragments(smem: np.ndarray, p_at: int, kk: int) -> np.ndarray:
+    """Key step kk's A operand as warpgroup 1 loads it: ldmatrix.x4, lane l giving the address of row
+    l % 8 of matrix l / 8 (p_row, p_sub); thread (g, t) receives row g, columns 2t (+1) of each
+    matrix, its registers 0-3 read back by the A fragment's definition."""
+    a = np.full((M, 16), np.nan)
+    for warp in range(4):
+        addresses = []
+        for lane in range(32):
+            p_row, p_sub = warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), lane >> 4
+            addresses.append(p_at + p_row * 128 + swizzled(p_row, 2 * kk + p_sub) * 16)
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for reg, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 8 + 2 * t), (g + 8, 8 + 2 * t))):
+                at = addresses[8 * reg + g] + 4 * t  # matrix reg, its row g: two values at column 2t
+                a[warp * 16 + row, col:col + 2] = smem[at // 2], smem[at // 2 + 1]
     assert not np.isnan(a).any()
     return a

@@ -6,10 +6,11 @@
 //               sit in 128-byte-swizzled blocks of 64 columns (operand_offset), as wgmma reads them;
 //               then the online softmax in its registers (a row's 64 scores lie in one quad).
 //   O += P V    O's 512 columns are split between the warpgroups, 64 x 256 fp32 each (128 registers
-//               a thread). Warpgroup 0 gives its MMAs P in registers (its S accumulators, converted,
-//               are the A fragments) and writes P and each row's rescale factor to shared memory for
-//               warpgroup 1, whose MMAs read P there. V is the stage's first 512 columns, read
-//               N-major from the same blocks (a block's rows are keys).
+//               a thread). Both give their MMAs P in registers: warpgroup 0's S accumulators,
+//               converted, are the A fragments; it writes P and each row's rescale factor to shared
+//               memory, where warpgroup 1 loads the same fragments (ldmatrix: an ordinary load, so
+//               no proxy fence, which would wait for the next stage's copies). V is the stage's
+//               first 512 columns, read N-major from the same blocks (a block's rows are keys).
 // Warpgroup 1 waits for P on a named barrier; the stage barriers of stream_tiles order the rest.
 // Outputs, partials, the fused merge and empty rows as in mla.cuh's attend.
 //
@@ -37,6 +38,7 @@ FJ_INLINE u64 smem_operand(u32 at, u32 lead) {
 FJ_INLINE void barrier_arrive(int id, int threads) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
 FJ_INLINE void barrier_wait(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
 constexpr int P_READY = 1;  // the named barrier on which warpgroup 1 waits for P
+constexpr int MERGE_CELLS = 4;  // cells a thread of the fused merge reads at once: 32 a thread in all
 
 FJ_INLINE void attend_wgmma(const Args& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -52,6 +54,7 @@ FJ_INLINE void attend_wgmma(const Args& a) {
   const int group = __shfl_sync(0xffffffffu, warp / 4, 0);  // the warpgroup, visibly uniform to the compiler
   const int quad = lane / 4, pair = (lane % 4) * 2;
   const int first_row = (warp % 4) * 16 + quad;  // this thread's accumulator rows: first_row and first_row + 8
+  const int p_row = (warp % 4) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), p_sub = lane >> 4;  // ldmatrix's lanes
 
   const float value_scale = kv_scale(a.ckv_scale, a.ckv_scale_ptr, 0, 0) * Kv<kv_t>::UNIT;
   const float score_scale = a.sm_scale_log2 * value_scale;
@@ -72,13 +75,12 @@ FJ_INLINE void attend_wgmma(const Args& a) {
   for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
 
   const u32 ring_at = (u32)__cvta_generic_to_shared(ring), q_at = (u32)__cvta_generic_to_shared(q_smem);
-  const u32 p_at = (u32)__cvta_generic_to_shared(p_smem);
   LatentStage loader(a, ring, tid, item);
   const int num_tiles = ceil_div(item.v_end - item.v_begin, TILE);
   decode::stream_tiles<STAGES, TILE, true>(loader, item.v_begin, num_tiles, [] {}, [&](int stage, int t) {
     const u32 kv_at = ring_at + stage * STAGE_BYTES;
     float rescale[2];
-    u32 pa[TILE / 16][4];  // warpgroup 0: P as the A fragments of the 16-key steps
+    u32 pa[TILE / 16][4];  // P as the A fragments of the 16-key steps
     if (group == 0) {
       // S: s[4j + e] is row first_row (e < 2) or first_row + 8, key 8j + pair + e % 2.
       float s[S_REGS];
@@ -119,7 +121,7 @@ FJ_INLINE void attend_wgmma(const Args& a) {
       }
       // P: the A fragment of key step kk holds keys 16kk + pair (+1) in registers 0 (row first_row)
       // and 1 (row + 8), keys 16kk + 8 + pair in 2 and 3: n-tile j = 2kk + j % 2 of S. Its copy in
-      // shared memory is K-major, 128-byte-swizzled, for warpgroup 1.
+      // shared memory, rows of 64 keys with the operands' swizzle, is warpgroup 1's.
 #pragma unroll
       for (int j = 0; j < TILE / 8; ++j) {
 #pragma unroll
@@ -132,12 +134,13 @@ FJ_INLINE void attend_wgmma(const Args& a) {
           *reinterpret_cast<u32*>(p_smem + r * cfg::P_PITCH + swizzled(r, j) * 16 + pair * 2) = packed;
         }
       }
-      fence_async_proxy();
       barrier_arrive(P_READY, NT);
     } else {
       barrier_wait(P_READY, NT);
       rescale[0] = rescale_rows[first_row];
       rescale[1] = rescale_rows[first_row + 8];
+#pragma unroll
+      for (int kk = 0; kk < TILE / 16; ++kk) decode::ldmatrix_x4(pa[kk], p_smem + p_row * cfg::P_PITCH + swizzled(p_row, 2 * kk + p_sub) * 16);
     }
     if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {  // after the first tiles maxima rarely grow
 #pragma unroll
@@ -145,15 +148,10 @@ FJ_INLINE void attend_wgmma(const Args& a) {
     }
     // O's columns [HALF * group, + HALF): the stage's 64-column blocks 4 group to 4 group + 3.
     wgmma_fence();
-    const u32 v_at = kv_at + group * (HALF / 64) * KV_BLOCK;  // 16 keys a step: 16 rows of 128 bytes
-    if (group == 0) {
+    const u32 v_at = kv_at + group * (HALF / 64) * KV_BLOCK;
 #pragma unroll
-      for (int kk = 0; kk < TILE / 16; ++kk) wgmma_m64n256_rs(o, pa[kk], smem_operand(v_at + kk * 16 * 128, KV_BLOCK), 1);
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < TILE / 16; ++kk)
-        wgmma_m64n256_ss(o, smem_operand(p_at + kk * 32, 16), smem_operand(v_at + kk * 16 * 128, KV_BLOCK), 1);
-    }
+    for (int kk = 0; kk < TILE / 16; ++kk)  // 16 keys a step: 16 rows of 128 bytes
+      wgmma_m64n256_rs(o, pa[kk], smem_operand(v_at + kk * 16 * 128, KV_BLOCK), 1);
     wgmma_commit();
     wgmma_wait<0>();
     hold_registers(o);
@@ -195,7 +193,7 @@ FJ_INLINE void attend_wgmma(const Args& a) {
     }
   }
   if (!item.direct)
-    decode::merge_partials_if_last<M, NT>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
+    decode::merge_partials_if_last<M, NT, MERGE_CELLS>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
                                           a.out, a.out_stride, a.lse, a.num_heads, item.request, item.q_begin,
                                           item.q_len, 0, row_tile, tid);
 }
