@@ -184,13 +184,11 @@ FJ_INLINE void store_out4(out_t* out, i64 out_stride, float* lse, int num_qo_hea
 // MERGE_CHUNK partials at a time, LSEs and values together with no load behind another: one L2
 // round trip per chunk, the chunks combined by the online-softmax rule. (A pass for the maximum
 // LSE, then one whose value loads wait on each weight, would cost a round trip per partial.)
-// CELLS: the cells (4 columns of a row) a thread merges at once, their loads issued together; a
-// CTA of many rows (MLA's 64 x 512) would otherwise wait for ROWS * D / 4 / THREADS round trips.
 //
 // Not inlined: its code in the kernel body would cost registers in the main loop, where the
 // 16-bit head_dim 256 kernel has none to spare. It takes scalars, as a reference to the
 // kernel's parameters (or a struct by value) would go through local memory.
-template <int ROWS, int THREADS, int CELLS = 1>
+template <int ROWS, int THREADS>
 __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, int* merge_counters,
                                                     int* tile_counters, const float* tmp_o, const float* tmp_lse, out_t* out,
                                                     i64 out_stride, float* lse, int num_qo_heads, int request,
@@ -214,62 +212,44 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
   if (!last) return;
   __threadfence();
   const i64 item_stride = (i64)cfg::MAX_Q_LEN * num_qo_heads;  // between two work items' partials
-  for (int first_cell = tid; first_cell < ROWS * COLS4; first_cell += THREADS * CELLS) {
-    const float* lse_0[CELLS];
-    const float* o_0[CELLS];
-    int q_tok[CELLS], qo_head[CELLS], col[CELLS];
-    bool live[CELLS];
-    float m[CELLS], sum[CELLS], acc[CELLS][4];
-#pragma unroll
-    for (int c = 0; c < CELLS; ++c) {
-      const int cell = first_cell + c * THREADS, row_in = cell / COLS4, row = row_tile * ROWS + row_in;
-      col[c] = (cell % COLS4) * 4;
-      q_tok[c] = row / cfg::GROUP_SIZE;
-      qo_head[c] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
-      live[c] = cell < ROWS * COLS4 && row < ROWS_TOTAL && q_tok[c] < q_len;
-      lse_0[c] = tmp_lse + first_item * item_stride + (i64)q_tok[c] * num_qo_heads + qo_head[c];
-      o_0[c] = tmp_o + (lse_0[c] - tmp_lse) * D + col[c];
-      m[c] = FJ_NEG_INF, sum[c] = 0.f, acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
-    }
+  for (int cell = tid; cell < ROWS * COLS4; cell += THREADS) {
+    const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
+    const int row = row_tile * ROWS + row_in, q_tok = row / cfg::GROUP_SIZE;
+    if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
+    const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+    const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
+    const float* o_0 = tmp_o + (lse_0 - tmp_lse) * D + col;
+    float m = FJ_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
     for (int i0 = 0; i0 < splits; i0 += MERGE_CHUNK) {
-      float part_lse[CELLS][MERGE_CHUNK];
-      float4 part[CELLS][MERGE_CHUNK];
+      float part_lse[MERGE_CHUNK];
+      float4 part[MERGE_CHUNK];
 #pragma unroll
-      for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-        for (int j = 0; j < MERGE_CHUNK; ++j) {
-          const bool real = live[c] && i0 + j < splits;
-          part_lse[c][j] = real ? __ldcg(lse_0[c] + (i0 + j) * item_stride) : FJ_NEG_INF;
-          part[c][j] = real ? __ldcg(reinterpret_cast<const float4*>(o_0[c] + (i0 + j) * item_stride * D))
-                            : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-      for (int c = 0; c < CELLS; ++c) {
-        float m_new = m[c];
-#pragma unroll
-        for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[c][j]);
-        if (m_new == FJ_NEG_INF) continue;  // nothing with weight yet
-        const float rescale = exp2_approx(m[c] - m_new);  // 0 while m is -inf
-        sum[c] *= rescale;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) acc[c][k] *= rescale;
-#pragma unroll
-        for (int j = 0; j < MERGE_CHUNK; ++j) {
-          const float weight = exp2_approx(part_lse[c][j] - m_new);
-          if (weight > 0.f) {
-            acc[c][0] += weight * part[c][j].x; acc[c][1] += weight * part[c][j].y;
-            acc[c][2] += weight * part[c][j].z; acc[c][3] += weight * part[c][j].w;
-            sum[c] += weight;
-          }
-        }
-        m[c] = m_new;
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        const bool real = i0 + j < splits;
+        part_lse[j] = real ? __ldcg(lse_0 + (i0 + j) * item_stride) : FJ_NEG_INF;
+        part[j] = real ? __ldcg(reinterpret_cast<const float4*>(o_0 + (i0 + j) * item_stride * D))
+                       : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-    }
+      float m_new = m;
 #pragma unroll
-    for (int c = 0; c < CELLS; ++c)
-      if (live[c])
-        store_out4(out, out_stride, lse, num_qo_heads, q_begin + q_tok[c], qo_head[c], col[c], acc[c],
-                   sum[c] > 0.f ? 1.f / sum[c] : 0.f, sum[c] > 0.f ? m[c] + log2_approx(sum[c]) : FJ_NEG_INF);
+      for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[j]);
+      if (m_new == FJ_NEG_INF) continue;  // nothing with weight yet
+      const float rescale = exp2_approx(m - m_new);  // 0 while m is -inf
+      sum *= rescale;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c] *= rescale;
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j) {
+        const float weight = exp2_approx(part_lse[j] - m_new);
+        if (weight > 0.f) {
+          acc[0] += weight * part[j].x; acc[1] += weight * part[j].y; acc[2] += weight * part[j].z; acc[3] += weight * part[j].w;
+          sum += weight;
+        }
+      }
+      m = m_new;
+    }
+    store_out4(out, out_stride, lse, num_qo_heads, q_begin + q_tok, qo_head, col, acc,
+               sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? m + log2_approx(sum) : FJ_NEG_INF);
   }
 }
 

@@ -38,7 +38,6 @@ FJ_INLINE u64 smem_operand(u32 at, u32 lead) {
 FJ_INLINE void barrier_arrive(int id, int threads) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
 FJ_INLINE void barrier_wait(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
 constexpr int P_READY = 1;  // the named barrier on which warpgroup 1 waits for P
-constexpr int MERGE_CELLS = 4;  // cells a thread of the fused merge reads at once: 32 a thread in all
 
 FJ_INLINE void attend_wgmma(const Args& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -193,7 +192,7 @@ FJ_INLINE void attend_wgmma(const Args& a) {
     }
   }
   if (!item.direct)
-    decode::merge_partials_if_last<M, NT, MERGE_CELLS>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
+    decode::merge_partials_if_last<M, NT>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
                                           a.out, a.out_stride, a.lse, a.num_heads, item.request, item.q_begin,
                                           item.q_len, 0, row_tile, tid);
 }
