@@ -104,14 +104,16 @@ def test_tiling_shapes(heads, q_len, rows, row_tiles, kv):
     assert t.ring_bytes == t.stages * t.tile_tokens * stored
     assert t.convert_bytes == (t.tile_tokens * 1152 if kv == "e4m3" else 0)
     assert t.smem_bytes + 2048 <= SMEM_LIMIT  # with the static arrays
-    assert t.smem_bytes * t.min_ctas + 4096 <= 233472  # the CTAs per SM the bounds ask for fit in 228 KiB
+    # The CTAs per SM the bounds ask for fit in 228 KiB: each with its arrays, static ones, and the 1 KiB the SM keeps
+    assert t.min_ctas * (t.smem_bytes + 2048 + 1024) <= 233472
     assert t.grid(5) == (5, row_tiles, 1) and t.block == (32 * t.warps, 1, 1) and t.entry == "flashjit_mla"
 
 
 def test_tuning_rows_cover_every_shape():
     for fp8 in (False, True):
         for rows in (16, 32, 64):
-            assert MLA_TUNING.row(fp8, rows).key == (fp8, rows)
+            assert MLA_TUNING.row(fp8, rows).key == (fp8, rows, False)
+    assert MLA_TUNING.row(False, 64, wgmma=True).key == (False, 64, True)
     assert MLA_TUNING.with_rows(rows=64, stages=2).row(True, 64).stages == 2
 
 

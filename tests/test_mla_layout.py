@@ -75,7 +75,9 @@ def mma(acc, a, b0, b1):
         acc[t] += np.array([C[g, 2 * c], C[g, 2 * c + 1], C[g + 8, 2 * c], C[g + 8, 2 * c + 1]])
 
 
-SHAPES = [MLASpec(num_heads=h, max_q_len=q, kv_dtype=kv, arch="sm_90")
+# sm_100: the mma.sync kernel at every shape (on sm_90, 16-bit requests of 64 rows or more take the
+# wgmma kernel: tests/test_mla_wgmma.py).
+SHAPES = [MLASpec(num_heads=h, max_q_len=q, kv_dtype=kv, arch="sm_100")
           for h, q, kv in ((16, 1, "bf16"), (32, 1, "bf16"), (128, 1, "bf16"), (16, 1, "e4m3"), (64, 1, "e4m3"))]
 WIDE = MLA_TUNING.with_rows(tile_tokens=64, stages=2)  # benchmarks/mla.py --sweep's 64-key stages
 TILINGS = [mla_tiling(spec) for spec in SHAPES] + [mla_tiling(SHAPES[0], WIDE), mla_tiling(SHAPES[2], WIDE),

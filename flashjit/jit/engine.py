@@ -176,13 +176,13 @@ def _spec_key(spec, mask, variant=None) -> str:
     """Index key (keys.index_key) of a spec: its ingredients, gathered without rendering or loading NVRTC.
     variant: the spec's VariantDef (default: the one registered under spec.variant)."""
     variant = variant_of(spec) if variant is None else variant
-    return index_key(spec, mask, templates_digest(mask, variant), __version__, compile_options(spec.arch),
+    return index_key(spec, mask, templates_digest(mask, variant), __version__, compile_options(spec.compile_arch),
                      compiler_fingerprint(), variant)
 
 
 def _entry_key(spec: DecodeSpec, source: str) -> str:
     """Entry key (keys.cache_key) of a rendered source, for this process's NVRTC."""
-    return cache_key(source, spec.arch, compile_options(spec.arch), nvrtc_version(), __version__)
+    return cache_key(source, spec.compile_arch, compile_options(spec.compile_arch), nvrtc_version(), __version__)
 
 
 @dataclasses.dataclass
@@ -204,7 +204,7 @@ class _Cubin:
         self.key = _entry_key(self.spec, self.source)
 
     def _portable_key(self) -> str:
-        return portable_key(self.source, self.spec.arch, compile_options(self.spec.arch), __version__)
+        return portable_key(self.source, self.spec.compile_arch, compile_options(self.spec.compile_arch), __version__)
 
     def load(self) -> tuple[str, bytes] | None:
         hit = self.cache.load(self.key)
@@ -235,9 +235,10 @@ class _Cubin:
             raise KernelNotPrewarmed(
                 f"{spec.name} would be compiled during CUDA-graph capture; prewarm first "
                 f"(engine.get_kernel(spec) before capture, or: {prewarm_command(spec, self.cache.root)})")
-        log.info("compiling %s for %s (cache miss)", spec.name, spec.arch)
+        log.info("compiling %s for %s (cache miss)", spec.name, spec.compile_arch)
         start = time.perf_counter()
-        compiled = compile_source(self.source, spec.arch, spec.name, failed_source_dir=self.cache.base / "failed")
+        compiled = compile_source(self.source, spec.compile_arch, spec.name,
+                                  failed_source_dir=self.cache.base / "failed")
         return compiled, time.perf_counter() - start
 
     def store(self, built: tuple[CompiledKernel, float]):
@@ -245,7 +246,8 @@ class _Cubin:
         (compiled, seconds), spec = built, self.spec
         self.cache.store(self.key, compiled.cubin, self.source, {
             "spec": spec.to_dict(), "name": spec.name, "arch": spec.arch, "nvrtc": list(nvrtc_version()),
-            "flashjit": __version__, "options": list(compile_options(spec.arch)), "compile_seconds": round(seconds, 4),
+            "flashjit": __version__, "options": list(compile_options(spec.compile_arch)),
+            "compile_seconds": round(seconds, 4),
             "created": time.time(), "nvrtc_log": compiled.log, "portable_key": self._portable_key(),
         })
 

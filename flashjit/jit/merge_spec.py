@@ -48,6 +48,10 @@ class MergeSpec:
         return arch_number(self.arch)
 
     @property
+    def compile_arch(self) -> str:
+        return self.arch
+
+    @property
     def name(self) -> str:
         """e.g. merge_states_bf16_sm90."""
         return f"merge_states_{_SHORT[self.dtype]}_{self.arch.replace('_', '')}"

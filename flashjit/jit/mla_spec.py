@@ -84,6 +84,14 @@ class MLASpec(CacheAndArch):
         return self.kv_lora_rank
 
     @property
+    def compile_arch(self) -> str:
+        """sm_90a for the wgmma kernel (mla_tiling.uses_wgmma), whose instructions only that form of
+        sm_90 has; the spec's arch otherwise."""
+        from .mla_tiling import uses_wgmma  # late import: the tiling reads the spec
+
+        return "sm_90a" if uses_wgmma(self) else self.arch
+
+    @property
     def qk_dim(self) -> int:
         return self.kv_lora_rank + self.rope_dim
 

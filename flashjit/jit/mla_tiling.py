@@ -6,8 +6,11 @@ One CTA serves ROWS query rows (heads x query tokens of one request: 16, 32 or 6
 tile_tokens latent rows of 576 values in shared memory; every warp scores a slice of them for one
 m-tile (S = Q K^T, 576 wide), the probabilities meet in shared memory, and every warp accumulates
 its own slice of the 512 output columns for all rows (O += P V, V being the same rows' first 512
-values). Python is the one source of these numbers: the template receives them as constants and
-static_asserts their invariants; the launcher takes grid, block and shared memory from here.
+values). On Hopper, 16-bit latents whose request fills 64-row tiles take the warpgroup kernel
+instead (templates/include/mla_wgmma.cuh, compiled for sm_90a): two warpgroups, Q and the stages
+in 128-byte-swizzled blocks of 64 columns that wgmma reads as they are. Python is the one source of
+these numbers: the template receives them as constants and static_asserts their invariants; the
+launcher takes grid, block and shared memory from here.
 """
 
 from __future__ import annotations
@@ -21,6 +24,15 @@ MMA_M = 16
 ENTRY = "flashjit_mla"
 P_PAD = 16  # bytes after each row of P in shared memory: rows 16 bytes apart keep ldmatrix conflict-free
 RING_ALIGN = 128
+WGMMA_ARCHS = ("sm_90", "sm_90a")
+WGMMA_ROWS = 64        # a warpgroup MMA's M
+SWIZZLE_ATOM = 1024    # the 128-byte swizzle's repeat (8 rows of 128 bytes): operand blocks start on it
+
+
+def uses_wgmma(spec: MLASpec) -> bool:
+    """The warpgroup kernel: Hopper, 16-bit latents, and a request whose heads x query tokens fill
+    64-row tiles (128 heads, or 64; 32 with two query tokens)."""
+    return spec.arch in WGMMA_ARCHS and not spec.kv_is_fp8 and spec.num_heads * spec.max_q_len >= WGMMA_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +50,7 @@ class MLATiling:
     smem_bytes: int      # dynamic shared memory, with the slack to align the ring
     merge_chunk: int     # partials the fused merge loads at once
     l2_prefetch: int     # bytes the L2 fetches around each 16-byte copy
+    wgmma: bool = False  # the warpgroup kernel (mla_wgmma.cuh, sm_90a): 64 rows, two warpgroups
     fused_merge: bool = True   # split requests merge in the decode kernel (decode_common.cuh)
     heads_first: bool = True   # grid x: work items (one latent head each); y: row tiles
     ring_align: int = RING_ALIGN
@@ -72,10 +85,11 @@ class MLATuningRow:
     tile_tokens: int
     stages: int
     min_ctas: int
+    wgmma: bool = False
 
     @property
-    def key(self) -> tuple[bool, int]:
-        return (self.fp8, self.rows)
+    def key(self) -> tuple[bool, int, bool]:
+        return (self.fp8, self.rows, self.wgmma)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +98,12 @@ class MLATuning:
     merge_chunk: int = 8
     l2_prefetch: int = 128
 
-    def row(self, fp8: bool, rows: int) -> MLATuningRow:
+    def row(self, fp8: bool, rows: int, wgmma: bool = False) -> MLATuningRow:
         for row in self.rows:
-            if row.key == (fp8, rows):
+            if row.key == (fp8, rows, wgmma):
                 return row
-        raise KeyError(f"no MLA tuning row for {'fp8' if fp8 else '16-bit'} latents at {rows} rows per CTA")
+        raise KeyError(f"no MLA tuning row for {'fp8' if fp8 else '16-bit'} latents at {rows} rows per CTA"
+                       f"{' (wgmma)' if wgmma else ''}")
 
     def with_rows(self, *, fp8: bool | None = None, rows: int | None = None, **changes) -> "MLATuning":
         """A copy whose rows of this cache width and CTA rows (None: every one) take changes (sweeps)."""
@@ -100,6 +115,8 @@ class MLATuning:
 # Starting points, not yet swept on the GPU. 16 rows (16 heads, memory-bound): two CTAs per SM, so
 # one CTA's barriers overlap the other's copies. 64 rows (128 heads, compute-bound): 8 warps, each
 # with 64 output columns of 4 m-tiles (128 accumulator registers). fp8 rings hold twice the stages.
+# The wgmma row: two warpgroups, stages of 64 keys (S is one 64 x 64 MMA chain), two of them beside
+# Q and P in 225 KB.
 MLA_TUNING = MLATuning(rows=(
     #            fp8    rows warps tile stages min_ctas
     MLATuningRow(False, 16,  4,    32,  2,     2),
@@ -108,6 +125,7 @@ MLA_TUNING = MLATuning(rows=(
     MLATuningRow(True,  16,  4,    32,  3,     2),
     MLATuningRow(True,  32,  8,    32,  4,     1),
     MLATuningRow(True,  64,  8,    32,  4,     1),
+    MLATuningRow(False, 64,  8,    64,  2,     1, wgmma=True),
 ))
 
 
@@ -120,9 +138,12 @@ def cta_rows(total_rows: int) -> int:
 
 
 def mla_tiling(spec: MLASpec, table: MLATuning | None = None) -> MLATiling:
-    """The tiling of a spec under table (MLA_TUNING when None): cta_rows' rows a CTA, or half as many
-    (down to 16) while its shared memory is more than the spec's arch gives a block."""
+    """The tiling of a spec under table (MLA_TUNING when None): the wgmma kernel's where uses_wgmma,
+    else cta_rows' rows a CTA, or half as many (down to 16) while its shared memory is more than the
+    spec's arch gives a block."""
     table = MLA_TUNING if table is None else table
+    if uses_wgmma(spec):
+        return _wgmma_tiling(spec, table)
     rows = cta_rows(spec.num_heads * spec.max_q_len)
     tiling = _tiling(spec, table, rows)
     while tiling.smem_bytes > dynamic_shared_limit(spec.arch) and tiling.rows > MMA_M:
@@ -143,3 +164,17 @@ def _tiling(spec: MLASpec, table: MLATuning, rows: int) -> MLATiling:
                      row_tiles=-(-total // rows), min_ctas=row.min_ctas, q_bytes=q_bytes, ring_bytes=ring_bytes,
                      convert_bytes=convert_bytes, p_pitch=p_pitch, smem_bytes=smem, merge_chunk=table.merge_chunk,
                      l2_prefetch=table.l2_prefetch)
+
+
+def _wgmma_tiling(spec: MLASpec, table: MLATuning) -> MLATiling:
+    row = table.row(False, WGMMA_ROWS, wgmma=True)
+    qk_row_bytes = spec.qk_dim * 2
+    q_bytes = WGMMA_ROWS * qk_row_bytes
+    ring_bytes = row.stages * row.tile_tokens * qk_row_bytes
+    p_pitch = row.tile_tokens * 2  # P: one swizzled 128-byte row of 64 keys per query row
+    smem = ring_bytes + q_bytes + WGMMA_ROWS * p_pitch + SWIZZLE_ATOM - 16
+    return MLATiling(rows=WGMMA_ROWS, warps=row.warps, tile_tokens=row.tile_tokens, stages=row.stages,
+                     row_tiles=-(-spec.num_heads * spec.max_q_len // WGMMA_ROWS), min_ctas=row.min_ctas,
+                     q_bytes=q_bytes, ring_bytes=ring_bytes, convert_bytes=0, p_pitch=p_pitch, smem_bytes=smem,
+                     merge_chunk=table.merge_chunk, l2_prefetch=table.l2_prefetch, wgmma=True,
+                     ring_align=SWIZZLE_ATOM)

@@ -98,6 +98,12 @@ class CacheAndArch:
     def arch_number(self) -> int:
         return arch_number(self.arch)
 
+    @property
+    def compile_arch(self) -> str:
+        """The arch NVRTC compiles for: the spec's, or its arch-specific form where the kernel uses
+        instructions only that form has (MLASpec's wgmma kernels: sm_90a)."""
+        return self.arch
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec(CacheAndArch):

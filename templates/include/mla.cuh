@@ -86,10 +86,21 @@ template <> struct IsBf16<bfloat16_t> { static constexpr bool value = true; };
 // 128 bytes (rows are 1152 bytes, 9 x 128), so the 8 rows of one ldmatrix matrix hit 8 bank groups.
 FJ_INLINE int swizzled(int row, int chunk) { return chunk ^ (row & 7); }
 
+// Where chunk `chunk` of 16-bit row `row` lies in a buffer of ROWS_IN rows (Q's, or a stage's):
+// rows of 1152 bytes, swizzled; or, for the wgmma kernel (cfg::WGMMA), nine blocks of 64 columns,
+// each ROWS_IN rows of 128 bytes with the same swizzle, which is wgmma's 128-byte-swizzled layout
+// of a K-major operand (Q, K and P) and of an N-major one (V: its rows are keys) alike.
+template <int ROWS_IN>
+FJ_INLINE int operand_offset(int row, int chunk) {
+  if constexpr (cfg::WGMMA) return (chunk / 8) * (ROWS_IN * 128) + row * 128 + swizzled(row, chunk % 8) * 16;
+  return row * ROW_BYTES + swizzled(row, chunk) * 16;
+}
+
 // Copies one stage of latent rows from the paged cache: TPK threads per row, each CPT chunks of it
 // (16-byte columns TPK apart, so the TPK threads read consecutive bytes), KPP rows per pass. One
 // page-table read per thread and pass, resolved a stage ahead (locate) of the copies (issue).
-// 16-bit rows land swizzled, ready for ldmatrix; fp8 rows land as stored, for convert().
+// 16-bit rows land swizzled (operand_offset), ready for ldmatrix or wgmma; fp8 rows land as
+// stored, for convert().
 struct LatentStage {
   static constexpr int TPK = FP8 ? 4 : 8;
   static constexpr int KPP = NT / TPK, PASSES = ceil_div(TILE, KPP), CPT = STORED_CHUNKS / TPK;
@@ -125,19 +136,20 @@ struct LatentStage {
     for (int p = 0; p < PASSES; ++p) {
       const int key = p * KPP + row;
       if (KPP * PASSES > TILE && key >= TILE) continue;
-      const u32 row_dst = ring + stage * STAGE_BYTES + key * STORED_ROW_BYTES;
+      const u32 stage_dst = ring + stage * STAGE_BYTES;
 #pragma unroll
       for (int j = 0; j < CPT; ++j) {
         const int c = sub + TPK * j;
         const kv_t* src = c < LATENT_CHUNKS ? a.ckv + ckv_at[p] + c * ELEMS
                                             : a.kpe + kpe_at[p] + (c - LATENT_CHUNKS) * ELEMS;
-        cp_async_16<cfg::L2_PREFETCH>(row_dst + (FP8 ? c : swizzled(key, c)) * 16, src, real[p]);
+        const int at = FP8 ? key * STORED_ROW_BYTES + c * 16 : operand_offset<TILE>(key, c);
+        cp_async_16<cfg::L2_PREFETCH>(stage_dst + at, src, real[p]);
       }
     }
   }
 };
 
-// Q's rows into shared memory (16-bit, swizzled), zeros for rows past the request's. With fp8
+// Q's rows into shared memory (16-bit, at operand_offset), zeros for rows past the request's. With fp8
 // latents Q's RoPE part is multiplied by pe_ratio = kpe_scale / ckv_scale on the way, so that one
 // scale serves the whole 576-wide score.
 FJ_INLINE void load_q(const Args& a, const WorkItem& item, int row_tile, unsigned char* q_smem, float pe_ratio,
@@ -149,7 +161,7 @@ FJ_INLINE void load_q(const Args& a, const WorkItem& item, int row_tile, unsigne
     const int row = row_tile * M + r, tok = row / cfg::GROUP_SIZE, head = row % cfg::GROUP_SIZE;
     const bool valid = row < ROWS_TOTAL && tok < item.q_len;
     const i64 token = item.q_begin + tok;
-    const int at = r * ROW_BYTES + swizzled(r, c) * 16;
+    const int at = operand_offset<M>(r, c);
     if (c < NOPE_CHUNKS) {
       const q_t* src = valid ? a.q_nope + token * a.q_nope_stride + head * a.q_nope_head_stride + c * 8 : a.q_nope;
       cp_async_16<cfg::L2_PREFETCH>(q_base + at, src, valid);

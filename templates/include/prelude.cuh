@@ -43,6 +43,14 @@ FJ_INLINE void wait_for_previous_kernel() {
 #endif
 }
 
+// Orders this thread's writes to shared memory (stores, cp.async copies) before reads of the async
+// proxy (wgmma's operands) in threads that a later barrier orders after it (sm_90 and later).
+FJ_INLINE void fence_async_proxy() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
 #define FJ_NEG_INF __int_as_float(0xff800000u)
 #define FJ_LN2 0.69314718055994530942f
 #define FJ_LOG2E 1.44269504088896340736f
