@@ -35,8 +35,12 @@ FJ_INLINE u64 smem_operand(u32 at, u32 lead) {
   return (u64)((at & 0x3FFFF) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(SWIZZLE_ATOM >> 4) << 32) | (1ull << 62);
 }
 
-FJ_INLINE void barrier_arrive(int id, int threads) { asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
-FJ_INLINE void barrier_wait(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
+FJ_INLINE void barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+FJ_INLINE void barrier_wait(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 constexpr int P_READY = 1;  // the named barrier on which warpgroup 1 waits for P
 
 FJ_INLINE void attend_wgmma(const Args& a) {
@@ -102,7 +106,8 @@ FJ_INLINE void attend_wgmma(const Args& a) {
       for (int i = 0; i < S_REGS; ++i) {
         const int h = (i >> 1) & 1, pos = tile_v0 + 8 * (i >> 2) + pair + (i & 1);
         const bool visible = row_ok[h] && item.in_span(pos) &&
-                             mask_visible(MaskParams{}, item.request, row_tok[h], item.q_len, row_pos[h], pos, item.kv_len);
+                             mask_visible(MaskParams{}, item.request, row_tok[h], item.q_len, row_pos[h], pos,
+                                          item.kv_len);
         s[i] = visible ? s[i] * score_scale : FJ_NEG_INF;
         tile_max[h] = fmaxf(tile_max[h], s[i]);
       }
@@ -139,7 +144,8 @@ FJ_INLINE void attend_wgmma(const Args& a) {
       rescale[0] = rescale_rows[first_row];
       rescale[1] = rescale_rows[first_row + 8];
 #pragma unroll
-      for (int kk = 0; kk < TILE / 16; ++kk) decode::ldmatrix_x4(pa[kk], p_smem + p_row * cfg::P_PITCH + swizzled(p_row, 2 * kk + p_sub) * 16);
+      for (int kk = 0; kk < TILE / 16; ++kk)
+        decode::ldmatrix_x4(pa[kk], p_smem + p_row * cfg::P_PITCH + swizzled(p_row, 2 * kk + p_sub) * 16);
     }
     if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {  // after the first tiles maxima rarely grow
 #pragma unroll
@@ -180,7 +186,8 @@ FJ_INLINE void attend_wgmma(const Args& a) {
       out_t* dst = a.out + token * a.out_stride + head * LATENT + col0;
 #pragma unroll
       for (int j = 0; j < HALF / 8; ++j)
-        *reinterpret_cast<u32*>(dst + 8 * j) = decode::Mma<mma_t>::pack(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+        *reinterpret_cast<u32*>(dst + 8 * j) =
+            decode::Mma<mma_t>::pack(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
       if (a.lse != nullptr && group == 0 && lane % 4 == 0) a.lse[token * a.num_heads + head] = lse2 * FJ_LN2;
     } else {
       const i64 slot = ((i64)w * cfg::MAX_Q_LEN + tok) * a.num_heads + head;
