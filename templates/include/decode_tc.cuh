@@ -248,11 +248,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
       for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        const float m_new = fmaxf(m[h], tile_max[h]);
-        m_ref[h] = m_new == FJ_NEG_INF ? 0.f : m_new;
-        rescale[h] = exp2_approx(m[h] - m_ref[h]);
-        dsum[h] *= rescale[h];
-        m[h] = m_new;
+        rescale[h] = advance_max(tile_max[h], m[h], m_ref[h], dsum[h]);
       }
       // After the first tiles the running max rarely grows: skip O's rescale when no row's did.
       if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {

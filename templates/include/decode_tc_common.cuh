@@ -25,6 +25,18 @@ template <> struct Mma<half_t> {
   }
 };
 
+// One row's online-softmax step (base 2) once its tile's maximum is known: the running maximum m
+// takes it, m_ref is the reference the tile's exponentials take (0 while nothing is visible, so
+// no -inf - -inf), and the running sum is rescaled. Returns the rescale factor (0 while m was -inf).
+FJ_INLINE float advance_max(float tile_max, float& m, float& m_ref, float& dsum) {
+  const float m_new = fmaxf(m, tile_max);
+  m_ref = m_new == FJ_NEG_INF ? 0.f : m_new;
+  const float rescale = exp2_approx(m - m_ref);
+  dsum *= rescale;
+  m = m_new;
+  return rescale;
+}
+
 FJ_INLINE void ldmatrix_x4(u32* r, const void* smem) {
   u32 addr = (u32)__cvta_generic_to_shared(smem);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

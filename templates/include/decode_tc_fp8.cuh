@@ -236,12 +236,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     for (int c = 0; c < COLS; ++c) {
 #pragma unroll
       for (int mask = 4; mask < 32; mask *= 2) tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], mask));
-      const float m_new = fmaxf(m[c], tile_max[c]);
-      m_ref[c] = m_new == FJ_NEG_INF ? 0.f : m_new;
-      rescale[c] = exp2_approx(m[c] - m_ref[c]);
+      rescale[c] = advance_max(tile_max[c], m[c], m_ref[c], dsum[c]);
       grew |= rescale[c] != 1.f;
-      dsum[c] *= rescale[c];
-      m[c] = m_new;
     }
     // After the first tiles the running max rarely grows: skip O's rescale when no column's did.
     if (__any_sync(0xffffffffu, grew)) {

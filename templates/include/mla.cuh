@@ -209,6 +209,42 @@ FJ_INLINE void convert(const unsigned char* stored, unsigned char* tile, int tid
   }
 }
 
+// One query row's outputs from this thread: N column pairs col0 + 8n (+1), pair(n) giving their
+// unnormalized values, times inv. A request's only item writes the output (and the natural-log
+// LSE, where writes_lse and an lse tensor is given); a split item its normalized fp32 partial and
+// base-2 LSE in its slot, for the fused merge.
+template <int N, class Pair>
+FJ_INLINE void store_row(const Args& a, const WorkItem& item, int w, int tok, int head, int col0, float inv,
+                         float lse2, bool writes_lse, Pair&& pair) {
+  const i64 token = item.q_begin + tok;
+  if (item.direct) {
+    out_t* dst = a.out + token * a.out_stride + head * LATENT + col0;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const float2 v = pair(n);
+      *reinterpret_cast<u32*>(dst + 8 * n) = Mma<mma_t>::pack(v.x * inv, v.y * inv);
+    }
+    if (a.lse != nullptr && writes_lse) a.lse[token * a.num_heads + head] = lse2 * FJ_LN2;
+  } else {
+    const i64 slot = ((i64)w * cfg::MAX_Q_LEN + tok) * a.num_heads + head;
+    float* dst = a.tmp_o + slot * LATENT + col0;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const float2 v = pair(n);
+      *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(v.x * inv, v.y * inv);
+    }
+    if (writes_lse) a.tmp_lse[slot] = lse2;
+  }
+}
+
+// A split item's CTA, its partials written: the last of its request's row tile merges them.
+FJ_INLINE void merge_if_split(const Args& a, const WorkItem& item, int row_tile, int tid) {
+  if (!item.direct)
+    decode::merge_partials_if_last<M, NT>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
+                                          a.out, a.out_stride, a.lse, a.num_heads, item.request, item.q_begin,
+                                          item.q_len, 0, row_tile, tid);
+}
+
 FJ_INLINE void attend(const Args& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* ring = decode::aligned_ring(smem_raw);
@@ -323,11 +359,7 @@ FJ_INLINE void attend(const Args& a) {
     float m_ref[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], tile_max[h]);
-      m_ref[h] = m_new == FJ_NEG_INF ? 0.f : m_new;
-      const float rescale = exp2_approx(m[h] - m_ref[h]);  // 0 while m is -inf
-      dsum[h] *= rescale;
-      m[h] = m_new;
+      const float rescale = decode::advance_max(tile_max[h], m[h], m_ref[h], dsum[h]);
       if (ks == 0 && lane % 4 == 0) rescale_rows[row_of[h]] = rescale;
     }
     // P into shared memory, in the layout the A fragments of O += P V read.
@@ -407,27 +439,11 @@ FJ_INLINE void attend(const Args& a) {
       for (int j = 0; j < KS; ++j) total += red_sum[j][r];
       const float inv = total > 0.f ? value_scale / total : 0.f;
       const float lse2 = total > 0.f ? red_m[r] + log2_approx(total) : FJ_NEG_INF;
-      const i64 token = item.q_begin + tok;
-      if (item.direct) {
-        out_t* dst = a.out + token * a.out_stride + head * LATENT + col0;
-#pragma unroll
-        for (int n = 0; n < NTV; ++n)
-          *reinterpret_cast<u32*>(dst + 8 * n) = Mma<mma_t>::pack(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
-        if (a.lse != nullptr && warp == 0 && lane % 4 == 0) a.lse[token * a.num_heads + head] = lse2 * FJ_LN2;
-      } else {
-        const i64 slot = ((i64)w * cfg::MAX_Q_LEN + tok) * a.num_heads + head;
-        float* dst = a.tmp_o + slot * LATENT + col0;
-#pragma unroll
-        for (int n = 0; n < NTV; ++n)
-          *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[mt][n][2 * h] * inv, o[mt][n][2 * h + 1] * inv);
-        if (warp == 0 && lane % 4 == 0) a.tmp_lse[slot] = lse2;
-      }
+      store_row<NTV>(a, item, w, tok, head, col0, inv, lse2, warp == 0 && lane % 4 == 0,
+                     [&](int n) { return make_float2(o[mt][n][2 * h], o[mt][n][2 * h + 1]); });
     }
   }
-  if (!item.direct)
-    decode::merge_partials_if_last<M, NT>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
-                                          a.out, a.out_stride, a.lse, a.num_heads, item.request, item.q_begin,
-                                          item.q_len, 0, row_tile, tid);
+  merge_if_split(a, item, row_tile, tid);
 }
 
 }  // namespace mla

@@ -116,11 +116,7 @@ FJ_INLINE void attend_wgmma(const Args& a) {
       for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        const float m_new = fmaxf(m[h], tile_max[h]);
-        m_ref[h] = m_new == FJ_NEG_INF ? 0.f : m_new;
-        rescale[h] = exp2_approx(m[h] - m_ref[h]);  // 0 while m is -inf
-        dsum[h] *= rescale[h];
-        m[h] = m_new;
+        rescale[h] = decode::advance_max(tile_max[h], m[h], m_ref[h], dsum[h]);
         if (lane % 4 == 0) rescale_rows[first_row + 8 * h] = rescale[h];
       }
       // P: the A fragment of key step kk holds keys 16kk + pair (+1) in registers 0 (row first_row)
@@ -181,27 +177,10 @@ FJ_INLINE void attend_wgmma(const Args& a) {
     const float total = row_sum[r];
     const float inv = total > 0.f ? value_scale / total : 0.f;
     const float lse2 = total > 0.f ? row_max[r] + log2_approx(total) : FJ_NEG_INF;
-    const i64 token = item.q_begin + tok;
-    if (item.direct) {
-      out_t* dst = a.out + token * a.out_stride + head * LATENT + col0;
-#pragma unroll
-      for (int j = 0; j < HALF / 8; ++j)
-        *reinterpret_cast<u32*>(dst + 8 * j) =
-            decode::Mma<mma_t>::pack(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (a.lse != nullptr && group == 0 && lane % 4 == 0) a.lse[token * a.num_heads + head] = lse2 * FJ_LN2;
-    } else {
-      const i64 slot = ((i64)w * cfg::MAX_Q_LEN + tok) * a.num_heads + head;
-      float* dst = a.tmp_o + slot * LATENT + col0;
-#pragma unroll
-      for (int j = 0; j < HALF / 8; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (group == 0 && lane % 4 == 0) a.tmp_lse[slot] = lse2;
-    }
+    store_row<HALF / 8>(a, item, w, tok, head, col0, inv, lse2, group == 0 && lane % 4 == 0,
+                        [&](int j) { return make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]); });
   }
-  if (!item.direct)
-    decode::merge_partials_if_last<M, NT>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
-                                          a.out, a.out_stride, a.lse, a.num_heads, item.request, item.q_begin,
-                                          item.q_len, 0, row_tile, tid);
+  merge_if_split(a, item, row_tile, tid);
 }
 
 }  // namespace mla
