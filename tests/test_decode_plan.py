@@ -329,8 +329,23 @@ def test_a_batch_past_what_the_devices_shared_memory_holds_plans_on_the_host(pla
         assert (PLAN_FN in launched) == on_gpu
         launched.clear()
         if not on_gpu:
-            with pytest.raises(RuntimeError, match="fewer on GPUs of about 100 KB"):
+            with pytest.raises(RuntimeError, match="max_batch_size=4 is over the 3 requests the GPU planner's "
+                                                   "shared memory holds on this device"):
                 decoder.replan()
+
+
+def test_replan_names_why_there_is_no_plan_on_the_gpu(planner):
+    page_table = tables([300, 20, 4000], 16, np.random.default_rng(6))
+    eager = cpu_decoder(planner)
+    with pytest.raises(RuntimeError, match="replan.* there is no plan$"):
+        eager.replan()
+    eager.plan(*page_table, 32, 8, 128, 16)
+    with pytest.raises(RuntimeError, match=r"no CUDA graph mode \(use_cuda_graph=True\)$"):
+        eager.replan()
+    graph = cpu_decoder(planner, use_cuda_graph=True, max_batch_size=3, max_num_pages=400)  # no planner entry
+    graph.plan(*page_table, 32, 8, 128, 16)
+    with pytest.raises(RuntimeError, match=f"the module of {graph.spec.name} has no GPU planner$"):
+        graph.replan()
 
 
 # ---- the spec memo -----------------------------------------------------------------------------------------

@@ -313,10 +313,12 @@ class BatchDecode:
         graph of run()s alone plans once."""
         plan = self._plan
         if plan is None or not isinstance(plan.tables, DeviceTables):
-            raise RuntimeError("replan() needs a plan made on the GPU: use_cuda_graph=True, max_batch_size up to "
-                               f"{MAX_DEVICE_PLAN_BATCH} (fewer on GPUs of about 100 KB of shared memory a block) "
-                               "and a mask without host-side spans (none, causal, sliding_window); "
-                               f"the current plan is {'missing' if plan is None else 'made on the host'}")
+            why = ("there is no plan" if plan is None else "no CUDA graph mode (use_cuda_graph=True)"
+                   if self._graph is None else self._graph.host_planned_because(plan.setup)
+                   or "the current plan was made on the host")
+            raise RuntimeError("replan() needs a plan made on the GPU (use_cuda_graph=True, max_batch_size up to "
+                               f"{MAX_DEVICE_PLAN_BATCH}, fewer on GPUs of about 100 KB of shared memory a block, and "
+                               f"a mask without host-side spans: none, causal, sliding_window): {why}")
         self._graph.planner(self._current_stream(self._device_index))
 
     @property

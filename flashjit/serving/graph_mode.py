@@ -64,15 +64,27 @@ class GraphLimits:
         self.planner: DevicePlanner | None = None  # made by the first plan the GPU planner serves
 
     def device_planner(self, setup) -> DevicePlanner | None:
-        """The GPU planner, where it serves the setup's kernel (its module has the entry, the mask
-        computes its spans on the GPU, the batch fits its shared memory on this device), else None:
-        plan on the host."""
-        if (setup.loaded.plan is None or not setup.kernel.mask.plans_on_device
-                or self.max_batch_size > setup.loaded.plan_max_batch):
+        """The GPU planner, where it serves the setup's kernel (host_planned_because: None), else
+        None: plan on the host."""
+        if self.host_planned_because(setup) is not None:
             return None
         if self.planner is None:
             self.planner = DevicePlanner(self.max_batch_size, self.device)
         return self.planner
+
+    def host_planned_because(self, setup) -> str | None:
+        """Why the setup's plans are made on the host, None where the GPU planner serves them: its
+        module has the planner, the mask computes its spans on the GPU, and max_batch_size fits the
+        planner's shared memory on this device."""
+        if setup.loaded.plan is None:
+            return f"the module of {setup.spec.name} has no GPU planner"
+        if not setup.kernel.mask.plans_on_device:
+            return (f"mask {setup.kernel.mask.name!r} computes its spans on the host (the GPU planner takes none, "
+                    "causal and sliding_window)")
+        if self.max_batch_size > setup.loaded.plan_max_batch:
+            return (f"max_batch_size={self.max_batch_size} is over the {setup.loaded.plan_max_batch} requests the "
+                    "GPU planner's shared memory holds on this device")
+        return None
 
     def check_page_id_count(self, count: int):
         if count > self.page_ids.numel():
