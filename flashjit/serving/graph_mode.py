@@ -76,6 +76,8 @@ class GraphLimits:
         """Why the setup's plans are made on the host, None where the GPU planner serves them: its
         module has the planner, the mask computes its spans on the GPU, and max_batch_size fits the
         planner's shared memory on this device."""
+        if setup.spec.shared_prefix:
+            return "share_prefixes=True plans on the host, where it finds the shared prefixes"
         if setup.loaded.plan is None:
             return f"the module of {setup.spec.name} has no GPU planner"
         if not setup.kernel.mask.plans_on_device:
