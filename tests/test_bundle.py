@@ -18,14 +18,17 @@ from flashjit.deploy import bundle as bundle_module
 from flashjit.deploy.bundle import HEADER, BundleError, export_bundle, import_bundle
 from flashjit.jit.cache import SCHEMA, KernelCache
 from flashjit.jit.compile import CompiledKernel
+from flashjit.jit.mla_spec import MLASpec
 from flashjit.errors import CacheError
 
 from conftest import fake_cubin
 
-# The warm (really compiled) spec plus three the fake NVRTC builds: two archs, three masks.
+# The warm (really compiled) spec plus four the fake NVRTC builds: two archs, three masks, and an MLA
+# spec compiled for sm_90a (its wgmma kernel) under its arch sm_90.
 OTHER_SPECS = [DecodeSpec(128, mask="causal", group_size=4, arch="sm_80"),
                DecodeSpec(128, mask="sliding_window", group_size=4, arch="sm_90"),
-               DecodeSpec(64, mask="none", page_size=32, arch="sm_80")]
+               DecodeSpec(64, mask="none", page_size=32, arch="sm_80"),
+               MLASpec(num_heads=128, arch="sm_90")]
 KEY = "a" * 64
 
 
@@ -88,7 +91,7 @@ def test_bundle_layout_is_relative_and_versioned(built, tmp_path):
     assert all(m.name == HEADER or m.name.startswith(f"v{SCHEMA}/entries/") or m.name.startswith(f"v{SCHEMA}/index/")
                for m in members)
     assert header["format"] == bundle_module.BUNDLE_FORMAT and header["schema"] == SCHEMA
-    assert len(header["entries"]) == 4 and str(built[0]) not in json.dumps(header)
+    assert len(header["entries"]) == len(built[1]) and str(built[0]) not in json.dumps(header)
 
 
 def test_export_only_the_given_specs(built, tmp_path):
@@ -109,7 +112,7 @@ def test_export_specs_found_without_index_files(built, tmp_path):
     shutil.copytree(built[0], source_dir)
     shutil.rmtree(source_dir / f"v{SCHEMA}" / "index")
     report = export_bundle(tmp_path / "b.tar.gz", source_dir, specs=built[1])
-    assert len(report.entries) == 4 and report.index_files == 4  # index files rebuilt into the bundle
+    assert len(report.entries) == report.index_files == len(built[1])  # index files rebuilt into the bundle
 
 
 def test_export_by_arch(built, tmp_path):
@@ -137,7 +140,7 @@ def test_import_twice_finds_entries_present(built, tmp_path):
     export_bundle(tmp_path / "b.tar.gz", built[0])
     import_bundle(tmp_path / "b.tar.gz", tmp_path / "host")
     again = import_bundle(tmp_path / "b.tar.gz", tmp_path / "host")
-    assert again.imported == [] and len(again.present) == 4
+    assert again.imported == [] and len(again.present) == len(built[1])
 
 
 def test_import_into_an_unusable_cache_dir(built, tmp_path, caplog):

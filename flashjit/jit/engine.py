@@ -182,7 +182,7 @@ def _spec_key(spec, mask, variant=None) -> str:
 
 def _entry_key(spec: DecodeSpec, source: str) -> str:
     """Entry key (keys.cache_key) of a rendered source, for this process's NVRTC."""
-    return cache_key(source, spec.compile_arch, compile_options(spec.compile_arch), nvrtc_version(), __version__)
+    return cache_key(source, spec.arch, compile_options(spec.compile_arch), nvrtc_version(), __version__)
 
 
 @dataclasses.dataclass
@@ -204,7 +204,7 @@ class _Cubin:
         self.key = _entry_key(self.spec, self.source)
 
     def _portable_key(self) -> str:
-        return portable_key(self.source, self.spec.compile_arch, compile_options(self.spec.compile_arch), __version__)
+        return portable_key(self.source, self.spec.arch, compile_options(self.spec.compile_arch), __version__)
 
     def load(self) -> tuple[str, bytes] | None:
         hit = self.cache.load(self.key)
