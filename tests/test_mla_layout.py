@@ -167,10 +167,11 @@ def test_scores_and_outputs_match_numpy(t):
 
 @pytest.mark.parametrize("kv", ["bf16", "e4m3"])
 def test_loader_covers_every_chunk_of_a_stage_once(kv):
-    """LatentStage: TPK threads per row, CPT chunks each, KPP rows per pass (mla.cuh)."""
+    """LatentCopies: TPK threads per row, CPT chunks each, KPP rows per pass (mla.cuh); the CTA's
+    threads copy, or in the wgmma kernel (128 heads over 16-bit latents on sm_90) warpgroup 1's."""
     for heads in (16, 128):
         t = mla_tiling(MLASpec(num_heads=heads, kv_dtype=kv, arch="sm_90"))
-        nt, tile = 32 * t.warps, t.tile_tokens
+        nt, tile = 128 if t.wgmma else 32 * t.warps, t.tile_tokens
         stored_chunks = QK * (1 if kv == "e4m3" else 2) // 16
         tpk = 4 if kv == "e4m3" else 8
         kpp, cpt = nt // tpk, stored_chunks // tpk

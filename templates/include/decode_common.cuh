@@ -435,10 +435,8 @@ struct PagedKVStage {
 // prepare() runs once the first stages' copies are issued: the CTA's setup that the copies do not
 // need (Q and its conversion, the scales) then overlaps their flight instead of delaying the first
 // page lookup by a round trip (a Q conversion waits for Q's load). consume(stage, t) runs between
-// two barriers with tile t resident in `stage`. With ASYNC_READS, where wgmma reads the tiles, each
-// thread fences its copies of tile t to the async proxy before the barrier, and before it issues
-// the next tile's: the fence waits for every copy the thread has in flight.
-template <int STAGES, int TILE, bool ASYNC_READS = false, class Stage, class Prepare, class Consume>
+// two barriers with tile t resident in `stage`.
+template <int STAGES, int TILE, class Stage, class Prepare, class Consume>
 FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&& prepare, Consume&& consume) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -451,17 +449,13 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&&
   if (STAGES - 1 < num_tiles) loader.locate(v_begin + (STAGES - 1) * TILE);
   prepare();
   for (int t = 0; t < num_tiles; ++t) {
-    if constexpr (ASYNC_READS) {
-      cp_async_wait<STAGES - 2>();
-      fence_async_proxy();
-    }
     const int ahead = t + STAGES - 1;
     if (ahead < num_tiles) {
       loader.issue(ahead % STAGES);
       if (ahead + 1 < num_tiles) loader.locate(v_begin + (ahead + 1) * TILE);
     }
     cp_async_commit();
-    if constexpr (!ASYNC_READS) cp_async_wait<STAGES - 1>();
+    cp_async_wait<STAGES - 1>();
     __syncthreads();
     if (t == 0) FJ_STAMP(1);
     consume(t % STAGES, t);

@@ -101,11 +101,12 @@ FJ_INLINE int operand_offset(int row, int chunk) {
 // page-table read per thread and pass, resolved a stage ahead (locate) of the copies (issue).
 // 16-bit rows land swizzled (operand_offset), ready for ldmatrix or wgmma; fp8 rows land as
 // stored, for convert().
-struct LatentStage {
+template <int THREADS>  // the threads that copy: the CTA's, or one warpgroup's (mla_wgmma.cuh)
+struct LatentCopies {
   static constexpr int TPK = FP8 ? 4 : 8;
-  static constexpr int KPP = NT / TPK, PASSES = ceil_div(TILE, KPP), CPT = STORED_CHUNKS / TPK;
+  static constexpr int KPP = THREADS / TPK, PASSES = ceil_div(TILE, KPP), CPT = STORED_CHUNKS / TPK;
   static constexpr int ELEMS = 16 / (int)sizeof(kv_t);
-  static_assert(STORED_CHUNKS % TPK == 0 && NT % TPK == 0, "whole chunks per thread");
+  static_assert(STORED_CHUNKS % TPK == 0 && THREADS % TPK == 0, "whole chunks per thread");
 
   const Args& a;
   u32 ring;
@@ -113,7 +114,7 @@ struct LatentStage {
   i64 ckv_at[PASSES], kpe_at[PASSES];
   bool real[PASSES];
 
-  FJ_INLINE LatentStage(const Args& a, unsigned char* ring_smem, int tid, const WorkItem& item)
+  FJ_INLINE LatentCopies(const Args& a, unsigned char* ring_smem, int tid, const WorkItem& item)
       : a(a), ring((u32)__cvta_generic_to_shared(ring_smem)), row(tid / TPK), sub(tid % TPK), request(item.request),
         v_begin(item.v_begin), v_end(item.v_end), page_begin(item.page_begin) {}
 
@@ -292,7 +293,7 @@ FJ_INLINE void attend(const Args& a) {
   const int p_row = (lane & 7) + 8 * ((lane >> 3) & 1);
   const unsigned char* q_row = q_smem + a_row * ROW_BYTES;
 
-  LatentStage loader(a, ring, tid, item);
+  LatentCopies<NT> loader(a, ring, tid, item);
   const int num_tiles = ceil_div(item.v_end - item.v_begin, TILE);
   decode::stream_tiles<STAGES, TILE>(loader, item.v_begin, num_tiles, [] {}, [&](int stage, int t) {
     const unsigned char* kv = ring + stage * STAGE_BYTES;

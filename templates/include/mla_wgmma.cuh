@@ -11,10 +11,14 @@
 //               memory, where warpgroup 1 loads the same fragments (ldmatrix: an ordinary load, so
 //               no proxy fence, which would wait for the next stage's copies). V is the stage's
 //               first 512 columns, read N-major from the same blocks (a block's rows are keys).
-// Warpgroup 1 waits for P on a named barrier; the stage barriers of stream_tiles order the rest.
+// Warpgroup 1 also copies the stages, a tile ahead, while warpgroup 0 scores: the copies' issue
+// (36 cp.async a thread and their addresses) runs beside the score MMAs rather than before them.
+// Each tile starts when its copies are in (each copying thread waits for its own, fenced to the
+// async proxy that wgmma reads through) at a CTA barrier, and ends at another, after which its
+// stage takes the tile after next; warpgroup 1 waits for P on a named barrier.
 // Outputs, partials, the fused merge and empty rows as in mla.cuh's attend.
 //
-// Expects mla.cuh (Args, LatentStage, load_q, operand_offset) and the wgmma wrappers (wgmma.cuh.j2).
+// Expects mla.cuh (Args, LatentCopies, load_q, operand_offset) and the wgmma wrappers (wgmma.cuh.j2).
 
 namespace mla {
 
@@ -22,8 +26,8 @@ constexpr int SWIZZLE_ATOM = 1024;                 // the 128-byte swizzle's rep
 constexpr int Q_BLOCK = M * 128, KV_BLOCK = TILE * 128;  // bytes of one 64-column block of Q, of a stage
 constexpr int WG_THREADS = 128, HALF = LATENT / 2;  // a warpgroup, and its share of O's columns
 constexpr int S_REGS = TILE / 2, O_REGS = HALF / 2;
-static_assert(cfg::WGMMA && M == 64 && TILE == 64 && NT == 2 * WG_THREADS && !FP8,
-              "the wgmma kernel: 64 rows, 64 keys a stage, two warpgroups, 16-bit latents");
+static_assert(cfg::WGMMA && M == 64 && TILE == 64 && NT == 2 * WG_THREADS && !FP8 && STAGES == 2,
+              "the wgmma kernel: 64 rows, 64 keys a stage, two warpgroups, 16-bit latents, two stages");
 static_assert(cfg::RING_ALIGN == SWIZZLE_ATOM && STAGE_BYTES % SWIZZLE_ATOM == 0 && cfg::Q_BYTES % SWIZZLE_ATOM == 0,
               "every operand block starts on a swizzle atom");
 static_assert(cfg::P_PITCH == 128 && QK % 64 == 0 && LATENT == 512, "P rows of 64 keys; 64-column blocks");
@@ -78,10 +82,19 @@ FJ_INLINE void attend_wgmma(const Args& a) {
   for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
 
   const u32 ring_at = (u32)__cvta_generic_to_shared(ring), q_at = (u32)__cvta_generic_to_shared(q_smem);
-  LatentStage loader(a, ring, tid, item);
+  LatentCopies<WG_THREADS> copies(a, ring, tid - WG_THREADS, item);  // warpgroup 1's
   const int num_tiles = ceil_div(item.v_end - item.v_begin, TILE);
-  decode::stream_tiles<STAGES, TILE, true>(loader, item.v_begin, num_tiles, [] {}, [&](int stage, int t) {
-    const u32 kv_at = ring_at + stage * STAGE_BYTES;
+  if (group == 1 && num_tiles > 0) {
+    copies.locate(item.v_begin);
+    copies.issue(0);
+    if (num_tiles > 1) copies.locate(item.v_begin + TILE);
+  }
+  cp_async_commit();
+  for (int t = 0; t < num_tiles; ++t) {
+    cp_async_wait<0>();  // this thread's copies of tile t (and of Q)
+    fence_async_proxy();
+    __syncthreads();
+    const u32 kv_at = ring_at + (t % STAGES) * STAGE_BYTES;
     float rescale[2];
     u32 pa[TILE / 16][4];  // P as the A fragments of the 16-key steps
     if (group == 0) {
@@ -136,6 +149,11 @@ FJ_INLINE void attend_wgmma(const Args& a) {
       }
       barrier_arrive(P_READY, NT);
     } else {
+      if (t + 1 < num_tiles) {  // into the stage tile t - 1 left
+        copies.issue((t + 1) % STAGES);
+        if (t + 2 < num_tiles) copies.locate(item.v_begin + (t + 2) * TILE);
+      }
+      cp_async_commit();
       barrier_wait(P_READY, NT);
       rescale[0] = rescale_rows[first_row];
       rescale[1] = rescale_rows[first_row + 8];
@@ -156,7 +174,9 @@ FJ_INLINE void attend_wgmma(const Args& a) {
     wgmma_commit();
     wgmma_wait<0>();
     hold_registers(o);
-  });
+    __syncthreads();
+  }
+  cp_async_wait<0>();
 
   // Each row's sum over its quad and its maximum, from warpgroup 0 to both.
   if (group == 0) {
