@@ -161,7 +161,8 @@ def format_row(entry: dict) -> str:
     return " | ".join(parts)
 
 
-# (warps, tile, stages, min CTAs per SM) per (fp8, rows per CTA); the table's own row is timed first
+# (warps, tile, stages, min CTAs per SM) per (fp8, rows per CTA) of the mma.sync kernel; the table's own
+# row is timed first (alone for a spec on the wgmma kernel, which has one shape)
 SWEEP = {(False, 16): [(4, 64, 2, 1), (8, 64, 2, 1), (4, 32, 3, 1)],   # 16 warps at 64 rows spill (128 registers)
          (False, 64): [(8, 64, 2, 1), (8, 32, 2, 1)],
          (True, 16): [(4, 32, 2, 2), (4, 64, 2, 1), (8, 64, 3, 1)],
@@ -182,7 +183,7 @@ def tuned_engine(table):
     class TunedEngine(flashjit.Engine):
         def get_kernel(self, spec):
             tiling, mask = mla_tiling(spec, table), masks.get(spec.mask)
-            cubin = compile_source(render(spec, mask, tiling), spec.arch, spec.name).cubin
+            cubin = compile_source(render(spec, mask, tiling), spec.compile_arch, spec.name).cubin
             return Kernel(spec, tiling, mask, cubin, f"{spec.name}+tuned")
 
     return TunedEngine(cache_dir=tempfile.mkdtemp())
@@ -191,21 +192,22 @@ def tuned_engine(table):
 def sweep(torch, rows, iters: int):
     from benchmarks.timing import Timer
     from flashjit.jit.mla_spec import MLASpec
-    from flashjit.jit.mla_tiling import MLA_TUNING, cta_rows, mla_tiling
+    from flashjit.jit.mla_tiling import MLA_TUNING, cta_rows, mla_tiling, uses_wgmma
 
     timer = Timer(torch, iters)
     for row in rows:
         x, fp8, rows_per_cta = build(torch, row), row.kv == "e4m3", cta_rows(row.heads * row.q_len)
         ref = reference(torch, row, x)
-        current = MLA_TUNING.row(fp8, rows_per_cta)
-        variants = [(current.warps, current.tile_tokens, current.stages, current.min_ctas)] + SWEEP.get(
-            (fp8, rows_per_cta), [])
+        spec = MLASpec(num_heads=row.heads, kv_dtype=row.kv, page_size=PAGE_SIZE, max_q_len=row.q_len)
+        wgmma = uses_wgmma(spec)  # its one shape: the table's row alone
+        current = MLA_TUNING.row(fp8, rows_per_cta, wgmma)
+        variants = [(current.warps, current.tile_tokens, current.stages, current.min_ctas)] + (
+            [] if wgmma else SWEEP.get((fp8, rows_per_cta), []))
         cells = []
         for warps, tile, stages, min_ctas in dict.fromkeys(variants):
-            table = MLA_TUNING.with_rows(fp8=fp8, rows=rows_per_cta, warps=warps, tile_tokens=tile, stages=stages,
-                                         min_ctas=min_ctas)
-            spec = MLASpec(num_heads=row.heads, kv_dtype=row.kv, page_size=PAGE_SIZE, max_q_len=row.q_len)
-            label = f"w{warps}t{tile}s{stages}m{min_ctas}"
+            table = MLA_TUNING.with_rows(fp8=fp8, rows=rows_per_cta, wgmma=wgmma, warps=warps, tile_tokens=tile,
+                                         stages=stages, min_ctas=min_ctas)
+            label = f"{'wgmma ' if wgmma else ''}w{warps}t{tile}s{stages}m{min_ctas}"
             if mla_tiling(spec, table).rows != rows_per_cta:  # fewer rows a CTA: this one's memory does not fit
                 cells.append(f"{label} (no fit)")
                 continue

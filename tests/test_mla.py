@@ -115,6 +115,9 @@ def test_tuning_rows_cover_every_shape():
             assert MLA_TUNING.row(fp8, rows).key == (fp8, rows, False)
     assert MLA_TUNING.row(False, 64, wgmma=True).key == (False, 64, True)
     assert MLA_TUNING.with_rows(rows=64, stages=2).row(True, 64).stages == 2
+    swept = MLA_TUNING.with_rows(rows=64, warps=4)  # the mma.sync rows only, unless wgmma=True
+    assert swept.row(False, 64, wgmma=True).warps == 8 and swept.row(False, 64).warps == 4
+    assert MLA_TUNING.with_rows(wgmma=True, stages=3).row(False, 64, wgmma=True).stages == 3
 
 
 # ---- render and compile ----------------------------------------------------------------------
@@ -389,7 +392,7 @@ def test_benchmark_rows_and_sweep_variants():
             table = MLA_TUNING.with_rows(fp8=fp8, rows=rows, warps=warps, tile_tokens=tile, stages=stages,
                                          min_ctas=min_ctas)
             spec = MLASpec(num_heads={16: 16, 32: 32, 64: 128}[rows], kv_dtype="e4m3" if fp8 else "bf16",
-                           arch="sm_90")
+                           arch="sm_100")  # the mma.sync kernel at every shape (sm_90 takes wgmma at 64 rows)
             t = mla_tiling(spec, table)
             assert (t.rows, t.warps, t.tile_tokens) == (rows, warps, tile)
             assert t.warps % t.m_tiles == 0 and (t.tile_tokens // t.key_slices) % 8 == 0

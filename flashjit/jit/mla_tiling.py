@@ -105,9 +105,12 @@ class MLATuning:
         raise KeyError(f"no MLA tuning row for {'fp8' if fp8 else '16-bit'} latents at {rows} rows per CTA"
                        f"{' (wgmma)' if wgmma else ''}")
 
-    def with_rows(self, *, fp8: bool | None = None, rows: int | None = None, **changes) -> "MLATuning":
-        """A copy whose rows of this cache width and CTA rows (None: every one) take changes (sweeps)."""
-        new = tuple(dataclasses.replace(r, **changes) if fp8 in (None, r.fp8) and rows in (None, r.rows) else r
+    def with_rows(self, *, fp8: bool | None = None, rows: int | None = None, wgmma: bool = False,
+                  **changes) -> "MLATuning":
+        """A copy whose rows of this cache width and CTA rows (None: every one) of the mma.sync kernel,
+        or the wgmma kernel's, take changes (sweeps)."""
+        new = tuple(dataclasses.replace(r, **changes)
+                    if fp8 in (None, r.fp8) and rows in (None, r.rows) and r.wgmma == wgmma else r
                     for r in self.rows)
         return dataclasses.replace(self, rows=new)
 
