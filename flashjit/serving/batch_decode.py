@@ -313,9 +313,12 @@ class BatchDecode:
         graph of run()s alone plans once."""
         plan = self._plan
         if plan is None or not isinstance(plan.tables, DeviceTables):
-            why = ("there is no plan" if plan is None else "no CUDA graph mode (use_cuda_graph=True)"
-                   if self._graph is None else self._graph.host_planned_because(plan.setup)
-                   or "the current plan was made on the host")
+            if plan is None:
+                why = "there is no plan"
+            elif self._graph is None:
+                why = "no CUDA graph mode (use_cuda_graph=True)"
+            else:
+                why = self._graph.host_planned_because(plan.setup) or "the current plan was made on the host"
             raise RuntimeError("replan() needs a plan made on the GPU (use_cuda_graph=True, max_batch_size up to "
                                f"{MAX_DEVICE_PLAN_BATCH}, fewer on GPUs of about 100 KB of shared memory a block, and "
                                f"a mask without host-side spans: none, causal, sliding_window): {why}")
