@@ -42,7 +42,7 @@ def stamped_engine(cache_dir, define: str = "FJ_TIMELINE"):
         def get_kernel(self, spec):
             if spec not in self._stamped:
                 plain = super().get_kernel(spec)
-                cubin = compile_source(self.source(spec), spec.arch, spec.name, extra_options=(f"-D{define}",)).cubin
+                cubin = compile_source(self.source(spec), spec.compile_arch, spec.name, extra_options=(f"-D{define}",)).cubin
                 self._stamped[spec] = Kernel(spec, plain.tiling, plain.mask, cubin, f"{plain.key}+{define}")
             return self._stamped[spec]
 

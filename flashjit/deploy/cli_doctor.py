@@ -64,7 +64,7 @@ def cmd_doctor(args) -> int:
     spec = DecodeSpec(head_dim=64, dtype="bf16", mask="none", page_size=16, group_size=1, arch=target)
     try:
         start = time.perf_counter()
-        compiled = compile_source(render(spec), spec.arch, spec.name)
+        compiled = compile_source(render(spec), spec.compile_arch, spec.name)
         rows.append(("test compile", f"ok: {spec.name}, {format_size(len(compiled.cubin))} cubin "
                                      f"in {time.perf_counter() - start:.2f} s"))
     except Exception as exc:

@@ -17,6 +17,7 @@ import operator
 import weakref
 
 from .. import validation
+from ..jit.abi import PLAN_MAX_BATCH
 from ..jit.engine import Engine
 from ..jit.host_library import load as load_host_library
 from ..jit.kernel import Kernel
@@ -29,7 +30,7 @@ from .buffers import PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_planner import HostPlanner
 from .plan_setup import MAX_SETUPS, Setup, make_setup, on_tensor_cores
-from .device_planner import MAX_DEVICE_PLAN_BATCH, DeviceTables
+from .device_planner import DeviceTables
 from .plan_state import (Plan, check_forced_chunk_fits, graph_capacity, prepare_launches, split_rule,
                          split_work)
 from .run_checks import NO_CACHE, scale_key
@@ -320,7 +321,7 @@ class BatchDecode:
             else:
                 why = self._graph.host_planned_because(plan.setup) or "the current plan was made on the host"
             raise RuntimeError("replan() needs a plan made on the GPU (use_cuda_graph=True, max_batch_size up to "
-                               f"{MAX_DEVICE_PLAN_BATCH}, fewer on GPUs of about 100 KB of shared memory a block, and "
+                               f"{PLAN_MAX_BATCH}, fewer on GPUs of about 100 KB of shared memory a block, and "
                                f"a mask without host-side spans: none, causal, sliding_window): {why}")
         self._graph.planner(self._current_stream(self._device_index))
 

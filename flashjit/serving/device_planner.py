@@ -16,14 +16,13 @@ import typing
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, PLAN_MAX_BATCH, PlanArgs, plan_smem_bytes
+from ..jit.abi import ITEM_INTS, PlanArgs, plan_smem_bytes
 from ..jit.kernel import PreparedLaunch
 from .buffers import PlanBuffers
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, WorkPlan
 from .streams import HOST_TO_DEVICE, StreamCopies
 
 PLAN_THREADS = 1024  # plan::THREADS
-MAX_DEVICE_PLAN_BATCH = PLAN_MAX_BATCH  # a larger max_batch_size plans on the host (fewer on some GPUs)
 HEADER_INTS = 4  # batch (read), then the planner's chunk and work-item count (written), one spare
 
 

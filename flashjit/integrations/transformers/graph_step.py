@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...serving.device_planner import MAX_DEVICE_PLAN_BATCH
+from ...jit.abi import PLAN_MAX_BATCH
 
 
 def max_pieces(rows: int, requests: int, piece: int) -> int:
@@ -81,9 +81,9 @@ class GraphDecoder:
         self.piece = piece
         self.page_size = page_size
         self.num_pieces = max_pieces(rows, requests, piece)
-        if self.num_pieces > MAX_DEVICE_PLAN_BATCH:
+        if self.num_pieces > PLAN_MAX_BATCH:
             raise ValueError(f"a CUDA-graph step of {rows} query rows over {requests} requests: at most "
-                             f"{MAX_DEVICE_PLAN_BATCH} pieces of {piece} tokens plan on the GPU, this one needs "
+                             f"{PLAN_MAX_BATCH} pieces of {piece} tokens plan on the GPU, this one needs "
                              f"{self.num_pieces}; lower max_batch_tokens")
         self.num_page_ids = self.num_pieces * cache_blocks
         self.decoder = backend_factory(device, use_cuda_graph=True, max_batch_size=self.num_pieces,
