@@ -68,22 +68,24 @@ def test_the_table_gives_every_spec_its_pinned_tiling():
     for spec in every_spec():
         key = (spec.head_dim, spec.kv_dtype, spec.group_size, spec.max_q_len, spec.tensor_cores)
         tiling = decode_tiling(spec)
-        assert tiling.shared_row_warps == 1  # the last field, which only shared-prefix kernels set
-        digest.update(repr((key, dataclasses.astuple(tiling)[:-1])).encode())
+        # the last two fields, which only shared-prefix kernels set
+        assert tiling.shared_row_warps == 1 and tiling.shared_step == 1
+        digest.update(repr((key, dataclasses.astuple(tiling)[:-2])).encode())
     assert digest.hexdigest() == PINNED_GRID_DIGEST
 
 
-@pytest.mark.parametrize("head_dim, row_warps", [(64, 4), (96, 6), (128, 4), (256, 1), (512, 1)])
-def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all_of_o(head_dim, row_warps):
+@pytest.mark.parametrize("head_dim, row_warps, step", [(64, 4, 2), (96, 6, 1), (128, 4, 4), (256, 1, 1), (512, 1, 1)])
+def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all_of_o(head_dim, row_warps, step):
     """Shared-prefix kernels give each warp 16 rows of its own, except where warps split O's columns
-    (head_dim 256, 512); nothing else of the tiling changes."""
+    (head_dim 256, 512), and attend `step` slices of a stage at once (a whole number of steps a
+    stage); nothing else of the tiling changes."""
     plain = DecodeSpec(head_dim=head_dim, dtype="bf16", group_size=4, tensor_cores=True, arch="sm_90")
     shared = dataclasses.replace(plain, shared_prefix=True)
     tiling = decode_tiling(shared)
-    assert tiling.shared_row_warps == row_warps
+    assert tiling.shared_row_warps == row_warps and tiling.shared_step == step
     if row_warps > 1:
-        assert row_warps == tiling.bdx // 32 and tiling.col_split == 1
-    assert dataclasses.replace(tiling, shared_row_warps=1, fused_merge=True, static_share=decode_tiling(plain).static_share) \
+        assert row_warps == tiling.bdx // 32 and tiling.col_split == 1 and row_warps % step == 0
+    assert dataclasses.replace(tiling, shared_row_warps=1, shared_step=1, fused_merge=True, static_share=decode_tiling(plain).static_share) \
         == decode_tiling(plain)
 
 

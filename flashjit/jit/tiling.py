@@ -53,6 +53,8 @@ class DecodeTiling:
     # Shared-prefix kernels: warps whose 16-row tiles one shared record's CTA holds, each warp its
     # own rows over every key (1: the rows of one MMA tile, as an ordinary record's).
     shared_row_warps: int = 1
+    # Slices of a stage such a warp attends in one softmax step (its S chains side by side).
+    shared_step: int = 1
 
     @property
     def entry(self) -> str:
@@ -98,6 +100,9 @@ class TensorCoreRow:
     static_share: int   # % of a split CTA's fair share read before it claims tiles one at a time (100: fixed split)
     q_in_smem: bool = False  # 16-bit: Q's MMA fragments in shared memory, read at each k-step (else in registers)
     split_scores: bool = False  # 16-bit, col_split > 1: each warp of a slice takes a share of S's k-steps
+    # Shared-prefix records (rows by warp): slices of a stage a warp attends in one softmax step, its
+    # S chains side by side (more registers, the same CTAs per SM where the row sets it above 1)
+    shared_step: int = 1
 
     @property
     def key(self) -> tuple[bool, int]:
@@ -151,13 +156,15 @@ TUNING = Tuning(
     tensor_cores=(
         #             fp8    head_dim warps col_split stages min_ctas swizzle k_pad v_pad static_share
         # swizzled rows keep each copied sector whole with ldmatrix conflict-free, as at head_dim 128
-        TensorCoreRow(False, 64,      4,    1,        4,     1,       True,   16,   16,   100),
+        # (shared records: 2 slices a step, 162 registers and 3 CTAs/SM as with 1)
+        TensorCoreRow(False, 64,      4,    1,        4,     1,       True,   16,   16,   100, shared_step=2),
         # 192-byte rows, swizzled as a block and a half (swizzled_chunk); 6 warps make the copy's
         # threads whole rows of 12 chunks (PagedKVStage's EVEN layout); tile 96; capped at 168
         # registers for 2 CTAs/SM without spills (180 uncapped: 1 CTA/SM). Unmeasured.
         TensorCoreRow(False, 96,      6,    1,        2,     2,       True,   16,   16,   100),
         # 2 stages beat 3 by 0.1-2.7% at the same 2 CTAs/SM; swizzled rows beat 16-byte pads (139.5 against 148.0 us)
-        TensorCoreRow(False, 128,     4,    1,        2,     1,       True,   16,   16,   100),
+        # (shared records: the whole stage in one step, 239 registers and 2 CTAs/SM as with 1)
+        TensorCoreRow(False, 128,     4,    1,        2,     1,       True,   16,   16,   100, shared_step=4),
         # two warps per slice keep O off the 255-register limit, each with half of S's k-steps (193
         # registers; repeating S took 224 and 3 stages: 262 µs against 258 at b16 L8192); swizzling
         # spills, so 32-byte pads; sharing 6% faster
@@ -258,6 +265,7 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
                             heads_first=table.heads_first, fused_merge=fused_merge, static_share=static_share,
                             min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk,
                             q_smem_bytes=q_smem, shared_row_warps=row_warps,
+                            shared_step=row.shared_step if row_warps > 1 else 1,
                             split_scores=split_scores, **merge)
     cc = table.cuda_cores
     chunks = spec.head_dim // VEC

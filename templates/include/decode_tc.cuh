@@ -48,6 +48,9 @@ enum : int { QSTEPS = SPLIT_SCORES ? KSTEPS / COL_SPLIT : KSTEPS };  // S's k-st
 // > 1: shared-prefix records give each warp rows of its own (enums, as HALF_BLOCK below).
 enum : int { ROW_WARPS = cfg::SHARED_ROW_WARPS };
 enum : bool { ROWS_BY_WARP = ROW_WARPS > 1 };
+// Slices a rows-by-warp record's warp attends in one softmax step: its S chains run side by side,
+// where one slice at a time leaves the warp waiting on each chain's latency.
+enum : int { SHARED_STEP = cfg::SHARED_STEP, NS = SHARED_STEP };  // NS: attend_keys' arrays
 // Rows of whole 128-byte blocks and a half (head_dim 96): the last k-steps and n-tile pairs read the
 // half block, which swizzled_chunk XORs with (row / 2) % 4 rather than row % 8. (An enum: a
 // constexpr variable would add a symbol to every cubin.)
@@ -61,6 +64,8 @@ static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the sl
 static_assert(!Q_IN_SMEM || cfg::Q_SMEM_BYTES == KSTEPS * 32 * 16, "one 16-byte fragment per k-step and lane");
 static_assert(!ROWS_BY_WARP || (cfg::SHARED_PREFIX && ROW_WARPS == WARPS && COL_SPLIT == 1 && !Q_IN_SMEM),
               "rows by warp: shared-prefix records, one warp per slice, Q in registers");
+static_assert(SLICES % SHARED_STEP == 0 && (SHARED_STEP == 1 || (ROWS_BY_WARP && !SPLIT_SCORES)),
+              "whole steps of slices, several a step only with rows by warp");
 static_assert(!cfg::SHARED_PREFIX || (!VARIANT_SINK && !VARIANT_LOGITS),
               "shared-prefix kernels take no variant: a shared record's rows publish no sinks");
 static_assert(!SPLIT_SCORES || (COL_SPLIT > 1 && !Q_IN_SMEM && QSTEPS % 4 == 0 && !HALF_BLOCK),
@@ -77,7 +82,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   unsigned char* k_smem = smem;
   unsigned char* v_smem = smem + STAGES * TILE * K_PITCH;
   unsigned char* q_smem = smem + STAGES * TILE * (K_PITCH + V_PITCH);  // Q_IN_SMEM or SPLIT_SCORES: after the ring
-  __shared__ float red_m[SLICES][M], red_d[SLICES][M], row_sinks[M * ROW_WARPS];
+  __shared__ float red_m[SLICES][M], red_d[SLICES][M], row_sinks[M];
   // SPLIT_SCORES: each slice's partial S tiles after the ring (decode_tiling's score_parts), two rounds
   // deep: [slice][round % 2][warp][j][lane] (a warp rewrites a round's buffer only after the next
   // round's barrier, which every reader of it has passed).
@@ -113,7 +118,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
 
   // The two query rows this thread's fragments touch: quad and quad + 8; row_token: the row's
   // query token in q.
-  int row_tok[2], row_head[2], row_pos[2], row_token[2];
+  int row_tok[2], row_head[2], row_pos[2], row_token[2], row_slot[2];  // row_slot: rows by warp, the partial's slot
   bool row_valid[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -130,6 +135,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
         row_valid[h] = member < members;
         row_pos[h] = 0x3fffffff;  // past every key: the whole span is visible
         row_token[h] = row_valid[h] ? __ldg(a.req_qo_indptr + item.request + member) + row_tok[h] : 0;
+        row_slot[h] = row_valid[h] ? __ldg(a.req_work_indptr + item.request + member) + item.q_begin : 0;
       }
     }
   }
@@ -180,28 +186,37 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const int k_chunk_half = (mat & 1) ^ half_swizzle, v_chunk_half = (mat >> 1) ^ half_swizzle;
 
   int score_round = 0;  // SPLIT_SCORES: which of score_parts' two buffers this round writes
-  // The 16 keys of slice g of a stage (a warp's own slice, or each in turn with rows by warp).
-  const auto attend_keys = [&](int stage, int t, int g) {
+  // The 16 keys of slice g of a stage and the ns - 1 after it, in one softmax step (a warp's own
+  // slice, ns = 1; or, with rows by warp, every slice of the stage SHARED_STEP at a time: independent
+  // chains of S's MMAs and one max and rescale for them all). ns is a constant at each call: the
+  // arrays keep NS entries, and the loops past ns fold away.
+  const auto attend_keys = [&](int stage, int t, int g, int ns) {
     const int key0 = item.tile_begin + t * TILE + g * 16;  // the slice's first key
-    if (key0 < item.v_end) {
+    if (key0 < item.v_end) {  // (keys of the stage past the span are zero-filled: P = 0 there)
       // (k_first: a multiple of 4 k-steps, so the warp's share starts k_first / 4 blocks in.)
       const unsigned char* ks = k_smem + stage * TILE * K_PITCH + (g - slice) * 16 * K_PITCH + k_first * 32;
       const unsigned char* vs = v_smem + stage * TILE * V_PITCH + (g - slice) * 16 * V_PITCH;
-      // S = Q K^T for 16 keys: s[j][0..1] rows quad, s[j][2..3] rows quad+8, keys 8j + pair (+1).
-      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      // S = Q K^T for 16 keys a slice i: s[2i + j][0..1] rows quad, s[2i + j][2..3] rows quad+8,
+      // keys 16i + 8j + pair (+1).
+      float s[2 * NS][4];
+#pragma unroll
+      for (int j = 0; j < 2 * ns; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
       for (int k = 0; k < QSTEPS; ++k) {
-        u32 kb[4];
-        const int kc = HALF_BLOCK && k >= KSTEPS - 2 ? k_chunk_half : k_chunk;
-        ldmatrix_x4(kb, ks + k_ld + (k / 4) * 128 + ((2 * k % 8) ^ kc) * 16);
-        if constexpr (Q_IN_SMEM) {
-          const uint4 f = q_frags[k * 32 + lane];
-          const u32 qf[4] = {f.x, f.y, f.z, f.w};
-          Mma<mma_t>::run(s[0], qf, kb[0], kb[1]);
-          Mma<mma_t>::run(s[1], qf, kb[2], kb[3]);
-        } else {
-          Mma<mma_t>::run(s[0], qa[k], kb[0], kb[1]);
-          Mma<mma_t>::run(s[1], qa[k], kb[2], kb[3]);
+#pragma unroll
+        for (int i = 0; i < ns; ++i) {
+          u32 kb[4];
+          const int kc = HALF_BLOCK && k >= KSTEPS - 2 ? k_chunk_half : k_chunk;
+          ldmatrix_x4(kb, ks + i * 16 * K_PITCH + k_ld + (k / 4) * 128 + ((2 * k % 8) ^ kc) * 16);
+          if constexpr (Q_IN_SMEM) {
+            const uint4 f = q_frags[k * 32 + lane];
+            const u32 qf[4] = {f.x, f.y, f.z, f.w};
+            Mma<mma_t>::run(s[2 * i], qf, kb[0], kb[1]);
+            Mma<mma_t>::run(s[2 * i + 1], qf, kb[2], kb[3]);
+          } else {
+            Mma<mma_t>::run(s[2 * i], qa[k], kb[0], kb[1]);
+            Mma<mma_t>::run(s[2 * i + 1], qa[k], kb[2], kb[3]);
+          }
         }
       }
       if constexpr (SPLIT_SCORES) {  // every warp of the slice sums the parts in the same order: one S
@@ -225,7 +240,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
       // Scale, mask, and the online-softmax update, per row (reduced over the row's 4 lanes).
       float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < 2 * ns; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int h = e >> 1, vpos = key0 + 8 * j + pair + (e & 1);
@@ -258,25 +273,28 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
           o[n][2] *= rescale[1]; o[n][3] *= rescale[1];
         }
       }
-      // P (the C fragments of S) is the A fragment of O += P V.
-      u32 pa[4];
+      // P (the C fragments of S) is the A fragment of O += P V, 16 keys a slice.
+      u32 pa[NS][4];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < 2 * ns; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           s[j][e] = exp2_approx(s[j][e] - m_ref[e >> 1]);
           dsum[e >> 1] += s[j][e];
         }
-        pa[2 * j] = Mma<mma_t>::pack(s[j][0], s[j][1]);
-        pa[2 * j + 1] = Mma<mma_t>::pack(s[j][2], s[j][3]);
+        pa[j / 2][2 * (j % 2)] = Mma<mma_t>::pack(s[j][0], s[j][1]);
+        pa[j / 2][2 * (j % 2) + 1] = Mma<mma_t>::pack(s[j][2], s[j][3]);
       }
 #pragma unroll
-      for (int n = 0; n < NTILES; n += 2) {
-        u32 vb[4];
-        const int vc = HALF_BLOCK && n >= NTILES - 4 ? v_chunk_half : v_chunk;
-        ldmatrix_x4_trans(vb, vs + v_ld + (n / 8) * 128 + ((n % 8) ^ vc) * 16);
-        Mma<mma_t>::run(o[n], pa, vb[0], vb[1]);
-        Mma<mma_t>::run(o[n + 1], pa, vb[2], vb[3]);
+      for (int i = 0; i < ns; ++i) {
+#pragma unroll
+        for (int n = 0; n < NTILES; n += 2) {
+          u32 vb[4];
+          const int vc = HALF_BLOCK && n >= NTILES - 4 ? v_chunk_half : v_chunk;
+          ldmatrix_x4_trans(vb, vs + i * 16 * V_PITCH + v_ld + (n / 8) * 128 + ((n % 8) ^ vc) * 16);
+          Mma<mma_t>::run(o[n], pa[i], vb[0], vb[1]);
+          Mma<mma_t>::run(o[n + 1], pa[i], vb[2], vb[3]);
+        }
       }
     }
   };
@@ -284,35 +302,32 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     if constexpr (ROWS_BY_WARP) {
       if (rows_by_warp) {
 #pragma unroll 1
-        for (int g = 0; g < SLICES; ++g) attend_keys(stage, t, g);
+        for (int g = 0; g < SLICES; g += SHARED_STEP) attend_keys(stage, t, g, SHARED_STEP);
         return;
       }
     }
-    attend_keys(stage, t, slice);
+    attend_keys(stage, t, slice, 1);
   });
 
-  float* red_o = reinterpret_cast<float*>(smem);  // [SLICES][M][D]
   if constexpr (ROWS_BY_WARP) {
-    if (rows_by_warp) {  // each warp's rows are whole: their states go to shared memory as they are
-      float* rows_m = &red_m[0][0];
-      float* rows_d = &red_d[0][0];  // [WARPS * M]
+    if (rows_by_warp) {  // each warp's rows are whole: it writes their partials from its registers
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
         dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
-        const int r = tid / 32 * M + quad + 8 * h;
-        if (lane % 4 == 0) { rows_m[r] = m[h]; rows_d[r] = dsum[h]; }
+        if (!row_valid[h]) continue;
+        const float inv = dsum[h] > 0.f ? scales.value / dsum[h] : 0.f;
+        const i64 at = ((i64)row_slot[h] * cfg::MAX_Q_LEN + row_tok[h]) * a.num_qo_heads + row_head[h];
 #pragma unroll
         for (int n = 0; n < NTILES; ++n)
-          *reinterpret_cast<float2*>(red_o + r * D + 8 * n + pair) = make_float2(o[n][2 * h], o[n][2 * h + 1]);
+          *reinterpret_cast<float2*>(a.tmp_o + at * D + 8 * n + pair) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
+        if (lane % 4 == 0) a.tmp_lse[at] = dsum[h] > 0.f ? m[h] + log2_approx(dsum[h]) : FJ_NEG_INF;
       }
-      __syncthreads();
-      finish_rows<M * ROW_WARPS, 1>(a, item, scales, cta, red_o, reinterpret_cast<const float (*)[M * ROW_WARPS]>(rows_m),
-                                    reinterpret_cast<const float (*)[M * ROW_WARPS]>(rows_d), row_sinks, members, slot);
       return;
     }
   }
 
+  float* red_o = reinterpret_cast<float*>(smem);  // [SLICES][M][D]
   // Merge the slices' states: row sums over the quad's lanes, then through shared memory. The warps
   // of a slice hold the same m and sum.
 #pragma unroll
