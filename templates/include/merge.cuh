@@ -25,40 +25,80 @@ struct Args {
 };
 
 // One block per (query token, qo head); threadIdx.x picks 4 columns, threadIdx.y every
-// SPLIT_LANES-th partial, and the lanes' sums meet in shared memory.
-FJ_INLINE void combine(const Args& a) {
-  __shared__ float4 part_acc[SPLIT_LANES][LANES];
-  __shared__ float part_sum[SPLIT_LANES];
-  const int token = blockIdx.x, head = blockIdx.y, lane = threadIdx.x, split_lane = threadIdx.y;
-  if (token >= __ldg(a.num_tokens)) return;
+// SPLIT_LANES-th partial. One pass: each split lane keeps a running max of its partials' LSEs and
+// loads BATCH of them (LSE and columns) at once, none waiting on another's value; the lanes'
+// states meet in shared memory, rescaled to the largest max.
+enum : int { BATCH = 4 };  // partials a split lane loads at once (an enum: no symbol in the cubin)
+
+// Which partials a block combines: read from the plan's arrays, which the decode kernel before
+// this one does not write, so the entry point reads them before it waits for that kernel.
+struct Target {
+  int w0, w1;  // the request's partials; w1 - w0 <= 1: nothing to merge (or padding)
+  i64 slot0;   // the (query token, qo head) offset inside each partial
+};
+
+FJ_INLINE Target locate(const Args& a) {
+  const int token = blockIdx.x, head = blockIdx.y;
+  if (token >= __ldg(a.num_tokens)) return Target{0, 0, 0};
   const int request = __ldg(a.token_request + token);
-  const int w0 = __ldg(a.req_work_indptr + request), w1 = __ldg(a.req_work_indptr + request + 1);
-  if (w1 - w0 <= 1) return;
   const int q_tok = token - __ldg(a.req_qo_indptr + request);
-  const i64 item_stride = (i64)cfg::MAX_Q_LEN * a.num_qo_heads, slot0 = (i64)q_tok * a.num_qo_heads + head;
+  return Target{__ldg(a.req_work_indptr + request), __ldg(a.req_work_indptr + request + 1),
+                (i64)q_tok * a.num_qo_heads + head};
+}
+
+FJ_INLINE void combine(const Args& a, const Target& target) {
+  __shared__ float4 part_acc[SPLIT_LANES][LANES];
+  __shared__ float part_m[SPLIT_LANES], part_sum[SPLIT_LANES];
+  const int token = blockIdx.x, head = blockIdx.y, lane = threadIdx.x, split_lane = threadIdx.y;
+  const int w0 = target.w0, w1 = target.w1;
+  if (w1 - w0 <= 1) return;
+  const i64 item_stride = (i64)cfg::MAX_Q_LEN * a.num_qo_heads, slot0 = target.slot0;
   auto slot = [=](int w) { return w * item_stride + slot0; };  // of work item w's partial
 
-  float m = FJ_NEG_INF;
-  for (int w = w0; w < w1; ++w) m = fmaxf(m, __ldg(a.tmp_lse + slot(w)));
-  const float m_ref = m == FJ_NEG_INF ? 0.f : m;
+  float m = FJ_NEG_INF, sum = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float sum = 0.f;
-  for (int w = w0 + split_lane; w < w1; w += SPLIT_LANES) {
-    const float weight = exp2_approx(__ldg(a.tmp_lse + slot(w)) - m_ref);
-    if (weight > 0.f) {
-      const float4 part = __ldg(reinterpret_cast<const float4*>(a.tmp_o + slot(w) * D) + lane);
-      acc.x += weight * part.x; acc.y += weight * part.y; acc.z += weight * part.z; acc.w += weight * part.w;
+  for (int w = w0 + split_lane; w < w1; w += BATCH * SPLIT_LANES) {
+    float lse[BATCH];
+    float4 part[BATCH];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int at = w + b * SPLIT_LANES;
+      lse[b] = at < w1 ? __ldg(a.tmp_lse + slot(at)) : FJ_NEG_INF;
+      part[b] = at < w1 ? __ldg(reinterpret_cast<const float4*>(a.tmp_o + slot(at) * D) + lane)
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      // A partial with zero weight (empty or fully masked split: LSE -inf) is skipped, never
+      // multiplied, so an unwritten one cannot leak NaN.
+      if (!(lse[b] > FJ_NEG_INF)) continue;
+      if (lse[b] > m) {  // a new max: what the lane holds so far is rescaled to it
+        const float scale = exp2_approx(m - lse[b]);
+        acc.x *= scale; acc.y *= scale; acc.z *= scale; acc.w *= scale;
+        sum *= scale;
+        m = lse[b];
+      }
+      const float weight = exp2_approx(lse[b] - m);
+      acc.x += weight * part[b].x; acc.y += weight * part[b].y; acc.z += weight * part[b].z; acc.w += weight * part[b].w;
       sum += weight;
     }
   }
   part_acc[split_lane][lane] = acc;
-  if (lane == 0) part_sum[split_lane] = sum;
+  if (lane == 0) { part_m[split_lane] = m; part_sum[split_lane] = sum; }
   __syncthreads();
   if (split_lane != 0) return;
-  for (int s = 1; s < SPLIT_LANES; ++s) {
+  float m_all = FJ_NEG_INF;
+#pragma unroll
+  for (int s = 0; s < SPLIT_LANES; ++s) m_all = fmaxf(m_all, part_m[s]);
+  const float m_ref = m_all == FJ_NEG_INF ? 0.f : m_all;
+  acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  sum = 0.f;
+#pragma unroll
+  for (int s = 0; s < SPLIT_LANES; ++s) {
+    const float weight = exp2_approx(part_m[s] - m_ref);  // 0 for a lane with no partial
     const float4 other = part_acc[s][lane];
-    acc.x += other.x; acc.y += other.y; acc.z += other.z; acc.w += other.w;
-    sum += part_sum[s];
+    acc.x += weight * other.x; acc.y += weight * other.y; acc.z += weight * other.z; acc.w += weight * other.w;
+    sum += weight * part_sum[s];
   }
   const float values[4] = {acc.x, acc.y, acc.z, acc.w};
   decode::store_out4(a.out, a.out_stride, a.lse, a.num_qo_heads, token, head, lane * COLS, values,

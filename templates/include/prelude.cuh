@@ -34,8 +34,9 @@ __device__ unsigned long long fj_timeline[FJ_TIMELINE_CTAS][5];
 // Programmatic dependent launch (sm_90 and later; nothing below). The engine launches every entry
 // point with programmatic stream serialization (kernel.PreparedLaunch), so its CTAs may start
 // while the stream's previous kernel finishes: each entry point calls this before its first global
-// access (FJ_STAMP's diagnostic stamps aside), to wait for that kernel's writes, then lets the next kernel in the stream start
-// launching, whose CTAs wait the same way while this one runs.
+// access (FJ_STAMP's diagnostic stamps aside, and the merge's reads of the plan's arrays, which the
+// decode kernel it waits for does not write), to wait for that kernel's writes, then lets the next
+// kernel in the stream start launching, whose CTAs wait the same way while this one runs.
 FJ_INLINE void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
