@@ -160,3 +160,20 @@ def test_compiler_fingerprint_changes_with_an_nvrtc_upgrade(tmp_path, monkeypatc
         assert f"toolkit={tmp_path / 'cuda-12.4'}," in fingerprint_with(toolkit)  # no NVRTC wheel: the toolkit's path
     finally:
         compiler_fingerprint.cache_clear()
+
+
+@pytest.mark.parametrize("head_dim, dtype, mask, q_len", [(128, "bf16", "none", 1), (64, "fp16", "causal", 3)])
+def test_shared_prefix_kernels_on_hopper_compile_their_warpgroup_mmas_for_sm90a(head_dim, dtype, mask, q_len):
+    """The shared records' wgmma path: rendered only where the tiling takes it, compiled for sm_90a
+    with no spills and no MMA serialized by ptxas; the same kernel on sm_80 has no wgmma."""
+    spec = DecodeSpec(head_dim, dtype, mask=mask, group_size=4, max_q_len=q_len, page_size=16, arch="sm_90",
+                      tensor_cores=True, shared_prefix=True)
+    assert spec.compile_arch == "sm_90a"
+    source = render(spec)
+    shape = f"m64n{head_dim}k16.f32.{'bf16.bf16' if dtype == 'bf16' else 'f16.f16'}"
+    assert "enum : bool { SHARED_WGMMA = true };" in source and shape in source
+    compiled = compile_source(source, spec.compile_arch, spec.name, extra_options=("--ptxas-options=-v",))
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", compiled.log)]
+    assert spills and not any(spills) and "Potential Performance Loss" not in compiled.log, compiled.log
+    ampere = spec.replace(arch="sm_80")
+    assert ampere.compile_arch == "sm_80" and "wgmma.mma_async" not in render(ampere)

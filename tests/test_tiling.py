@@ -68,25 +68,34 @@ def test_the_table_gives_every_spec_its_pinned_tiling():
     for spec in every_spec():
         key = (spec.head_dim, spec.kv_dtype, spec.group_size, spec.max_q_len, spec.tensor_cores)
         tiling = decode_tiling(spec)
-        # the last two fields, which only shared-prefix kernels set
-        assert tiling.shared_row_warps == 1 and tiling.shared_step == 1
-        digest.update(repr((key, dataclasses.astuple(tiling)[:-2])).encode())
+        # the last three fields, which only shared-prefix kernels set
+        assert tiling.shared_row_warps == 1 and tiling.shared_step == 1 and not tiling.shared_wgmma
+        digest.update(repr((key, dataclasses.astuple(tiling)[:-3])).encode())
     assert digest.hexdigest() == PINNED_GRID_DIGEST
 
 
-@pytest.mark.parametrize("head_dim, row_warps, step", [(64, 4, 2), (96, 6, 1), (128, 4, 4), (256, 1, 1), (512, 1, 1)])
-def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all_of_o(head_dim, row_warps, step):
+@pytest.mark.parametrize("head_dim, row_warps, step, wgmma", [(64, 4, 2, True), (96, 6, 1, False), (128, 4, 4, True),
+                                                           (256, 1, 1, False), (512, 1, 1, False)])
+def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all_of_o(head_dim, row_warps, step, wgmma):
     """Shared-prefix kernels give each warp 16 rows of its own, except where warps split O's columns
     (head_dim 256, 512), and attend `step` slices of a stage at once (a whole number of steps a
-    stage); nothing else of the tiling changes."""
+    stage); on Hopper, where a CTA is one warpgroup of 64 rows over whole swizzled blocks, the records
+    run on wgmma (sm_90a, the ring on a swizzle atom); nothing else of the tiling changes."""
     plain = DecodeSpec(head_dim=head_dim, dtype="bf16", group_size=4, tensor_cores=True, arch="sm_90")
     shared = dataclasses.replace(plain, shared_prefix=True)
-    tiling = decode_tiling(shared)
+    tiling, plain_tiling = decode_tiling(shared), decode_tiling(plain)
     assert tiling.shared_row_warps == row_warps and tiling.shared_step == step
     if row_warps > 1:
         assert row_warps == tiling.bdx // 32 and tiling.col_split == 1 and row_warps % step == 0
-    assert dataclasses.replace(tiling, shared_row_warps=1, shared_step=1, fused_merge=True, static_share=decode_tiling(plain).static_share) \
-        == decode_tiling(plain)
+    assert tiling.shared_wgmma == wgmma and shared.compile_arch == ("sm_90a" if wgmma else "sm_90")
+    assert tiling.ring_align == (1024 if wgmma else plain_tiling.ring_align)
+    assert tiling.smem_bytes == plain_tiling.smem_bytes + tiling.ring_align - plain_tiling.ring_align
+    assert plain.compile_arch == "sm_90"
+    for arch in ("sm_80", "sm_100"):  # no warpgroup MMAs there
+        assert not decode_tiling(dataclasses.replace(shared, arch=arch)).shared_wgmma
+    assert dataclasses.replace(tiling, shared_row_warps=1, shared_step=1, shared_wgmma=False, fused_merge=True,
+                               ring_align=plain_tiling.ring_align, smem_bytes=plain_tiling.smem_bytes,
+                               static_share=plain_tiling.static_share) == plain_tiling
 
 
 def test_the_table_has_one_row_per_tensor_core_kernel_and_is_frozen():

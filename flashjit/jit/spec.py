@@ -193,6 +193,15 @@ class DecodeSpec(CacheAndArch):
         return spec
 
     @property
+    def compile_arch(self) -> str:
+        """sm_90a for a shared-prefix kernel whose shared records run on warpgroup MMAs
+        (tiling.uses_shared_wgmma), whose instructions only that form of the arch has."""
+        if not self.shared_prefix:
+            return self.arch
+        from .tiling import decode_tiling  # late import: the tiling reads the spec
+        return "sm_90a" if decode_tiling(self).shared_wgmma else self.arch
+
+    @property
     def name(self) -> str:
         """A readable, unique name, e.g. decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc.
 

@@ -55,6 +55,9 @@ class DecodeTiling:
     shared_row_warps: int = 1
     # Slices of a stage such a warp attends in one softmax step (its S chains side by side).
     shared_step: int = 1
+    # Shared records on Hopper's warpgroup MMAs (sm_90a): the CTA's 4 warps one warpgroup of 64 rows,
+    # K and V read from a block-major ring (uses_shared_wgmma).
+    shared_wgmma: bool = False
 
     @property
     def entry(self) -> str:
@@ -229,6 +232,18 @@ def tc_rows(spec: DecodeSpec, table: Tuning | None = None) -> int:
     return (TUNING if table is None else table).fp8_rows if spec.kv_is_fp8 else MMA_M
 
 
+SWIZZLE_ATOM = 1024  # bytes of one 128-byte swizzle atom (8 rows): where a wgmma operand starts
+SHARED_WGMMA_HEAD_DIMS = (64, 128)  # whole 128-byte blocks, O in one warpgroup's registers
+
+
+def uses_shared_wgmma(spec: DecodeSpec, row: TensorCoreRow) -> bool:
+    """Whether a shared-prefix kernel runs its shared records on warpgroup MMAs: Hopper (compiled
+    for sm_90a), 16-bit K/V in swizzled rows of whole 128-byte blocks, and one warpgroup a CTA with
+    a warp per 16 rows."""
+    return (spec.shared_prefix and spec.arch == "sm_90" and not spec.kv_is_fp8 and spec.head_dim in SHARED_WGMMA_HEAD_DIMS
+            and row.warps == 4 and row.col_split == 1 and row.swizzle and not row.q_in_smem)
+
+
 def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling:
     """The tiling of a spec under table (TUNING when None)."""
     table = TUNING if table is None else table
@@ -248,7 +263,6 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
         split_scores = row.split_scores and row.col_split > 1 and not spec.kv_is_fp8 and not q_smem
         # split scores: each slice's partial S tiles (16 x 16 fp32 per warp), two rounds deep
         score_parts = slices * 2 * row.col_split * MMA_M * 16 * 4 if split_scores else 0
-        smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + q_smem + score_parts + table.ring_align - 16
         # A shared-prefix kernel's records write partials of several requests: the separate merge
         # kernel combines them (the fused merge counts one request's arrivals).
         fused_merge = table.fused_merge and not spec.shared_prefix
@@ -258,14 +272,17 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
         # the chunk again from L2. Where warps split O's columns or keep Q in shared memory, the
         # registers do not hold a warp's own rows: there a record holds 16 rows.
         row_warps = row.warps if spec.shared_prefix and row.col_split == 1 and not q_smem else 1
+        shared_wgmma = row_warps > 1 and uses_shared_wgmma(spec, row)
+        ring_align = max(table.ring_align, SWIZZLE_ATOM) if shared_wgmma else table.ring_align
+        smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + q_smem + score_parts + ring_align - 16
         return DecodeTiling(vec=VEC, chunks_per_row=spec.head_dim // VEC, bdx=32 * row.warps, rows=rows, rows_pad=1,
                             bdz=1, row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=row.stages,
                             tensor_cores=True, smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch,
-                            l2_prefetch=table.l2_prefetch, swizzle=row.swizzle, ring_align=table.ring_align,
+                            l2_prefetch=table.l2_prefetch, swizzle=row.swizzle, ring_align=ring_align,
                             heads_first=table.heads_first, fused_merge=fused_merge, static_share=static_share,
                             min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk,
                             q_smem_bytes=q_smem, shared_row_warps=row_warps,
-                            shared_step=row.shared_step if row_warps > 1 else 1,
+                            shared_step=row.shared_step if row_warps > 1 else 1, shared_wgmma=shared_wgmma,
                             split_scores=split_scores, **merge)
     cc = table.cuda_cores
     chunks = spec.head_dim // VEC

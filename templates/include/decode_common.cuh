@@ -299,6 +299,8 @@ FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
 //
 // SWIZZLE: rows are unpadded and chunk c of row r sits at chunk c ^ (r % 8), within its 128 bytes;
 // ldmatrix's eight rows of one column still hit eight different banks (swizzled_chunk()).
+// cfg::SHARED_WGMMA (swizzled rows of whole 128-byte blocks): each stage is block-major, block b of
+// every row in a TILE x 128-byte column (ring_offset), as Hopper's warpgroup MMAs read an operand.
 template <int TILE, int K_PITCH, int V_PITCH, int NT, bool SWIZZLE = false>
 struct PagedKVStage {
   static constexpr int ELEMS = 16 / sizeof(kv_t);  // values per 16-byte chunk
@@ -394,6 +396,12 @@ struct PagedKVStage {
 
   FJ_INLINE void copy(int stage, int i, const kv_t* k_src, const kv_t* v_src, bool pred) {
     const u32 row = stage * TILE + key(i), column_bytes = (SWIZZLE ? swizzled_chunk(row, column(i)) : column(i)) * 16;
+    if constexpr (cfg::SHARED_WGMMA) {  // block-major: the chunk's block, then its row's 128 bytes in it
+      const u32 at = stage * TILE * K_PITCH + column_bytes / 128 * TILE * 128 + key(i) * 128 + column_bytes % 128;
+      cp_async_16<cfg::L2_PREFETCH>(k_ring + at, k_src, pred);
+      cp_async_16<cfg::L2_PREFETCH>(v_ring + at, v_src, pred);
+      return;
+    }
     cp_async_16<cfg::L2_PREFETCH>(k_ring + row * K_PITCH + column_bytes, k_src, pred);
     cp_async_16<cfg::L2_PREFETCH>(v_ring + row * V_PITCH + column_bytes, v_src, pred);
   }
@@ -456,6 +464,7 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&&
     }
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
+    if constexpr (cfg::SHARED_WGMMA) fence_async_proxy();  // this thread's copies, before wgmma reads them
     __syncthreads();
     if (t == 0) FJ_STAMP(1);
     consume(t % STAGES, t);

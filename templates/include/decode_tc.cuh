@@ -55,6 +55,12 @@ enum : int { SHARED_STEP = cfg::SHARED_STEP, NS = SHARED_STEP };  // NS: attend_
 // half block, which swizzled_chunk XORs with (row / 2) % 4 rather than row % 8. (An enum: a
 // constexpr variable would add a symbol to every cubin.)
 enum : bool { HALF_BLOCK = D * 2 % 128 == 64 };
+// Bytes between two keys' rows of a stage and between two 128-byte blocks of one row: rows side by
+// side, or block-major for the warpgroup MMAs (cfg::SHARED_WGMMA: PagedKVStage::copy).
+enum : int {
+  K_ROW = cfg::SHARED_WGMMA ? 128 : K_PITCH, V_ROW = cfg::SHARED_WGMMA ? 128 : V_PITCH,
+  ROW_BLOCK = cfg::SHARED_WGMMA ? TILE * 128 : 128
+};
 using mma_t = kv_t;
 
 static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 2, "16-bit queries and K/V");
@@ -64,6 +70,12 @@ static_assert(STAGES * TILE * (K_PITCH + V_PITCH) >= SLICES * M * D * 4, "the sl
 static_assert(!Q_IN_SMEM || cfg::Q_SMEM_BYTES == KSTEPS * 32 * 16, "one 16-byte fragment per k-step and lane");
 static_assert(!ROWS_BY_WARP || (cfg::SHARED_PREFIX && ROW_WARPS == WARPS && COL_SPLIT == 1 && !Q_IN_SMEM),
               "rows by warp: shared-prefix records, one warp per slice, Q in registers");
+#ifndef FJ_WGMMA
+static_assert(!cfg::SHARED_WGMMA, "a wgmma kernel includes the wrappers (wgmma.cuh.j2) before this header");
+#endif
+static_assert(!cfg::SHARED_WGMMA || (ROWS_BY_WARP && WARPS == 4 && TILE == 64 && SWIZZLE && !HALF_BLOCK &&
+                                     K_PITCH == D * 2 && V_PITCH == D * 2 && (D == 64 || D == 128)),
+              "shared records on wgmma: one warpgroup of 64 rows, 64 keys a stage, rows of whole swizzled blocks");
 static_assert(SLICES % SHARED_STEP == 0 && (SHARED_STEP == 1 || (ROWS_BY_WARP && !SPLIT_SCORES)),
               "whole steps of slices, several a step only with rows by warp");
 static_assert(!cfg::SHARED_PREFIX || (!VARIANT_SINK && !VARIANT_LOGITS),
@@ -178,12 +190,64 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   // Written as a 128-byte block plus a chunk inside it: four distinct offsets per lane.
   const int mat = lane / 8, mrow = lane % 8, swizzle = SWIZZLE ? mrow : 0;
   // A column part starts NTILES n-tiles (whole 128-byte blocks) into V's rows.
-  const int k_ld = (slice * 16 + mrow + (mat >> 1) * 8) * K_PITCH, k_chunk = (mat & 1) ^ swizzle;  // K: [keys][dims]
-  const int v_ld = (slice * 16 + mrow + (mat & 1) * 8) * V_PITCH + col_part * NTILES * 16,
+  const int k_ld = (slice * 16 + mrow + (mat >> 1) * 8) * K_ROW, k_chunk = (mat & 1) ^ swizzle;  // K: [keys][dims]
+  const int v_ld = (slice * 16 + mrow + (mat & 1) * 8) * V_ROW + col_part * NTILES / 8 * ROW_BLOCK,
             v_chunk = (mat >> 1) ^ swizzle;  // V: transposed
   // HALF_BLOCK: the chunks of the last half block (k-steps from KSTEPS - 2, n-tiles from NTILES - 4).
   const int half_swizzle = SWIZZLE ? mrow / 2 % 4 : 0;
   const int k_chunk_half = (mat & 1) ^ half_swizzle, v_chunk_half = (mat >> 1) ^ half_swizzle;
+
+  // Scale, mask, the online-softmax update (O rescaled where a row's max grew) and P: the scores of
+  // nj n-tiles of 8 keys from key0 (s[j], MMA C fragments) become P's A fragments, 16 keys each.
+  const auto probabilities = [&](float (*s)[4], int nj, int key0, u32 (*pa)[4]) {
+    // (row maxima reduced over the row's 4 lanes)
+    float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
+#pragma unroll
+    for (int j = 0; j < nj; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, vpos = key0 + 8 * j + pair + (e & 1);
+        bool visible = row_valid[h] && item.in_span(vpos);
+        int pos = 0;
+        if (visible) {
+          pos = mask_kv_position(params, item.request, vpos);
+          visible = pos >= 0 && pos < item.kv_len &&
+                    mask_visible(params, item.request, row_tok[h], item.q_len, row_pos[h], pos, item.kv_len);
+        }
+        if constexpr (VARIANT_LOGITS)
+          s[j][e] = visible ? variant_logits2(vparams, s[j][e] * scales.score, row_pos[h], pos, row_head[h]) : FJ_NEG_INF;
+        else
+          s[j][e] = visible ? s[j][e] * scales.score : FJ_NEG_INF;
+        tile_max[h] = fmaxf(tile_max[h], s[j][e]);
+      }
+    }
+    float m_ref[2], rescale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+      tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+      rescale[h] = advance_max(tile_max[h], m[h], m_ref[h], dsum[h]);
+    }
+    // After the first tiles the running max rarely grows: skip O's rescale when no row's did.
+    if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
+#pragma unroll
+      for (int n = 0; n < NTILES; ++n) {
+        o[n][0] *= rescale[0]; o[n][1] *= rescale[0];
+        o[n][2] *= rescale[1]; o[n][3] *= rescale[1];
+      }
+    }
+    // P (the C fragments of S) is the A fragment of O += P V, 16 keys a slice.
+#pragma unroll
+    for (int j = 0; j < nj; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = exp2_approx(s[j][e] - m_ref[e >> 1]);
+        dsum[e >> 1] += s[j][e];
+      }
+      pa[j / 2][2 * (j % 2)] = Mma<mma_t>::pack(s[j][0], s[j][1]);
+      pa[j / 2][2 * (j % 2) + 1] = Mma<mma_t>::pack(s[j][2], s[j][3]);
+    }
+  };
 
   int score_round = 0;  // SPLIT_SCORES: which of score_parts' two buffers this round writes
   // The 16 keys of slice g of a stage and the ns - 1 after it, in one softmax step (a warp's own
@@ -194,8 +258,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     const int key0 = item.tile_begin + t * TILE + g * 16;  // the slice's first key
     if (key0 < item.v_end) {  // (keys of the stage past the span are zero-filled: P = 0 there)
       // (k_first: a multiple of 4 k-steps, so the warp's share starts k_first / 4 blocks in.)
-      const unsigned char* ks = k_smem + stage * TILE * K_PITCH + (g - slice) * 16 * K_PITCH + k_first * 32;
-      const unsigned char* vs = v_smem + stage * TILE * V_PITCH + (g - slice) * 16 * V_PITCH;
+      const unsigned char* ks = k_smem + stage * TILE * K_PITCH + (g - slice) * 16 * K_ROW + k_first / 4 * ROW_BLOCK;
+      const unsigned char* vs = v_smem + stage * TILE * V_PITCH + (g - slice) * 16 * V_ROW;
       // S = Q K^T for 16 keys a slice i: s[2i + j][0..1] rows quad, s[2i + j][2..3] rows quad+8,
       // keys 16i + 8j + pair (+1).
       float s[2 * NS][4];
@@ -207,7 +271,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
         for (int i = 0; i < ns; ++i) {
           u32 kb[4];
           const int kc = HALF_BLOCK && k >= KSTEPS - 2 ? k_chunk_half : k_chunk;
-          ldmatrix_x4(kb, ks + i * 16 * K_PITCH + k_ld + (k / 4) * 128 + ((2 * k % 8) ^ kc) * 16);
+          ldmatrix_x4(kb, ks + i * 16 * K_ROW + k_ld + (k / 4) * ROW_BLOCK + ((2 * k % 8) ^ kc) * 16);
           if constexpr (Q_IN_SMEM) {
             const uint4 f = q_frags[k * 32 + lane];
             const u32 qf[4] = {f.x, f.y, f.z, f.w};
@@ -237,72 +301,67 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
           s[j][0] = sum.x; s[j][1] = sum.y; s[j][2] = sum.z; s[j][3] = sum.w;
         }
       }
-      // Scale, mask, and the online-softmax update, per row (reduced over the row's 4 lanes).
-      float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
-#pragma unroll
-      for (int j = 0; j < 2 * ns; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e >> 1, vpos = key0 + 8 * j + pair + (e & 1);
-          bool visible = row_valid[h] && item.in_span(vpos);
-          int pos = 0;
-          if (visible) {
-            pos = mask_kv_position(params, item.request, vpos);
-            visible = pos >= 0 && pos < item.kv_len &&
-                      mask_visible(params, item.request, row_tok[h], item.q_len, row_pos[h], pos, item.kv_len);
-          }
-          if constexpr (VARIANT_LOGITS)
-            s[j][e] = visible ? variant_logits2(vparams, s[j][e] * scales.score, row_pos[h], pos, row_head[h]) : FJ_NEG_INF;
-          else
-            s[j][e] = visible ? s[j][e] * scales.score : FJ_NEG_INF;
-          tile_max[h] = fmaxf(tile_max[h], s[j][e]);
-        }
-      }
-      float m_ref[2], rescale[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        rescale[h] = advance_max(tile_max[h], m[h], m_ref[h], dsum[h]);
-      }
-      // After the first tiles the running max rarely grows: skip O's rescale when no row's did.
-      if (__any_sync(0xffffffffu, rescale[0] != 1.f || rescale[1] != 1.f)) {
-#pragma unroll
-        for (int n = 0; n < NTILES; ++n) {
-          o[n][0] *= rescale[0]; o[n][1] *= rescale[0];
-          o[n][2] *= rescale[1]; o[n][3] *= rescale[1];
-        }
-      }
-      // P (the C fragments of S) is the A fragment of O += P V, 16 keys a slice.
       u32 pa[NS][4];
-#pragma unroll
-      for (int j = 0; j < 2 * ns; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = exp2_approx(s[j][e] - m_ref[e >> 1]);
-          dsum[e >> 1] += s[j][e];
-        }
-        pa[j / 2][2 * (j % 2)] = Mma<mma_t>::pack(s[j][0], s[j][1]);
-        pa[j / 2][2 * (j % 2) + 1] = Mma<mma_t>::pack(s[j][2], s[j][3]);
-      }
+      probabilities(s, 2 * ns, key0, pa);
 #pragma unroll
       for (int i = 0; i < ns; ++i) {
 #pragma unroll
         for (int n = 0; n < NTILES; n += 2) {
           u32 vb[4];
           const int vc = HALF_BLOCK && n >= NTILES - 4 ? v_chunk_half : v_chunk;
-          ldmatrix_x4_trans(vb, vs + i * 16 * V_PITCH + v_ld + (n / 8) * 128 + ((n % 8) ^ vc) * 16);
+          ldmatrix_x4_trans(vb, vs + i * 16 * V_ROW + v_ld + (n / 8) * ROW_BLOCK + ((n % 8) ^ vc) * 16);
           Mma<mma_t>::run(o[n], pa[i], vb[0], vb[1]);
           Mma<mma_t>::run(o[n + 1], pa[i], vb[2], vb[3]);
         }
       }
     }
   };
+  // A stage of a rows-by-warp record on the warpgroup MMAs (cfg::SHARED_WGMMA): the CTA's warps are
+  // one warpgroup, its 64 rows one M tile. S (64 rows x the stage's keys) and O (64 x D) land in the
+  // registers where each warp's mma.sync fragments of its 16 rows would, so probabilities() and the
+  // epilogue serve both; Q and P are the A operands, in registers; K (K-major) and V (N-major) are
+  // read from the block-major stage by descriptor.
+#ifdef FJ_WGMMA
+  const auto attend_stage_wgmma = [&](int stage, int t) {
+    {
+      const int key0 = item.tile_begin + t * TILE;
+      if (key0 >= item.v_end) return;  // (keys of the stage past the span are zero-filled: P = 0 there)
+      const u32 k_at = (u32)__cvta_generic_to_shared(k_smem + stage * TILE * K_PITCH);
+      const u32 v_at = (u32)__cvta_generic_to_shared(v_smem + stage * TILE * V_PITCH);
+      float s[TILE / 8][4];
+      float(&s_all)[TILE / 2] = reinterpret_cast<float(&)[TILE / 2]>(s);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < KSTEPS; ++k)
+        wgmma_rs_kmajor(s_all, qa[k], smem_operand(k_at + k / 4 * ROW_BLOCK + k % 4 * 32, 16), k > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      hold_registers(s_all);
+      u32 pa[TILE / 16][4];
+      probabilities(s, TILE / 8, key0, pa);
+      float(&o_all)[NTILES * 4] = reinterpret_cast<float(&)[NTILES * 4]>(o);
+      wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < TILE / 16; ++i) {
+        wgmma_rs_nmajor(o_all, pa[i], smem_operand(v_at + i * 16 * 128, ROW_BLOCK), 1);  // keys 16i..16i + 15
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      hold_registers(o_all);
+    }
+  };
+#endif
   stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [] {}, [&](int stage, int t) {
     if constexpr (ROWS_BY_WARP) {
       if (rows_by_warp) {
+        if constexpr (cfg::SHARED_WGMMA) {
+#ifdef FJ_WGMMA
+          attend_stage_wgmma(stage, t);
+#endif
+        } else {
 #pragma unroll 1
-        for (int g = 0; g < SLICES; g += SHARED_STEP) attend_keys(stage, t, g, SHARED_STEP);
+          for (int g = 0; g < SLICES; g += SHARED_STEP) attend_keys(stage, t, g, SHARED_STEP);
+        }
         return;
       }
     }

@@ -22,7 +22,7 @@
 
 namespace mla {
 
-constexpr int SWIZZLE_ATOM = 1024;                 // the 128-byte swizzle's repeat: 8 rows of 128 bytes
+constexpr int SWIZZLE_ATOM = WGMMA_SWIZZLE_ATOM;   // the 128-byte swizzle's repeat: 8 rows of 128 bytes
 constexpr int Q_BLOCK = M * 128, KV_BLOCK = TILE * 128;  // bytes of one 64-column block of Q, of a stage
 constexpr int WG_THREADS = 128, HALF = LATENT / 2;  // a warpgroup, and its share of O's columns
 constexpr int S_REGS = TILE / 2, O_REGS = HALF / 2;
@@ -31,13 +31,6 @@ static_assert(cfg::WGMMA && M == 64 && TILE == 64 && NT == 2 * WG_THREADS && !FP
 static_assert(cfg::RING_ALIGN == SWIZZLE_ATOM && STAGE_BYTES % SWIZZLE_ATOM == 0 && cfg::Q_BYTES % SWIZZLE_ATOM == 0,
               "every operand block starts on a swizzle atom");
 static_assert(cfg::P_PITCH == 128 && QK % 64 == 0 && LATENT == 512, "P rows of 64 keys; 64-column blocks");
-
-// The descriptor of a 128-byte-swizzled operand at shared address `at`: 8-row groups SWIZZLE_ATOM
-// bytes apart, and `lead` bytes between 64-column blocks along N (N-major operands; K-major ones
-// never cross a block in one MMA, and take 16).
-FJ_INLINE u64 smem_operand(u32 at, u32 lead) {
-  return (u64)((at & 0x3FFFF) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(SWIZZLE_ATOM >> 4) << 32) | (1ull << 62);
-}
 
 FJ_INLINE void barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -170,7 +163,7 @@ FJ_INLINE void attend_wgmma(const Args& a) {
     const u32 v_at = kv_at + group * (HALF / 64) * KV_BLOCK;
 #pragma unroll
     for (int kk = 0; kk < TILE / 16; ++kk)  // 16 keys a step: 16 rows of 128 bytes
-      wgmma_m64n256_rs(o, pa[kk], smem_operand(v_at + kk * 16 * 128, KV_BLOCK), 1);
+      wgmma_rs_nmajor(o, pa[kk], smem_operand(v_at + kk * 16 * 128, KV_BLOCK), 1);
     wgmma_commit();
     wgmma_wait<0>();
     hold_registers(o);
