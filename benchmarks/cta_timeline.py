@@ -1,6 +1,7 @@
 """When each CTA of one decode call starts, gets its first tile, finishes its tiles and exits (GPU).
 
     python -m benchmarks.cta_timeline "b16 L8192 e4m3" ["b64 L8192 e4m3" ...] [--calls 3]
+    python -m benchmarks.cta_timeline --shared-prefix "16 samples, 8192 + 512" [...]
 
 ncu reports a kernel's averages; this shows its shape in time: how long CTAs wait for their first
 tile (the prologue's chain of loads), how far apart they finish (the tail, where the memory system
@@ -10,7 +11,9 @@ have equal work, when the last tile would land if that work were spread over the
 measured rates: the most that balancing across CTAs could gain. The kernel is built with
 -DFJ_TIMELINE, which compiles in a %globaltimer stamp at four points of every CTA
 (templates/include/prelude.cuh, FJ_STAMP); the cubin built without it is unchanged. Inputs, flush
-and timing are those of benchmarks/decode.py. Percentiles are in µs from the first CTA's entry.
+and timing are those of benchmarks/decode.py (of benchmarks/shared_prefix.py with --shared-prefix,
+where the stamps are also shown by record kind: shared records and the requests' own items).
+Percentiles are in µs from the first CTA's entry.
 """
 
 import argparse
@@ -19,6 +22,7 @@ import tempfile
 from benchmarks.cases import CASES
 from benchmarks.inputs import build_inputs, quantize
 from benchmarks.peers import flashjit_impl
+from benchmarks.shared_prefix import ROWS as SHARED_ROWS
 from benchmarks.timing import Timer
 
 STAMPS = ("entry", "first tile", "tiles done", "exit")
@@ -62,9 +66,15 @@ def read_stamps(kernel, ctas: int):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("cases", nargs="+", choices=[c.name for c in CASES], metavar="CASE")
+    parser.add_argument("cases", nargs="+", metavar="CASE",
+                        help="rows of benchmarks/decode.py (of benchmarks/shared_prefix.py with --shared-prefix)")
+    parser.add_argument("--shared-prefix", action="store_true", help="the cases are shared-prefix rows")
     parser.add_argument("--calls", type=int, default=3, help="timed calls per case, each printed")
     args = parser.parse_args(argv)
+    names = [row.name for row in SHARED_ROWS] if args.shared_prefix else [c.name for c in CASES]
+    unknown = [name for name in args.cases if name not in names]
+    if unknown:
+        parser.error(f"unknown case(s) {unknown}; the cases are {names}")
 
     import numpy as np
     import torch
@@ -72,12 +82,11 @@ def main(argv=None):
 
     engine = stamped_engine(tempfile.mkdtemp())
     timer = Timer(torch, 1)
-    for case in (c for c in CASES if c.name in args.cases):
-        batch = build_inputs(torch, case)
-        run, _, decoder = flashjit_impl(torch, batch, case, engine, quantize(batch, case))
+    for name in args.cases:
+        run, decoder, holds = (shared_prefix_call if args.shared_prefix else decode_call)(torch, name, engine)
         grid = decoder.kernel.tiling.grid(decoder.work.num_work, decoder.num_kv_heads)
         ctas = grid[0] * grid[1] * grid[2]
-        print(f"{case.name}: {decoder.spec.name}, {decoder.work.num_work} work items, {ctas} CTAs")
+        print(f"{name}: {decoder.spec.name}, {decoder.work.num_work} work items, {ctas} CTAs")
         _, address, nbytes = read_stamps(decoder.kernel, 0)
         # The balanced bound needs equal work per CTA: equal items, and no tiles shared among CTAs.
         spans = np.asarray(decoder.work.work_end) - np.asarray(decoder.work.work_begin)
@@ -101,12 +110,53 @@ def main(argv=None):
             print(f"    per CTA: first tile after entry {np.median(since[:, 1] - since[:, 0]):.1f}, "
                   f"tiles {np.median(since[:, 2] - since[:, 1]):.1f}, epilogue {np.median(since[:, 3] - since[:, 2]):.1f} (medians)")
             print_by_sm_load(np, since, sm)
+            print_by_record_kind(np, since, np.nonzero(read)[0], decoder, grid)
             print_by_request(np, since, np.nonzero(read)[0], decoder, grid)
             if equal_work:
                 print(f"    if the work were spread over the CTAs at their rates, the last tile would land at "
                       f"{balanced_finish(np, since[:, 1], since[:, 2]):.1f} µs (measured {since[:, 2].max():.1f})")
             finish_by_sm.append(sm_means(np, since[:, 2], sm, NUM_SMS_MAX))
         print_sm_speeds(np, finish_by_sm)
+
+
+def decode_call(torch, name: str, engine):
+    """(run, decoder, what run needs kept alive) of a benchmarks/decode.py row."""
+    case = next(c for c in CASES if c.name == name)
+    batch = build_inputs(torch, case)
+    run, _, decoder = flashjit_impl(torch, batch, case, engine, quantize(batch, case))
+    return run, decoder, batch
+
+
+def shared_prefix_call(torch, name: str, engine):
+    """(run, decoder, what run needs kept alive) of a benchmarks/shared_prefix.py row, planned to share."""
+    import flashjit
+    from benchmarks.shared_prefix import HEAD_DIM, HEADS_KV, HEADS_QO, PAGE, row_inputs
+
+    row = next(r for r in SHARED_ROWS if r.name == name)
+    _, q, cache, (indptr, ids, last) = row_inputs(torch, row)
+    decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last, HEADS_QO, HEADS_KV, HEAD_DIM, PAGE)
+    out = torch.empty_like(q)
+    return (lambda: decoder.run(q, cache, out=out)), decoder, (q, cache, out)
+
+
+def print_by_record_kind(np, since, cta_index, decoder, grid):
+    """A shared-prefix plan's CTAs by record kind (its shared records come first in the grid): when
+    they start and finish, and each CTA's time per key of its span."""
+    num_shared = getattr(decoder.current_plan.tables, "num_shared", None)
+    if num_shared is None:
+        shared = getattr(decoder.current_plan.tables, "shared", None)
+        num_shared = None if shared is None else shared.num_shared
+    if not num_shared:
+        return
+    heads = decoder.num_kv_heads if decoder.kernel.tiling.heads_first else 1
+    item = cta_index % grid[0] // heads
+    keys = (np.asarray(decoder.work.work_end) - np.asarray(decoder.work.work_begin))[item]
+    for kind, chosen in (("shared records", item < num_shared), ("own items", item >= num_shared)):
+        d = since[chosen]
+        per_key = (d[:, 2] - d[:, 1]) * 1e3 / np.maximum(keys[chosen], 1)
+        print(f"    {kind} ({chosen.sum()} CTAs): entry p50 {np.median(d[:, 0]):.1f}, first tile after entry "
+              f"p50 {np.median(d[:, 1] - d[:, 0]):.1f}, tiles done p100 {d[:, 2].max():.1f}, exit p100 "
+              f"{d[:, 3].max():.1f}; {np.median(per_key):.1f} ns a key (median)")
 
 
 def print_by_request(np, since, cta_index, decoder, grid):

@@ -82,6 +82,19 @@ def build_tables(row: Row, seed: int = 0) -> Tables:
     return Tables(indptr, np.concatenate(lists), np.full(len(lists), last, dtype=np.int32), prompts, owns, total)
 
 
+def row_inputs(torch, row: Row, seed: int = 0):
+    """(tables, q, (k, v), (indptr, page ids, last page lengths)) of a row on the GPU: random bf16
+    q, K and V, the page table of build_tables."""
+    tables = build_tables(row, seed)
+    gen = torch.Generator().manual_seed(seed)
+    pages = tables.unique_pages
+    k = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, generator=gen).bfloat16().cuda()
+    v = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, generator=gen).bfloat16().cuda()
+    q = torch.randn(len(tables.last_page_len), HEADS_QO, HEAD_DIM, generator=gen).bfloat16().cuda()
+    indptr, last = torch.tensor(tables.indptr), torch.tensor(tables.last_page_len)
+    return tables, q, (k, v), (indptr, torch.tensor(tables.indices).cuda(), last)
+
+
 def floor_bytes(row: Row, tables: Tables) -> int:
     """Bytes a read-once kernel must read: every page once (K and V), plus q and out."""
     page_bytes = 2 * PAGE * HEADS_KV * HEAD_DIM * 2
@@ -160,15 +173,8 @@ def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed
 
     report = report or (lambda name, value: None)
 
-    tables = build_tables(row, seed)
-    gen = torch.Generator().manual_seed(seed)
-    pages = tables.unique_pages
-    k = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, generator=gen).bfloat16().cuda()
-    v = torch.randn(pages, PAGE, HEADS_KV, HEAD_DIM, generator=gen).bfloat16().cuda()
+    tables, q, (k, v), (indptr, ids, last) = row_inputs(torch, row, seed)
     batch = len(tables.last_page_len)
-    q = torch.randn(batch, HEADS_QO, HEAD_DIM, generator=gen).bfloat16().cuda()
-    indptr, last = torch.tensor(tables.indptr), torch.tensor(tables.last_page_len)
-    ids = torch.tensor(tables.indices).cuda()
     ref, _ = decode_reference(q, k, v, indptr, ids, last)
 
     def checked(name, fn, out=None):

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
-from benchmarks.cta_timeline import balanced_finish, print_sm_speeds, sm_means
+from benchmarks.cta_timeline import balanced_finish, main, print_by_record_kind, print_sm_speeds, sm_means
 
 
 def test_balanced_finish_spreads_equal_work_at_the_measured_rates():
@@ -44,3 +46,29 @@ def test_sm_speeds_of_unrelated_calls_do_not_correlate(capsys):
     rng = np.random.default_rng(1)
     print_sm_speeds(np, [rng.normal(70, 3, 132) for _ in range(4)])
     assert float(capsys.readouterr().out.split("median ")[1]) < 0.5
+
+
+def test_cases_are_checked_against_the_chosen_benchmark(capsys):
+    with pytest.raises(SystemExit):
+        main(["--shared-prefix", "b16 L8192"])  # a decode row, not a shared-prefix one
+    assert "16 samples, 8192 + 512" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["16 samples, 8192 + 512"])  # and the other way round
+    assert "b16 L8192" in capsys.readouterr().err
+
+
+def test_a_shared_prefix_plans_ctas_are_told_apart_by_record_kind(capsys):
+    """Shared records come first in the grid; with heads first, CTA x = item * heads + head."""
+    tables = types.SimpleNamespace(num_shared=1)
+    work = types.SimpleNamespace(work_begin=[0, 0], work_end=[1000, 100])
+    decoder = types.SimpleNamespace(current_plan=types.SimpleNamespace(tables=tables), work=work, num_kv_heads=2,
+                                    kernel=types.SimpleNamespace(tiling=types.SimpleNamespace(heads_first=True)))
+    # CTAs 0, 1: the shared record's two heads (1000 keys in 10 us); 2, 3: the own item's (100 keys in 2 us)
+    since = np.array([[0, 1, 11, 12], [0, 1, 11, 13], [0, 2, 4, 5], [0, 2, 4, 6]], dtype=float)
+    print_by_record_kind(np, since, np.arange(4), decoder, (4, 1, 1))
+    out = capsys.readouterr().out
+    assert "shared records (2 CTAs)" in out and "exit p100 13.0; 10.0 ns a key" in out
+    assert "own items (2 CTAs)" in out and "exit p100 6.0; 20.0 ns a key" in out
+    decoder.current_plan.tables = types.SimpleNamespace()  # a plan that shares nothing: no lines
+    print_by_record_kind(np, since, np.arange(4), decoder, (4, 1, 1))
+    assert capsys.readouterr().out == ""

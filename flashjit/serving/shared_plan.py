@@ -38,10 +38,12 @@ class SharedWork:
         self.num_slots = num_slots  # partial slots: the merge's ranges cover [0, num_slots)
 
 
-# A shared record's CTA costs per key (5 + tiles) / 6 of an ordinary one's, tiles being the 16-row
-# MMA tiles it holds (1 to its warps): its warps' MMAs and exponentials grow with the rows, its K/V
-# bytes do not. Measured on an H200 at head_dim 128, 4 tiles against 1: 39-47 against 26-29 ns per
-# key, both kinds of CTA resident in one wave.
+# A shared record's CTA is priced per key at (5 + tiles) / 6 of an ordinary one's, tiles being the
+# 16-row MMA tiles it holds (1 to its warps): its warps' MMAs and exponentials grow with the rows, its
+# K/V bytes do not. On an H200 at head_dim 128 (4 tiles, warpgroup MMAs) the two read at 35-37 against
+# 32 ns per key, both kinds resident at once; yet a base of 5 plans the benchmark's rows as fast as
+# 11 and 29 or faster (up to 11 us on 16 samples x 32768), its shorter shared chunks balancing the
+# shared records' slower start.
 TILE_COST_BASE = 5
 
 
