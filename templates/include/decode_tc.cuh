@@ -21,6 +21,8 @@
 // A shared-prefix record (cfg::SHARED_ROW_WARPS > 1) turns this around: its rows are many (GQA
 // group x members), so each warp takes 16 rows of its own and every key of a stage, and a CTA holds
 // WARPS x 16 rows with one copy of each K/V tile; ordinary records of the same kernel run as above.
+// On Hopper (cfg::SHARED_WGMMA, compiled for sm_90a) those 64 rows are one warpgroup's wgmma tile,
+// over a ring laid out block-major for it; elsewhere a warp attends SHARED_STEP slices at a time.
 // Same outputs as decode.cuh: direct for one-item requests, else normalized fp32 partials and
 // base-2 LSEs for the merge.
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
@@ -323,32 +325,29 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   // read from the block-major stage by descriptor.
 #ifdef FJ_WGMMA
   const auto attend_stage_wgmma = [&](int stage, int t) {
-    {
-      const int key0 = item.tile_begin + t * TILE;
-      if (key0 >= item.v_end) return;  // (keys of the stage past the span are zero-filled: P = 0 there)
-      const u32 k_at = (u32)__cvta_generic_to_shared(k_smem + stage * TILE * K_PITCH);
-      const u32 v_at = (u32)__cvta_generic_to_shared(v_smem + stage * TILE * V_PITCH);
-      float s[TILE / 8][4];
-      float(&s_all)[TILE / 2] = reinterpret_cast<float(&)[TILE / 2]>(s);
-      wgmma_fence();
+    const int key0 = item.tile_begin + t * TILE;
+    if (key0 >= item.v_end) return;  // (keys of the stage past the span are zero-filled: P = 0 there)
+    const u32 k_at = (u32)__cvta_generic_to_shared(k_smem + stage * TILE * K_PITCH);
+    const u32 v_at = (u32)__cvta_generic_to_shared(v_smem + stage * TILE * V_PITCH);
+    float s[TILE / 8][4];
+    float(&s_all)[TILE / 2] = reinterpret_cast<float(&)[TILE / 2]>(s);
+    wgmma_fence();
 #pragma unroll
-      for (int k = 0; k < KSTEPS; ++k)
-        wgmma_rs_kmajor(s_all, qa[k], smem_operand(k_at + k / 4 * ROW_BLOCK + k % 4 * 32, 16), k > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-      hold_registers(s_all);
-      u32 pa[TILE / 16][4];
-      probabilities(s, TILE / 8, key0, pa);
-      float(&o_all)[NTILES * 4] = reinterpret_cast<float(&)[NTILES * 4]>(o);
-      wgmma_fence();
+    for (int k = 0; k < KSTEPS; ++k)
+      wgmma_rs_kmajor(s_all, qa[k], smem_operand(k_at + k / 4 * ROW_BLOCK + k % 4 * 32, 16), k > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    hold_registers(s_all);
+    u32 pa[TILE / 16][4];
+    probabilities(s, TILE / 8, key0, pa);
+    float(&o_all)[NTILES * 4] = reinterpret_cast<float(&)[NTILES * 4]>(o);
+    wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < TILE / 16; ++i) {
-        wgmma_rs_nmajor(o_all, pa[i], smem_operand(v_at + i * 16 * 128, ROW_BLOCK), 1);  // keys 16i..16i + 15
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      hold_registers(o_all);
-    }
+    for (int i = 0; i < TILE / 16; ++i)  // keys 16i..16i + 15, D columns in blocks of 64 keys' rows
+      wgmma_rs_nmajor(o_all, pa[i], smem_operand(v_at + i * 16 * 128, ROW_BLOCK), 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    hold_registers(o_all);
   };
 #endif
   stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [] {}, [&](int stage, int t) {
