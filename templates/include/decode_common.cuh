@@ -300,7 +300,7 @@ FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
 // SWIZZLE: rows are unpadded and chunk c of row r sits at chunk c ^ (r % 8), within its 128 bytes;
 // ldmatrix's eight rows of one column still hit eight different banks (swizzled_chunk()).
 // cfg::SHARED_WGMMA (swizzled rows of whole 128-byte blocks): each stage is block-major, block b of
-// every row in a TILE x 128-byte column (ring_offset), as Hopper's warpgroup MMAs read an operand.
+// every row in a TILE x 128-byte column (copy()), as Hopper's warpgroup MMAs read an operand.
 template <int TILE, int K_PITCH, int V_PITCH, int NT, bool SWIZZLE = false>
 struct PagedKVStage {
   static constexpr int ELEMS = 16 / sizeof(kv_t);  // values per 16-byte chunk
