@@ -83,7 +83,8 @@ def main(argv=None):
     engine = stamped_engine(tempfile.mkdtemp())
     timer = Timer(torch, 1)
     for name in args.cases:
-        run, decoder, holds = (shared_prefix_call if args.shared_prefix else decode_call)(torch, name, engine)
+        # (inputs: the tensors run() reads, kept alive while it runs)
+        run, decoder, inputs = (shared_prefix_call if args.shared_prefix else decode_call)(torch, name, engine)
         grid = decoder.kernel.tiling.grid(decoder.work.num_work, decoder.num_kv_heads)
         ctas = grid[0] * grid[1] * grid[2]
         print(f"{name}: {decoder.spec.name}, {decoder.work.num_work} work items, {ctas} CTAs")
