@@ -158,7 +158,8 @@ def entry_bodies(source: str) -> dict[str, str]:
 def test_every_entry_point_waits_for_the_previous_kernel_before_anything_else(family):
     """The launches allow programmatic dependent launch from sm_90 (kernel.PreparedLaunch): a kernel's
     CTAs may start before the previous kernel's writes land, so each entry point's first statement
-    (after the timeline's stamp) is the wait."""
+    (after the timeline's stamp) is the wait. flashjit_merge reads the plan's arrays first, which the
+    decode kernel it waits for does not write: merge::locate reads those and nothing else."""
     from flashjit.jit.merge_spec import MergeSpec
     from flashjit.jit.mla_spec import MLASpec
     from flashjit.jit.render import render_merge_states
@@ -176,5 +177,13 @@ def test_every_entry_point_waits_for_the_previous_kernel_before_anything_else(fa
     assert expected.get(family, {"flashjit_decode", "flashjit_plan"}) <= set(bodies) and len(bodies) >= 1 + (
         family == "mla")
     for name, body in bodies.items():
+        body = re.sub(r"//[^\n]*", "", body)  # comments
         statements = [s.strip() for s in body.split(";") if s.strip() and not s.strip().startswith("FJ_STAMP")]
+        if name == "flashjit_merge":
+            assert statements[0].startswith("const merge::Target target = merge::locate(args)"), statements[:2]
+            statements = statements[1:]
+            start = source.index("FJ_INLINE Target locate(const Args& a) {")
+            locate = source[start:source.index("\n}\n", start)]
+            assert set(re.findall(r"a\.(\w+)", locate)) == {"num_tokens", "token_request", "req_qo_indptr",
+                                                          "req_work_indptr", "num_qo_heads"}, locate
         assert statements[0] == "wait_for_previous_kernel()", (name, statements[:2])
