@@ -117,8 +117,9 @@ def decode_checked(decoder_out, batch_tables, q, k, v, mask, params, n):
     assert rel_error(out, ref) <= 1e-2, f"{n} requests"
 
 
+@pytest.mark.parametrize("tensor_cores", [None, False], ids=["auto", "cuda cores"])  # the fused merge; flashjit_merge
 @pytest.mark.parametrize("mask, max_q", [("none", 1), ("causal", 3), ("sliding_window", 1)])
-def test_graph_replays_after_new_plans_match_eager_runs(engine, mask, max_q):
+def test_graph_replays_after_new_plans_match_eager_runs(engine, mask, max_q, tensor_cores):
     heads, kv_heads, dim, page = 32, 8, 128, 16
     rng, gen = random.Random(3), torch.Generator().manual_seed(3)
     k = torch.randn(PAGE_POOL, page, kv_heads, dim, generator=gen).bfloat16().cuda()
@@ -137,10 +138,12 @@ def test_graph_replays_after_new_plans_match_eager_runs(engine, mask, max_q):
         return page_table(kv_lens, page, gen, q_lens)
 
     def plan(d, t):
-        d.plan(t[0], t[1], t[2], heads, kv_heads, dim, page, qo_indptr=t[3], mask=mask, mask_params=params)
+        d.plan(t[0], t[1], t[2], heads, kv_heads, dim, page, qo_indptr=t[3], mask=mask, mask_params=params,
+               tensor_cores=tensor_cores)
 
     t = tables(max_batch)
     plan(decoder, t)
+    assert decoder.kernel.tiling.fused_merge == (tensor_cores is None)  # each merge path replayed
     decoder.run(q_static, (k, v), out=out_static)  # loads the kernel outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
