@@ -143,10 +143,7 @@ def shared_prefix_call(torch, name: str, engine):
 def print_by_record_kind(np, since, cta_index, decoder, grid):
     """A shared-prefix plan's CTAs by record kind (its shared records come first in the grid): when
     they start and finish, and each CTA's time per key of its span."""
-    num_shared = getattr(decoder.current_plan.tables, "num_shared", None)
-    if num_shared is None:
-        shared = getattr(decoder.current_plan.tables, "shared", None)
-        num_shared = None if shared is None else shared.num_shared
+    num_shared = getattr(decoder.current_plan.tables, "num_shared", 0)  # a sharing plan's tables have it
     if not num_shared:
         return
     heads = decoder.num_kv_heads if decoder.kernel.tiling.heads_first else 1

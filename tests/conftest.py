@@ -113,17 +113,26 @@ def fake_cubin(source: str, arch: str) -> bytes:
     return b"\x7fELF fake cubin " + hashlib.sha256(f"{arch}\0{source}".encode()).digest()
 
 
+class CompiledNames(list):
+    """The names fake_nvrtc compiled, in order; archs: the arch each was compiled for."""
+
+    def __init__(self):
+        super().__init__()
+        self.archs: dict[str, str] = {}
+
+
 @pytest.fixture
-def fake_nvrtc(monkeypatch) -> list:
+def fake_nvrtc(monkeypatch) -> CompiledNames:
     """Swap the engine's NVRTC for an instant fake (fake_cubin); returns the names it compiled.
 
     For tests about caching, bundles and faults, where the cubin's bytes do not matter: the real
     compile costs ~0.4 s each on CI. Everything else (render, keys, index, store) stays real.
     """
-    compiled = []
+    compiled = CompiledNames()
 
     def compile_source(source, arch, name, **kwargs):
         compiled.append(name)
+        compiled.archs[name] = arch
         return CompiledKernel(fake_cubin(source, arch), "")
 
     monkeypatch.setattr(engine_module, "compile_source", compile_source)

@@ -14,14 +14,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import flashjit.jit.engine as engine_module
-from flashjit.jit.compile import CompiledKernel, compile_source
+from flashjit.jit.compile import compile_source
 from flashjit.jit.mla_spec import MLASpec
 from flashjit.jit.mla_tiling import SWIZZLE_ATOM, WGMMA_ROWS, mla_tiling, uses_wgmma
 from flashjit.jit.render import render
 from flashjit.jit.spec import dynamic_shared_limit
 
-from conftest import fake_cubin
 
 QK, LATENT = 576, 512
 
@@ -62,17 +60,10 @@ def test_render_and_compile_for_sm90a():
     assert "m64n256k16.f32.f16.f16" in half
 
 
-def test_engine_compiles_wgmma_specs_for_sm90a(engine, monkeypatch):
-    archs = {}
-
-    def compile_source(source, arch, name, **kwargs):
-        archs[name] = arch
-        return CompiledKernel(fake_cubin(source, arch), "")
-
-    monkeypatch.setattr(engine_module, "compile_source", compile_source)
+def test_engine_compiles_wgmma_specs_for_sm90a(engine, fake_nvrtc):
     wgmma, plain = MLASpec(num_heads=128, arch="sm_90"), MLASpec(num_heads=16, arch="sm_90")
     engine.prewarm([wgmma, plain])
-    assert archs == {wgmma.name: "sm_90a", plain.name: "sm_90"}
+    assert fake_nvrtc.archs == {wgmma.name: "sm_90a", plain.name: "sm_90"}
 
 
 # ---- the operands, through the descriptors --------------------------------------------------

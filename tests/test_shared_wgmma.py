@@ -8,29 +8,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import flashjit.jit.engine as engine_module
-from flashjit.jit.compile import CompiledKernel
 from flashjit.jit.spec import DecodeSpec
 from flashjit.jit.tiling import SWIZZLE_ATOM, decode_tiling
 
-from conftest import fake_cubin
 from test_mla_wgmma import read_k_major, read_n_major, smem_operand
 
 
-def test_the_engine_compiles_the_wgmma_shared_kernels_for_sm90a(engine, monkeypatch):
+def test_the_engine_compiles_the_wgmma_shared_kernels_for_sm90a(engine, fake_nvrtc):
     """Only the shared-prefix kernels that take the warpgroup path compile for sm_90a."""
-    archs = {}
-
-    def compile_source(source, arch, name, **kwargs):
-        archs[name] = arch
-        return CompiledKernel(fake_cubin(source, arch), "")
-
-    monkeypatch.setattr(engine_module, "compile_source", compile_source)
     shared = DecodeSpec(128, "bf16", group_size=4, arch="sm_90", tensor_cores=True, shared_prefix=True)
     plain = shared.replace(shared_prefix=False)
     d96 = DecodeSpec(96, "bf16", group_size=4, arch="sm_90", tensor_cores=True, shared_prefix=True)
     engine.prewarm([shared, plain, d96])
-    assert archs == {shared.name: "sm_90a", plain.name: "sm_90", d96.name: "sm_90"}
+    assert fake_nvrtc.archs == {shared.name: "sm_90a", plain.name: "sm_90", d96.name: "sm_90"}
 
 
 def block_major_offset(stage: int, key: int, column: int, tile: int, pitch: int) -> int:

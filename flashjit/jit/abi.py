@@ -36,6 +36,10 @@ ITEM_INTS = len(WORK_ITEM_FIELDS)
 # planner's static arrays (plan_batch_limit); a larger CUDA-graph batch plans on the host.
 PLAN_SMEM_INTS, PLAN_MAX_BATCH = 7, 4096
 
+# The 128-byte swizzle's repeat (8 rows of 128 bytes): a wgmma operand in shared memory starts on
+# one (the MLA and shared-prefix warpgroup kernels' rings; wgmma.cuh.j2's WGMMA_SWIZZLE_ATOM).
+SWIZZLE_ATOM = 1024
+
 
 def plan_smem_bytes(batch: int) -> int:
     """The GPU planner's dynamic shared memory for a batch capacity of `batch` requests."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .abi import SWIZZLE_ATOM
 from .mla_spec import MLASpec
 from .spec import dynamic_shared_limit
 
@@ -26,7 +27,6 @@ P_PAD = 16  # bytes after each row of P in shared memory: rows 16 bytes apart ke
 RING_ALIGN = 128
 WGMMA_ARCHS = ("sm_90", "sm_90a")
 WGMMA_ROWS = 64        # a warpgroup MMA's M
-SWIZZLE_ATOM = 1024    # the 128-byte swizzle's repeat (8 rows of 128 bytes): operand blocks start on it
 
 
 def uses_wgmma(spec: MLASpec) -> bool:

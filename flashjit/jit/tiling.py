@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .abi import SWIZZLE_ATOM
 from .spec import DecodeSpec
 
 VEC = 8  # 16-bit elements per 16-byte load
@@ -232,7 +233,6 @@ def tc_rows(spec: DecodeSpec, table: Tuning | None = None) -> int:
     return (TUNING if table is None else table).fp8_rows if spec.kv_is_fp8 else MMA_M
 
 
-SWIZZLE_ATOM = 1024  # bytes of one 128-byte swizzle atom (8 rows): where a wgmma operand starts
 SHARED_WGMMA_HEAD_DIMS = (64, 128)  # whole 128-byte blocks, O in one warpgroup's registers
 
 

@@ -145,6 +145,7 @@ class SharedTables:
 
     def __init__(self, tables, shared: SharedWork):
         self.base, self.shared = tables, shared
+        self.num_shared = shared.num_shared  # shared records, first in the grid (as NativeSharedTables')
         self.batch, self.num_tokens, self.max_q_len = tables.batch, tables.num_tokens, tables.max_q_len
         self.num_page_ids = tables.num_page_ids
         self.kv_lens = np.array(tables.kv_lens)  # a copy: the native planner's scratch is reused

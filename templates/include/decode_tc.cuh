@@ -52,7 +52,7 @@ enum : int { ROW_WARPS = cfg::SHARED_ROW_WARPS };
 enum : bool { ROWS_BY_WARP = ROW_WARPS > 1 };
 // Slices a rows-by-warp record's warp attends in one softmax step: its S chains run side by side,
 // where one slice at a time leaves the warp waiting on each chain's latency.
-enum : int { SHARED_STEP = cfg::SHARED_STEP, NS = SHARED_STEP };  // NS: attend_keys' arrays
+enum : int { SHARED_STEP = cfg::SHARED_STEP };
 // Rows of whole 128-byte blocks and a half (head_dim 96): the last k-steps and n-tile pairs read the
 // half block, which swizzled_chunk XORs with (row / 2) % 4 rather than row % 8. (An enum: a
 // constexpr variable would add a symbol to every cubin.)
@@ -255,7 +255,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   // The 16 keys of slice g of a stage and the ns - 1 after it, in one softmax step (a warp's own
   // slice, ns = 1; or, with rows by warp, every slice of the stage SHARED_STEP at a time: independent
   // chains of S's MMAs and one max and rescale for them all). ns is a constant at each call: the
-  // arrays keep NS entries, and the loops past ns fold away.
+  // arrays keep SHARED_STEP entries, and the loops past ns fold away.
   const auto attend_keys = [&](int stage, int t, int g, int ns) {
     const int key0 = item.tile_begin + t * TILE + g * 16;  // the slice's first key
     if (key0 < item.v_end) {  // (keys of the stage past the span are zero-filled: P = 0 there)
@@ -264,7 +264,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
       const unsigned char* vs = v_smem + stage * TILE * V_PITCH + (g - slice) * 16 * V_ROW;
       // S = Q K^T for 16 keys a slice i: s[2i + j][0..1] rows quad, s[2i + j][2..3] rows quad+8,
       // keys 16i + 8j + pair (+1).
-      float s[2 * NS][4];
+      float s[2 * SHARED_STEP][4];
 #pragma unroll
       for (int j = 0; j < 2 * ns; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
@@ -303,7 +303,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
           s[j][0] = sum.x; s[j][1] = sum.y; s[j][2] = sum.z; s[j][3] = sum.w;
         }
       }
-      u32 pa[NS][4];
+      u32 pa[SHARED_STEP][4];
       probabilities(s, 2 * ns, key0, pa);
 #pragma unroll
       for (int i = 0; i < ns; ++i) {
