@@ -132,7 +132,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
 
   // The two query rows this thread's fragments touch: quad and quad + 8; row_token: the row's
   // query token in q.
-  int row_tok[2], row_head[2], row_pos[2], row_token[2], row_slot[2];  // row_slot: rows by warp, the partial's slot
+  // row_member, row_slot: a shared record's member of the row, and the slot of its partial.
+  int row_tok[2], row_head[2], row_pos[2], row_token[2], row_member[2], row_slot[2];
   bool row_valid[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -143,20 +144,22 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     row_pos[h] = item.kv_len - item.q_len + row_tok[h];
     if constexpr (cfg::SHARED_PREFIX) {
       row_token[h] = item.q_begin + row_tok[h];
+      row_slot[h] = 0;
       if (members > 0) {
-        const int member = row_tok[h] / item.q_len;
-        row_tok[h] -= member * item.q_len;
-        row_valid[h] = member < members;
+        row_member[h] = row_tok[h] / item.q_len;
+        row_tok[h] -= row_member[h] * item.q_len;
+        row_valid[h] = row_member[h] < members;
         row_pos[h] = 0x3fffffff;  // past every key: the whole span is visible
-        row_token[h] = row_valid[h] ? __ldg(a.req_qo_indptr + item.request + member) + row_tok[h] : 0;
-        row_slot[h] = row_valid[h] ? __ldg(a.req_work_indptr + item.request + member) + item.q_begin : 0;
       }
     }
   }
 
-  // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)]. Loaded first:
-  // unlike the fp8 kernel's, this Q needs no conversion, so it does not hold the first page lookup
-  // back, and loading it late (in stream_tiles' prepare()) costs head_dim 256 about 2%.
+  // Q as MMA A-fragments, loaded once: a[k][0..3] = Q[quad|quad+8][16k + pair (+8)]. Loaded first
+  // (load_queries below): unlike the fp8 kernel's, this Q needs no conversion, so it does not hold
+  // the first page lookup back, and loading it late (in stream_tiles' prepare()) costs head_dim 256
+  // about 2%. A shared-prefix kernel loads it late: a shared record's query addresses wait on a
+  // load of their own (the member's query offset), which would hold the first page lookup back by
+  // a round trip (its first tile landed 0.8 µs later on the H200).
   // Q_IN_SMEM: the warps write the fragments of their share of the k-steps to q_frags[k][lane]
   // (every warp serves the same rows), read back at each k-step; the loop's first barrier comes
   // before the first read.
@@ -169,15 +172,27 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   };
   u32 qa[Q_IN_SMEM ? 1 : QSTEPS][4];
   uint4* q_frags = reinterpret_cast<uint4*>(q_smem);
-  if constexpr (Q_IN_SMEM) {
-    for (int k = tid / 32; k < KSTEPS; k += WARPS)
-      q_frags[k * 32 + lane] = make_uint4(q_fragment(k, 0), q_fragment(k, 1), q_fragment(k, 2), q_fragment(k, 3));
-  } else {
+  const auto load_queries = [&] {
+    if constexpr (cfg::SHARED_PREFIX) {
+      if (members > 0) {  // each row's query and slot are its member's: a load before the query's
 #pragma unroll
-    for (int k = 0; k < QSTEPS; ++k)
+        for (int h = 0; h < 2; ++h) {
+          row_token[h] = row_valid[h] ? __ldg(a.req_qo_indptr + item.request + row_member[h]) + row_tok[h] : 0;
+          row_slot[h] = row_valid[h] ? __ldg(a.req_work_indptr + item.request + row_member[h]) + item.q_begin : 0;
+        }
+      }
+    }
+    if constexpr (Q_IN_SMEM) {
+      for (int k = tid / 32; k < KSTEPS; k += WARPS)
+        q_frags[k * 32 + lane] = make_uint4(q_fragment(k, 0), q_fragment(k, 1), q_fragment(k, 2), q_fragment(k, 3));
+    } else {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) qa[k][r] = q_fragment(k_first + k, r);
-  }
+      for (int k = 0; k < QSTEPS; ++k)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) qa[k][r] = q_fragment(k_first + k, r);
+    }
+  };
+  if constexpr (!cfg::SHARED_PREFIX) load_queries();  // (shared-prefix kernels: in prepare())
 
   PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
 
@@ -350,7 +365,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     hold_registers(o_all);
   };
 #endif
-  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [] {}, [&](int stage, int t) {
+  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [&] {
+    if constexpr (cfg::SHARED_PREFIX) load_queries();
+  }, [&](int stage, int t) {
     if constexpr (ROWS_BY_WARP) {
       if (rows_by_warp) {
         if constexpr (cfg::SHARED_WGMMA) {
