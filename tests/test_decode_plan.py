@@ -125,6 +125,7 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     assert (m.token_request, m.req_qo_indptr, m.req_work_indptr, m.num_tokens) == (
         p["token_request"], p["req_qo_indptr"], p["req_work_indptr"], p["num_tokens"])
     assert a.page_indices == (plan.page_ids if decoder.use_cuda_graph else indices).data_ptr()
+    assert a.num_page_ids == indptr_h[-1]  # the page ids a shared-prefix kernel prefetches
     assert (a.tmp_o, a.tmp_lse) == (m.tmp_o, m.tmp_lse) == (buffers.tmp_o.data_ptr(), buffers.tmp_lse.data_ptr())
     assert a.merge_counters == buffers.merge_counters.data_ptr() and a.tile_counters == buffers.tile_counters.data_ptr()
     groups = buffers.capacity.batch * num_kv_heads * tiling.row_tiles  # (request, KV head, row tile)

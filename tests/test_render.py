@@ -187,3 +187,18 @@ def test_every_entry_point_waits_for_the_previous_kernel_before_anything_else(fa
             assert set(re.findall(r"a\.(\w+)", locate)) == {"num_tokens", "token_request", "req_qo_indptr",
                                                           "req_work_indptr", "num_qo_heads"}, locate
         assert statements[0] == "wait_for_previous_kernel()", (name, statements[:2])
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True])
+def test_shared_prefix_kernels_prefetch_the_plan_after_the_wait(shared_prefix):
+    """A shared-prefix kernel's CTAs pull the records and page ids into L2 for the CTAs after the
+    first wave (decode::prefetch_plan): after the wait, as every global access is; other kernels do
+    not, and their source has no such call."""
+    source = render(DecodeSpec(128, group_size=4, arch="sm_90", shared_prefix=shared_prefix, tensor_cores=True))
+    body = re.sub(r"//[^\n]*", "", entry_bodies(source)["flashjit_decode"])
+    statements = [s.strip() for s in body.split(";") if s.strip() and not s.strip().startswith("FJ_STAMP")]
+    assert statements[0] == "wait_for_previous_kernel()"
+    assert ("decode::prefetch_plan(args)" in statements) == shared_prefix
+    if shared_prefix:
+        assert statements.index("decode::prefetch_plan(args)") < statements.index("decode::attend(args, params, vparams)")
+        assert "prefetch.global.L2::evict_last" in source and "a.num_page_ids" in source

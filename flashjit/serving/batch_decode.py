@@ -246,7 +246,7 @@ class BatchDecode:
             tables = DeviceTables(tables, device_planner, buffers)
         a = buffers.decode_args  # the work-list pointers are in already; the tensors' come with run()
         page_ids = indices if graph is None else graph.hold_page_ids(indices, int(num_page_ids))
-        a.page_indices = page_ids.data_ptr()
+        a.page_indices, a.num_page_ids = page_ids.data_ptr(), int(num_page_ids)
         if previous is None or previous.setup is not setup or previous.buffers is not buffers:
             decode_params = self._write_scalars(setup, buffers)
         else:  # the same setup over the same buffers: the arguments hold its scalars already

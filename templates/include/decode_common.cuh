@@ -27,6 +27,7 @@ struct Args {
   const float* __restrict__ k_scale_ptr; const float* __restrict__ v_scale_ptr;
   int k_scale_stride, v_scale_stride;
   float k_scale, v_scale;
+  int num_page_ids;                                     // page_indices' entries the plan reads
 };
 
 // Per-CTA factors of one KV head: logits = (q . k_stored) * score, out = (p . v_stored) * value.
@@ -155,6 +156,25 @@ struct RowSinks {
       if (threadIdx.x < M) rows[threadIdx.x] = mine;
   }
 };
+
+// A shared-prefix kernel's grid is mostly CTAs that start after the first wave (a request's own
+// items are short), each behind a chain of loads from DRAM: its record, its page ids, then K and
+// V. The first wave pulls the records and the page table (up to PREFETCH_PAGE_IDS ids) into L2 for
+// them, kept there while the K/V stream passes (evict_last): each thread of the grid prefetches at
+// most a few of their 128-byte lines, and nothing waits on them.
+enum : int { PREFETCH_PAGE_IDS = 1 << 18 };
+FJ_INLINE void prefetch_plan(const Args& a) {
+  const int records = cfg::HEADS_FIRST ? gridDim.x / (a.num_qo_heads / cfg::GROUP_SIZE) : gridDim.x;
+  const int record_lines = ceil_div(records * WorkItem::RECORD_INT4S * 16, 128);
+  const int id_lines = ceil_div(min(a.num_page_ids, (int)PREFETCH_PAGE_IDS) * 4, 128);
+  const int threads = gridDim.x * gridDim.y * gridDim.z * blockDim.x;
+  for (int line = (blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z)) * blockDim.x + threadIdx.x;
+       line < record_lines + id_lines; line += threads) {
+    const char* at = line < record_lines ? reinterpret_cast<const char*>(a.work_items) + line * 128
+                                         : reinterpret_cast<const char*>(a.page_indices) + (line - record_lines) * 128;
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(at));
+  }
+}
 
 // Index of the (request, KV head, row tile) group in merge_counters and tile_counters.
 FJ_INLINE i64 group_index(int num_qo_heads, int request, int kv_head, int row_tile, int row_tiles) {
