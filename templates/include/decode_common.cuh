@@ -27,7 +27,7 @@ struct Args {
   const float* __restrict__ k_scale_ptr; const float* __restrict__ v_scale_ptr;
   int k_scale_stride, v_scale_stride;
   float k_scale, v_scale;
-  int num_page_ids;                                     // page_indices' entries the plan reads
+  int num_page_ids;  // page_indices' entries the plan reads (prefetch_plan; a graph keeps its capture's)
 };
 
 // Per-CTA factors of one KV head: logits = (q . k_stored) * score, out = (p . v_stored) * value.
