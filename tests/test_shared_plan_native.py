@@ -51,7 +51,7 @@ def staging(capacity: int, batch: int, tokens: int, fill: int):
 def kernel_sizes(rng: random.Random) -> dict:
     group = rng.choice([1, 2, 4, 8])
     row_tiles = rng.choice([1, 2, 4])
-    return dict(group_size=group, row_tiles=row_tiles, row_warps=rng.choice([1, 4, 6]),
+    return dict(group_size=group, row_tiles=row_tiles, row_warps=rng.choice([1, 4, 6]), head_pack=rng.choice([1, 4]),
                 ctas_per_item=rng.choice([1, 2, 8]) * row_tiles,
                 max_ctas=rng.choice([8, 64, 264]), granularity=rng.choice([PAGE, 2 * PAGE, 16]))
 

@@ -12,7 +12,8 @@ import torch
 
 from flashjit.serving import graph_mode
 from flashjit.serving.host_planner import HostPlanner, item_records
-from flashjit.serving.shared_plan import members_per_record, plan_shared_work, record_tiles, shared_chunks
+from flashjit.serving.shared_plan import (HEAD_PACK_MAX_TILES, members_per_record, plan_shared_work, record_tiles,
+                                          shared_chunks)
 from flashjit.serving.shared_prefix import find_shared_spans
 from test_decode_plan import cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
 
@@ -228,6 +229,25 @@ def test_a_record_of_more_rows_reads_a_shorter_chunk(group, row_warps, tiles):
     assert reads.max() == shared_chunks(chunk, 512 * PAGE, tiles, PAGE) == -(-512 * PAGE // pieces // PAGE) * PAGE
     assert len(reads) * members.max() // 16 <= pieces
     assert sum(reads) == 16 // members.max() * 512 * PAGE  # every run of members reads the whole prompt
+
+
+@pytest.mark.parametrize("head_pack", [1, 4])
+def test_short_own_items_name_the_heads_one_cta_attends(head_pack):
+    """An own item of at most HEAD_PACK_MAX_TILES tiles names head_pack in its last field (one CTA
+    attends that many KV heads), a longer one and every shared record 1."""
+    prompt = list(range(64))
+    lists = [prompt + list(range(100 + 40 * m, 100 + 40 * m + 2 * m)) for m in range(16)]  # 0 to 30 own pages
+    indptr, ids, kv, _ = page_table(lists, [PAGE] * 16)
+    spans = find_shared_spans(indptr, ids, kv, np.ones(16, int), PAGE, causal=False)
+    granularity = 4 * PAGE
+    shared = plan_shared_work(spans, indptr, kv, np.arange(17), PAGE, group_size=4, row_tiles=1, ctas_per_item=8,
+                              max_ctas=264, granularity=granularity, row_warps=4, head_pack=head_pack)
+    records = shared.records
+    own = records[shared.num_shared:]
+    short = own[:, 2] - own[:, 1] <= HEAD_PACK_MAX_TILES * granularity
+    assert short.any() and not short.all()
+    assert (own[short, 11] == head_pack).all() and (own[~short, 11] == 1).all()
+    assert (records[:shared.num_shared, 11] == 1).all()
 
 
 def test_most_random_patterns_share():

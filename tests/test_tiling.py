@@ -68,10 +68,28 @@ def test_the_table_gives_every_spec_its_pinned_tiling():
     for spec in every_spec():
         key = (spec.head_dim, spec.kv_dtype, spec.group_size, spec.max_q_len, spec.tensor_cores)
         tiling = decode_tiling(spec)
-        # the last three fields, which only shared-prefix kernels set
+        # the last four fields, which only shared-prefix kernels set
         assert tiling.shared_row_warps == 1 and tiling.shared_step == 1 and not tiling.shared_wgmma
-        digest.update(repr((key, dataclasses.astuple(tiling)[:-3])).encode())
+        assert tiling.own_head_pack == 1
+        digest.update(repr((key, dataclasses.astuple(tiling)[:-4])).encode())
     assert digest.hexdigest() == PINNED_GRID_DIGEST
+
+
+@pytest.mark.parametrize("head_dim, group, q_len, arch, pack", [
+    (64, 4, 1, "sm_90", 4), (128, 4, 1, "sm_90", 4), (128, 8, 2, "sm_80", 4), (128, 1, 1, "sm_90", 4),
+    (128, 8, 4, "sm_90", 1), (96, 4, 1, "sm_90", 1), (256, 4, 1, "sm_90", 1), (512, 4, 1, "sm_90", 1)])
+def test_short_own_items_take_a_head_per_warp_where_a_warp_copies_its_own_slice(head_dim, group, q_len, arch, pack):
+    """A shared-prefix kernel's own item may take a KV head per warp where a warp holds all of O for
+    its rows, those rows (group x query tokens) fit one 16-row tile, and each warp's threads copy
+    exactly the 16 keys of its slice (not at head_dim 96, whose copies cross the warps' slices);
+    other kernels take one head a CTA."""
+    spec = DecodeSpec(head_dim=head_dim, dtype="bf16", group_size=group, max_q_len=q_len, tensor_cores=True,
+                      arch=arch, shared_prefix=True)
+    tiling = decode_tiling(spec)
+    assert tiling.own_head_pack == pack
+    if pack > 1:
+        assert pack == tiling.shared_row_warps == tiling.bdx // 32 and tiling.row_tiles == 1
+    assert decode_tiling(dataclasses.replace(spec, shared_prefix=False)).own_head_pack == 1
 
 
 @pytest.mark.parametrize("head_dim, row_warps, step, wgmma", [(64, 4, 2, True), (96, 6, 1, False), (128, 4, 4, True),
@@ -93,7 +111,8 @@ def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all
     assert plain.compile_arch == "sm_90"
     for arch in ("sm_80", "sm_100"):  # no warpgroup MMAs there
         assert not decode_tiling(dataclasses.replace(shared, arch=arch)).shared_wgmma
-    assert dataclasses.replace(tiling, shared_row_warps=1, shared_step=1, shared_wgmma=False, fused_merge=True,
+    assert dataclasses.replace(tiling, shared_row_warps=1, shared_step=1, shared_wgmma=False, own_head_pack=1,
+                               fused_merge=True,
                                ring_align=plain_tiling.ring_align, smem_bytes=plain_tiling.smem_bytes,
                                static_share=plain_tiling.static_share) == plain_tiling
 

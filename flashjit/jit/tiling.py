@@ -59,6 +59,9 @@ class DecodeTiling:
     # Shared records on Hopper's warpgroup MMAs (sm_90a): the CTA's 4 warps one warpgroup of 64 rows,
     # K and V read from a block-major ring (uses_shared_wgmma).
     shared_wgmma: bool = False
+    # Shared-prefix kernels: KV heads one CTA of a short own item may attend, a warp each over 16
+    # keys a stage (the record's last field picks it; 1: a CTA per head, as an ordinary record's).
+    own_head_pack: int = 1
 
     @property
     def entry(self) -> str:
@@ -244,6 +247,17 @@ def uses_shared_wgmma(spec: DecodeSpec, row: TensorCoreRow) -> bool:
             and row.warps == 4 and row.col_split == 1 and row.swizzle and not row.q_in_smem)
 
 
+def _warps_copy_own_slices(spec: DecodeSpec, row: TensorCoreRow) -> bool:
+    """Whether each warp's threads copy exactly the 16 keys of its slice of a stage (PagedKVStage
+    with whole columns per thread: 32 / chunks-per-row threads a key column, LOADS keys each), so a
+    warp's slice can hold a KV head of its own (own_head_pack)."""
+    chunks = spec.head_dim * spec.kv_bytes // 16
+    threads, tile = 32 * row.warps, 16 * (row.warps // row.col_split)
+    loads = -(-tile * chunks // threads)
+    even = threads % chunks == 0 and tile % (threads // chunks) == 0
+    return even and 32 % chunks == 0 and 32 // chunks * loads == 16
+
+
 def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling:
     """The tiling of a spec under table (TUNING when None)."""
     table = TUNING if table is None else table
@@ -273,6 +287,7 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
         # registers do not hold a warp's own rows: there a record holds 16 rows.
         row_warps = row.warps if spec.shared_prefix and row.col_split == 1 and not q_smem else 1
         shared_wgmma = row_warps > 1 and uses_shared_wgmma(spec, row)
+        head_pack = row_warps if row_warps > 1 and rows_total <= rows and _warps_copy_own_slices(spec, row) else 1
         ring_align = max(table.ring_align, SWIZZLE_ATOM) if shared_wgmma else table.ring_align
         smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + q_smem + score_parts + ring_align - 16
         return DecodeTiling(vec=VEC, chunks_per_row=spec.head_dim // VEC, bdx=32 * row.warps, rows=rows, rows_pad=1,
@@ -283,7 +298,7 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
                             min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk,
                             q_smem_bytes=q_smem, shared_row_warps=row_warps,
                             shared_step=row.shared_step if row_warps > 1 else 1, shared_wgmma=shared_wgmma,
-                            split_scores=split_scores, **merge)
+                            own_head_pack=head_pack, split_scores=split_scores, **merge)
     cc = table.cuda_cores
     chunks = spec.head_dim // VEC
     bdx = _pow2_ceil(chunks)

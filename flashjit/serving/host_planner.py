@@ -100,8 +100,8 @@ class _Shared(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "first", "count", "begin_page", "end_page", "shared_pages", "slots", "offsets")] + [
-        (name, ctypes.c_int64) for name in ("groups", "group_size", "row_tiles", "row_warps", "num_shared",
-                                            "num_slots")]
+        (name, ctypes.c_int64) for name in ("groups", "group_size", "row_tiles", "row_warps", "head_pack",
+                                            "num_shared", "num_slots")]
 
 
 class _Layout(ctypes.Structure):
@@ -317,7 +317,7 @@ class HostPlanner:
 
     def shared_tables(self, tables, spans: SharedSpans | None, *, group_size: int, row_tiles: int,
                       ctas_per_item: int, max_ctas: int, granularity: int, row_warps: int = 1,
-                      chunk_tokens: int | None = None):
+                      head_pack: int = 1, chunk_tokens: int | None = None):
         """NativeSharedTables of the last read()'s NativeTables and the spans the last shared_spans()
         found over them (None: it found none, and every request is planned alone in the shared
         kernel's format): the work list of shared_plan.plan_shared_work (its arguments);
@@ -330,6 +330,7 @@ class HostPlanner:
         p.chunk_tokens = 0 if chunk_tokens is None else chunk_tokens
         p.span_begin = p.span_end = None  # a sharing mask reads every request's whole span
         shared.group_size, shared.row_tiles, shared.row_warps = group_size, row_tiles, row_warps
+        shared.head_pack = head_pack
         self.library.fj_shared_plan(ctypes.byref(p), ctypes.byref(shared))
         return NativeSharedTables(self, tables, shared)
 

@@ -68,9 +68,10 @@ def shared_work(shared_setup, tables, spans, host_planner=None, chunk_tokens: in
     spans (shared_prefix.SharedSpans, or None: every request alone in that kernel's format);
     chunk_tokens forces the chunk. The work list is made in C where the host planner can
     (HostPlanner.shared_tables), else in numpy (shared_plan, the reference)."""
-    tiling, loaded = shared_setup.kernel.tiling, shared_setup.loaded
+    tiling, loaded, kv_heads = shared_setup.kernel.tiling, shared_setup.loaded, shared_setup.num_kv_heads
+    head_pack = tiling.own_head_pack if kv_heads % tiling.own_head_pack == 0 else 1
     sizes = dict(group_size=shared_setup.spec.group_size, row_tiles=tiling.row_tiles,
-                 row_warps=tiling.shared_row_warps, ctas_per_item=shared_setup.num_kv_heads * tiling.row_tiles,
+                 row_warps=tiling.shared_row_warps, head_pack=head_pack, ctas_per_item=kv_heads * tiling.row_tiles,
                  max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens,
                  chunk_tokens=chunk_tokens)
     native = getattr(host_planner, "shared_tables", None)

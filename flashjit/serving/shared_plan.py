@@ -8,7 +8,9 @@ The grid runs the records; the merge reads partial slots, which here are not gri
     members (as many as the CTA's row tiles hold: rows = GQA group x members x query tokens), the
     runs of one chunk next to each other so their CTAs read the chunk from HBM once and from L2
     after (first in the grid: they are the longest work); then every request's own items over
-    [shared end, kv_len), each naming its slot in its share field.
+    [shared end, kv_len), each naming its slot in its share field, and in its last field the KV
+    heads one CTA of it attends: head_pack (the kernel's tiling.own_head_pack) for an item of at
+    most HEAD_PACK_MAX_TILES tiles, else 1.
   * Request b's slots [req_work_indptr[b], req_work_indptr[b+1]), which the merge reads: one per
     chunk of every group b belongs to (outermost level first), then one per own item. The shared
     record of a chunk writes each member's partial into that member's slot of the chunk.
@@ -46,6 +48,13 @@ class SharedWork:
 # shared records' slower start.
 TILE_COST_BASE = 5
 
+# A request's own item this short takes head_pack KV heads per CTA: its CTA's chain of loads before
+# the first tile (record, page ids, K and V) is most of such an item's time, and one chain then
+# serves head_pack heads (an H200 runs 4 x 16 samples x (4096 + 256) and 64 x (2048 + 128), whose
+# 512 own items of 2 to 4 tiles were the tail, faster). Longer items keep a CTA per head: their
+# CTAs fill the grid better.
+HEAD_PACK_MAX_TILES = 4
+
 
 def members_per_record(group_size: int, q_len: int, row_tiles: int, row_warps: int = 1) -> int:
     """Members one shared record's CTAs hold: their rows (group x q_len each) fill the row tiles
@@ -75,9 +84,11 @@ def shared_chunks(chunk: int, span_tokens, tiles, granularity: int):
 
 def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray,
                      page_size: int, *, group_size: int, row_tiles: int, ctas_per_item: int, max_ctas: int,
-                     granularity: int, row_warps: int = 1, chunk_tokens: int | None = None) -> SharedWork:
+                     granularity: int, row_warps: int = 1, head_pack: int = 1,
+                     chunk_tokens: int | None = None) -> SharedWork:
     """The work list (module docstring); spans with no groups plan every request alone in this
-    format. chunk_tokens forces the chunk (else the makespan estimate picks it)."""
+    format. chunk_tokens forces the chunk (else the makespan estimate picks it); head_pack: KV
+    heads a CTA of a short own item attends (1, or the kernel's tiling.own_head_pack)."""
     indptr = np.asarray(indptr, dtype=np.int64)
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
     qo = np.asarray(qo_indptr, dtype=np.int64)
@@ -131,8 +142,10 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     r = own.work_request.astype(np.int64)
     own_slot = req_work_indptr[r] + slots[r] + (np.arange(own.num_work) - own.req_work_indptr[r])
     splits = np.diff(req_work_indptr)
+    short = own.work_end - own.work_begin <= HEAD_PACK_MAX_TILES * granularity
+    heads = np.where(short, head_pack, 1)
     own_records = np.stack([r, own.work_begin, own.work_end, kv_lens[r], indptr[r], qo[r], q_lens[r], splits[r],
-                            own_slot, own.work_begin, own.work_end, np.ones_like(r)], axis=1)
+                            own_slot, own.work_begin, own.work_end, heads], axis=1)
     records = np.concatenate([shared, own_records]).astype(np.int32)
     work = WorkPlan(records[:, 0].copy(), records[:, 1].copy(), records[:, 2].copy(), req_work_indptr.astype(np.int32),
                     qo.astype(np.int32), own.token_request, chunk, False)

@@ -338,6 +338,9 @@ struct PagedKVStage {
   // run as well, split at the boundary (split_at: the first key on run_page_2).
   // (An enum: a static constexpr member would add a symbol to every cubin.)
   enum : bool { TWO_PAGE_RUNS = EVEN && !RUN_BY_ENDS && (LOADS & (LOADS - 1)) != 0 && 2 * cfg::PAGE_SIZE >= LOADS };
+  // Each warp's threads copy exactly the 16 keys of its slice of the stage (whole key columns per
+  // thread): a warp's slice may then hold a KV head of its own (cfg::OWN_HEAD_PACK).
+  enum : bool { WARP_SLICES = EVEN && 32 % CPR == 0 && 32 / CPR * LOADS == 16 };
   static_assert(CPR * ELEMS == cfg::HEAD_DIM, "a K/V row is whole 16-byte chunks");
 
   const Args& a;
@@ -463,24 +466,26 @@ struct PagedKVStage {
 // prepare() runs once the first stages' copies are issued: the CTA's setup that the copies do not
 // need (Q and its conversion, the scales) then overlaps their flight instead of delaying the first
 // page lookup by a round trip (a Q conversion waits for Q's load). consume(stage, t) runs between
-// two barriers with tile t resident in `stage`.
+// two barriers with tile t resident in `stage`. stride: the positions a stage advances (TILE, or
+// fewer where the stage's keys are several heads' positions: cfg::OWN_HEAD_PACK).
 template <int STAGES, int TILE, class Stage, class Prepare, class Consume>
-FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&& prepare, Consume&& consume) {
+FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&& prepare, Consume&& consume,
+                            int stride = TILE) {
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < num_tiles) {
-      loader.locate(v_begin + s * TILE);
+      loader.locate(v_begin + s * stride);
       loader.issue(s);
     }
     cp_async_commit();
   }
-  if (STAGES - 1 < num_tiles) loader.locate(v_begin + (STAGES - 1) * TILE);
+  if (STAGES - 1 < num_tiles) loader.locate(v_begin + (STAGES - 1) * stride);
   prepare();
   for (int t = 0; t < num_tiles; ++t) {
     const int ahead = t + STAGES - 1;
     if (ahead < num_tiles) {
       loader.issue(ahead % STAGES);
-      if (ahead + 1 < num_tiles) loader.locate(v_begin + (ahead + 1) * TILE);
+      if (ahead + 1 < num_tiles) loader.locate(v_begin + (ahead + 1) * stride);
     }
     cp_async_commit();
     cp_async_wait<STAGES - 1>();

@@ -23,6 +23,9 @@
 // WARPS x 16 rows with one copy of each K/V tile; ordinary records of the same kernel run as above.
 // On Hopper (cfg::SHARED_WGMMA, compiled for sm_90a) those 64 rows are one warpgroup's wgmma tile,
 // over a ring laid out block-major for it; elsewhere a warp attends SHARED_STEP slices at a time.
+// A short own item of such a kernel may take WARPS KV heads in one CTA (cfg::OWN_HEAD_PACK): warp
+// g attends head kv_head + g over 16 keys a stage, the slice its threads copy, so one CTA's chain
+// of loads (record, page ids, K and V) serves WARPS heads and its stream runs WARPS times longer.
 // Same outputs as decode.cuh: direct for one-item requests, else normalized fp32 partials and
 // base-2 LSEs for the merge.
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
@@ -50,6 +53,7 @@ enum : int { QSTEPS = SPLIT_SCORES ? KSTEPS / COL_SPLIT : KSTEPS };  // S's k-st
 // > 1: shared-prefix records give each warp rows of its own (enums, as HALF_BLOCK below).
 enum : int { ROW_WARPS = cfg::SHARED_ROW_WARPS };
 enum : bool { ROWS_BY_WARP = ROW_WARPS > 1 };
+enum : int { HEAD_PACK = cfg::OWN_HEAD_PACK };  // > 1: own items may take that many KV heads, a warp each
 // Slices a rows-by-warp record's warp attends in one softmax step: its S chains run side by side,
 // where one slice at a time leaves the warp waiting on each chain's latency.
 enum : int { SHARED_STEP = cfg::SHARED_STEP };
@@ -80,6 +84,9 @@ static_assert(!cfg::SHARED_WGMMA || (ROWS_BY_WARP && WARPS == 4 && TILE == 64 &&
               "shared records on wgmma: one warpgroup of 64 rows, 64 keys a stage, rows of whole swizzled blocks");
 static_assert(SLICES % SHARED_STEP == 0 && (SHARED_STEP == 1 || (ROWS_BY_WARP && !SPLIT_SCORES)),
               "whole steps of slices, several a step only with rows by warp");
+static_assert(HEAD_PACK == 1 || (ROWS_BY_WARP && HEAD_PACK == WARPS && ROWS_TOTAL <= M && cfg::STATIC_SHARE == 100 &&
+                                 PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE>::WARP_SLICES),
+              "heads by warp: a warp's rows are one head's whole group, its slice the keys its threads copy");
 static_assert(!cfg::SHARED_PREFIX || (!VARIANT_SINK && !VARIANT_LOGITS),
               "shared-prefix kernels take no variant: a shared record's rows publish no sinks");
 static_assert(!SPLIT_SCORES || (COL_SPLIT > 1 && !Q_IN_SMEM && QSTEPS % 4 == 0 && !HALF_BLOCK),
@@ -103,7 +110,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   float4* score_parts = reinterpret_cast<float4*>(q_smem);
 
   const CtaCoords cta(a);
-  const int w = cta.work, kv_head = cta.kv_head;
+  const int w = cta.work;
   const RowSinks<M> sinks(vparams, cta);
   const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
@@ -113,19 +120,26 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const int k_first = SPLIT_SCORES ? col_part * QSTEPS : 0;  // the warp's first k-step of S
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
-  const HeadScales scales(a, kv_head);
-
   // A shared-prefix record (serving/shared_plan.py; its splits field is -members): the rows are
   // the GQA groups x query tokens of `members` requests from item.request on, over a span every
   // one of their queries sees whole (the planner shares nothing else). 0: an ordinary item.
   // slot: where an ordinary item's partial goes, its record's share field (such a kernel's tiling
   // shares no tiles, serving/shared_plan.py); else its grid position.
+  // packed: an own item whose last field is HEAD_PACK: the CTA of a multiple of HEAD_PACK attends
+  // that many heads, warp g head kv_head + g (the other CTAs of its heads exit).
   int members = 0, slot = w;
+  bool packed = false;
   if constexpr (cfg::SHARED_PREFIX) {
     const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
+    const int4 share = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2);
     members = splits < 0 ? -splits : 0;
-    slot = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).x;
+    slot = share.x;
+    if constexpr (HEAD_PACK > 1) packed = members == 0 && share.w == HEAD_PACK;
   }
+  if (packed && cta.kv_head % HEAD_PACK != 0) return;
+  const int kv_head = packed ? cta.kv_head + tid / 32 : cta.kv_head;  // the head this warp attends
+
+  const HeadScales scales(a, kv_head);
   // The CTA's first row: a shared record's rows by warp hold ROW_WARPS tiles of 16 per row tile.
   const bool rows_by_warp = ROWS_BY_WARP && members > 0;
   const int first_row = rows_by_warp ? (cta.row_tile * ROW_WARPS + tid / 32) * M : cta.row_tile * M;
@@ -144,7 +158,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     row_pos[h] = item.kv_len - item.q_len + row_tok[h];
     if constexpr (cfg::SHARED_PREFIX) {
       row_token[h] = item.q_begin + row_tok[h];
-      row_slot[h] = 0;
+      row_slot[h] = slot;  // (a shared record's rows: their member's, in load_queries)
       if (members > 0) {
         row_member[h] = row_tok[h] / item.q_len;
         row_tok[h] -= row_member[h] * item.q_len;
@@ -272,7 +286,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   // chains of S's MMAs and one max and rescale for them all). ns is a constant at each call: the
   // arrays keep SHARED_STEP entries, and the loops past ns fold away.
   const auto attend_keys = [&](int stage, int t, int g, int ns) {
-    const int key0 = item.tile_begin + t * TILE + g * 16;  // the slice's first key
+    const int key0 = item.tile_begin + (packed ? t * 16 : t * TILE + g * 16);  // the slice's first key
     if (key0 < item.v_end) {  // (keys of the stage past the span are zero-filled: P = 0 there)
       // (k_first: a multiple of 4 k-steps, so the warp's share starts k_first / 4 blocks in.)
       const unsigned char* ks = k_smem + stage * TILE * K_PITCH + (g - slice) * 16 * K_ROW + k_first / 4 * ROW_BLOCK;
@@ -365,9 +379,10 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     hold_registers(o_all);
   };
 #endif
-  stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, [&] {
+  const auto prepare = [&] {
     if constexpr (cfg::SHARED_PREFIX) load_queries();
-  }, [&](int stage, int t) {
+  };
+  const auto consume = [&](int stage, int t) {
     if constexpr (ROWS_BY_WARP) {
       if (rows_by_warp) {
         if constexpr (cfg::SHARED_WGMMA) {
@@ -382,21 +397,41 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
       }
     }
     attend_keys(stage, t, slice, 1);
-  });
+  };
+  if constexpr (HEAD_PACK > 1) {
+    // A packed item's stage holds 16 positions of each warp's head, warp g's at keys 16g.. of the
+    // stage: its positions start 16g before the item's tiles.
+    const int stride = packed ? 16 : TILE;
+    stream_tiles<STAGES, TILE>(loader, item.tile_begin - (packed ? 16 * slice : 0),
+                               ceil_div(item.v_end - item.tile_begin, stride), prepare, consume, stride);
+  } else {
+    stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, consume);
+  }
 
   if constexpr (ROWS_BY_WARP) {
-    if (rows_by_warp) {  // each warp's rows are whole: it writes their partials from its registers
+    if (rows_by_warp || packed) {  // each warp's rows are whole: it finishes them from its registers
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 1);
         dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
         if (!row_valid[h]) continue;
         const float inv = dsum[h] > 0.f ? scales.value / dsum[h] : 0.f;
+        const float lse2 = dsum[h] > 0.f ? m[h] + log2_approx(dsum[h]) : FJ_NEG_INF;
+        if (item.direct) {  // (a packed item, its request's only one; a shared record never is)
+          const int token = item.q_begin + row_tok[h];
+          out_t* row_out = a.out + (i64)token * a.out_stride + row_head[h] * D + pair;
+#pragma unroll
+          for (int n = 0; n < NTILES; ++n)
+            *reinterpret_cast<u32*>(row_out + 8 * n) = (u32)Convert<out_t>::from_float(o[n][2 * h] * inv) |
+                                                       ((u32)Convert<out_t>::from_float(o[n][2 * h + 1] * inv) << 16);
+          if (a.lse != nullptr && lane % 4 == 0) a.lse[(i64)token * a.num_qo_heads + row_head[h]] = lse2 * FJ_LN2;
+          continue;
+        }
         const i64 at = ((i64)row_slot[h] * cfg::MAX_Q_LEN + row_tok[h]) * a.num_qo_heads + row_head[h];
 #pragma unroll
         for (int n = 0; n < NTILES; ++n)
           *reinterpret_cast<float2*>(a.tmp_o + at * D + 8 * n + pair) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-        if (lane % 4 == 0) a.tmp_lse[at] = dsum[h] > 0.f ? m[h] + log2_approx(dsum[h]) : FJ_NEG_INF;
+        if (lane % 4 == 0) a.tmp_lse[at] = lse2;
       }
       return;
     }

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flashjit
+from flashjit.serving.host_planner import item_records
 from flashjit.serving.reference import decode_reference
 
 from .batches import rel_error
@@ -91,6 +92,10 @@ def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q
         decoder = flashjit.BatchDecode(engine)
         decoder.plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, mask=mask, qo_indptr=qo, share_prefixes=share)
         assert decoder.spec.shared_prefix == (share and pattern != "none")
+        if share and pattern in ("samples", "many_prompts"):  # own items of a few pages: 4 heads a CTA
+            plan = decoder.current_plan
+            records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
+            assert (records[:, 11] == 4).any()
         outs[share] = decoder.run(q, (k, v), return_lse=True)
     ref, ref_lse = decode_reference(q, k, v, indptr, ids, last_t, qo_indptr=qo, mask=mask)
     (out, lse), (plain, plain_lse) = outs[True], outs[False]

@@ -64,12 +64,14 @@ typedef struct {
     int64_t *offsets;                      /* [groups] out: each group's first slot in its members' ranges */
     int64_t groups, group_size;            /* GQA group */
     int64_t row_tiles, row_warps;          /* the shared kernel's CTAs per record and 16-row tiles per CTA */
+    int64_t head_pack;                     /* KV heads one CTA of a short own item attends (1: one) */
     /* outputs (fj_plan_t's chunk and num_work hold the rest) */
     int64_t num_shared, num_slots;         /* shared records; partial slots of all requests */
 } fj_shared_t;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 enum { TILE_COST_BASE = 5 };  /* shared_plan.TILE_COST_BASE */
+enum { HEAD_PACK_MAX_TILES = 4 };  /* shared_plan.HEAD_PACK_MAX_TILES */
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -416,7 +418,7 @@ static void put_record(int32_t *record, int64_t request, int64_t v_begin, int64_
 /* The work list of fj_shared_plan into the staging buffer, as shared_plan.SharedTables.write puts
  * it: per group, per chunk, per member run a shared record (request = first member, kv_len = the
  * span's end, q_begin = the chunk's slot offset, splits = -members); then each request's own items,
- * each naming its slot; then the merges' arrays, and padding records (request -1). */
+ * each naming its slot (and s->head_pack heads a CTA where it is short); then the merges' arrays, and padding records (request -1). */
 int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, const fj_layout_t *at) {
     int64_t w = 0, slot = 0;
     int32_t *records = staging + at->work_items;
@@ -442,8 +444,10 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
         const int64_t q_end = p->qo_indptr ? p->qo_indptr[b + 1] : (b + 1) * p->q_len;
         for (int64_t i = 0; i < items; ++i, ++w) {
             const int64_t first = begin + i * chunk;
-            put_record(records + ITEM_INTS * w, b, first, min64(first + chunk, kv_len), kv_len, p->indptr[b], q_begin,
-                       q_end - q_begin, splits, slot + s->slots[b] + i);
+            const int64_t end = min64(first + chunk, kv_len);
+            put_record(records + ITEM_INTS * w, b, first, end, kv_len, p->indptr[b], q_begin, q_end - q_begin, splits,
+                       slot + s->slots[b] + i);
+            if (end - first <= HEAD_PACK_MAX_TILES * p->granularity) records[ITEM_INTS * w + 11] = (int32_t)s->head_pack;
         }
         slot += splits;
         staging[at->req_work_indptr + b + 1] = (int32_t)slot;
