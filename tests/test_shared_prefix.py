@@ -250,6 +250,22 @@ def test_short_own_items_name_the_heads_one_cta_attends(head_pack):
     assert (records[:shared.num_shared, 11] == 1).all()
 
 
+def test_the_chunk_prices_packed_own_items_as_their_ctas():
+    """64 samples of a 2048-token prompt, 128 tokens each of their own: packed 4 heads a CTA, the
+    own items launch a quarter of the CTAs, and the chunk the estimate picks then fills one wave
+    (264 CTAs) where the unpacked plan needs more than two."""
+    indptr, ids, kv, _ = samples_of_one_prompt(64, 128, 8)
+    spans = find_shared_spans(indptr, ids, kv, np.ones(64, int), PAGE, causal=False)
+    ctas = {}
+    for head_pack in (1, 4):
+        shared = plan_shared_work(spans, indptr, kv, np.arange(65), PAGE, group_size=4, row_tiles=1, ctas_per_item=8,
+                                  max_ctas=264, granularity=4 * PAGE, row_warps=4, head_pack=head_pack)
+        own = shared.records[shared.num_shared:]
+        assert (own[:, 11] == head_pack).all()
+        ctas[head_pack] = 8 * shared.num_shared + int((8 // own[:, 11]).sum())
+    assert ctas[4] <= 264 < 2 * 264 < ctas[1]
+
+
 def test_most_random_patterns_share():
     shared = 0
     for seed in range(12):

@@ -50,10 +50,10 @@ TILE_COST_BASE = 5
 
 # A request's own item this short takes head_pack KV heads per CTA: its CTA's chain of loads before
 # the first tile (record, page ids, K and V) is most of such an item's time, and one chain then
-# serves head_pack heads (an H200 runs 4 x 16 samples x (4096 + 256) and 64 x (2048 + 128), whose
-# 512 own items of 2 to 4 tiles were the tail, faster). Longer items keep a CTA per head: their
-# CTAs fill the grid better.
-HEAD_PACK_MAX_TILES = 4
+# serves head_pack heads. On an H200, 64 samples x (2048 + 128) ran in 33.0 us packed against 35.2
+# (30.3 with the chunk priced for the packed CTAs: one wave); 4 x 16 samples x (4096 + 256), whose
+# items are 4 tiles, ran 55 us unpacked and 55-61 us packed.
+HEAD_PACK_MAX_TILES = 2
 
 
 def members_per_record(group_size: int, q_len: int, row_tiles: int, row_warps: int = 1) -> int:
@@ -103,7 +103,13 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     tiles = record_tiles(np.minimum(per_record, spans.count), rows_per_member, row_tiles, row_warps)
     # One chunk, priced with each shared span once per member run at its records' cost per key;
     # a shared span is cut evenly into as many pieces as its weighted length makes of the chunk.
-    lens = np.concatenate([kv_lens - own_begin, np.repeat(weighted_spans(span_tokens, tiles), subsets)])
+    # Own spans short enough to pack (one item each: shorter than any chunk) launch head_pack times
+    # fewer CTAs, each head_pack times longer: priced as one span of head_pack times the length for
+    # every head_pack of them.
+    own_lens = kv_lens - own_begin
+    packs = own_lens <= HEAD_PACK_MAX_TILES * granularity if head_pack > 1 else np.zeros(batch, dtype=bool)
+    lens = np.concatenate([own_lens[~packs], head_pack * own_lens[packs][::head_pack],
+                           np.repeat(weighted_spans(span_tokens, tiles), subsets)])
     chunk = chunk_tokens or choose_chunk(lens, ctas_per_item, max_ctas, granularity)
     span_chunk = shared_chunks(chunk, span_tokens, tiles, granularity)
     chunks = -(-span_tokens // span_chunk)

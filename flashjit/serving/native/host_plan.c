@@ -71,7 +71,7 @@ typedef struct {
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 enum { TILE_COST_BASE = 5 };  /* shared_plan.TILE_COST_BASE */
-enum { HEAD_PACK_MAX_TILES = 4 };  /* shared_plan.HEAD_PACK_MAX_TILES */
+enum { HEAD_PACK_MAX_TILES = 2 };  /* shared_plan.HEAD_PACK_MAX_TILES */
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -177,17 +177,32 @@ static void count_items(int64_t len, double whole, int64_t times, int64_t *items
     *long_items += times * (int64_t)(q + 0.5);
 }
 
+/* Request b's own span as the chunk estimate prices it (shared_plan.plan_shared_work): a span short
+ * enough to pack (one item a head_pack heads' CTA) counts head_pack times its length for every
+ * head_pack-th such span in batch order (*packs counts them) and -1, not at all, for the others. */
+static int64_t priced_own_span(const fj_plan_t *p, const fj_shared_t *s, int64_t b, int64_t *packs) {
+    const int64_t len = p->kv_lens[b] - own_begin(p, s, b);
+    if (s->head_pack <= 1 || len > HEAD_PACK_MAX_TILES * p->granularity) return len;
+    return (*packs)++ % s->head_pack == 0 ? s->head_pack * len : -1;
+}
+
 /* plan.makespans for one chunk: the fluid and the quantized bound, the merge when split. s NULL:
  * over the requests' spans; else over their own spans and each group's span once per member run
  * (shared_plan.plan_shared_work's list of lengths, without a cap on the items). */
 static double makespan(const fj_plan_t *p, const fj_shared_t *s, int64_t chunk) {
-    int64_t items = 0, long_items = 0, total = 0, spans = p->batch;
+    int64_t items = 0, long_items = 0, total = 0, spans = p->batch, packs = 0;
     const double whole = (double)chunk;
     for (int64_t b = 0; b < p->batch; ++b) {
-        int64_t begin, end;
-        if (s) begin = own_begin(p, s, b), end = p->kv_lens[b];
-        else span(p, b, &begin, &end);
-        int64_t len = end - begin;
+        int64_t begin, end, len;
+        if (s) {
+            if ((len = priced_own_span(p, s, b, &packs)) < 0) {
+                --spans;  /* priced with another's */
+                continue;
+            }
+        } else {
+            span(p, b, &begin, &end);
+            len = end - begin;
+        }
         count_items(len, whole, 1, &items, &long_items);
         total += len;
     }
@@ -373,9 +388,9 @@ int64_t fj_shared_groups(int64_t *prefix, int64_t batch, int64_t max_levels, int
  * s->offsets for fj_shared_fill. Call fj_read first; p's ctas_per_item, max_ctas and granularity
  * are the shared kernel's; p->chunk_tokens > 0 forces the chunk. */
 int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
-    int64_t longest = 0, records = 0, own = 0, slots = 0;
+    int64_t longest = 0, records = 0, own = 0, slots = 0, packs = 0;
     for (int64_t b = 0; b < p->batch; ++b) {
-        longest = max64(longest, p->kv_lens[b] - own_begin(p, s, b));
+        longest = max64(longest, priced_own_span(p, s, b, &packs));
         s->slots[b] = 0;
     }
     for (int64_t g = 0; g < s->groups; ++g)
