@@ -401,9 +401,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   if constexpr (HEAD_PACK > 1) {
     // A packed item's stage holds 16 positions of each warp's head, warp g's at keys 16g.. of the
     // stage: its positions start 16g before the item's tiles.
-    const int stride = packed ? 16 : TILE;
+    const int span = item.v_end - item.tile_begin;  // (constant divisors: shifts)
     stream_tiles<STAGES, TILE>(loader, item.tile_begin - (packed ? 16 * slice : 0),
-                               ceil_div(item.v_end - item.tile_begin, stride), prepare, consume, stride);
+                               packed ? ceil_div(span, 16) : ceil_div(span, TILE), prepare, consume, packed ? 16 : TILE);
   } else {
     stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, consume);
   }
