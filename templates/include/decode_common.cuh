@@ -346,6 +346,7 @@ struct PagedKVStage {
   const Args& a;
   const MaskParams& params;
   const kv_t* k_head; const kv_t* v_head;
+  i64 head_offset;  // elements past k_head and v_head to this thread's head (cfg::OWN_HEAD_PACK), else 0
   u32 k_ring, v_ring;  // shared-memory addresses of the K and V rings
   int tid, request, v_begin, v_end, kv_len, page_begin;  // the work item's (a reference would cost local memory)
   int phys[LOADS];  // physical token (page * PAGE_SIZE + slot) of each key, -1: zero-fill
@@ -353,12 +354,17 @@ struct PagedKVStage {
   int run_page, run_slot;  // the page index as loaded: issue() consumes it, a stage later
   int run_page_2, split_at;  // TWO_PAGE_RUNS: the run's second page, and its first key there (LOADS: none)
 
+  // head_offset: a warp's head past the CTA's kv_head, kept out of k_head and v_head, which stay the
+  // same in every thread of the CTA (the compiler keeps such addresses in uniform registers).
   FJ_INLINE PagedKVStage(const Args& a, const MaskParams& params, int kv_head, unsigned char* k_smem,
-                         unsigned char* v_smem, int tid, const WorkItem& item)
+                         unsigned char* v_smem, int tid, const WorkItem& item, i64 head_offset = 0)
       : a(a), params(params), k_head(a.k + (i64)kv_head * a.head_stride), v_head(a.v + (i64)kv_head * a.head_stride),
+        head_offset(head_offset),
         k_ring((u32)__cvta_generic_to_shared(k_smem)), v_ring((u32)__cvta_generic_to_shared(v_smem)), tid(tid),
         request(item.request), v_begin(item.v_begin), v_end(item.v_end), kv_len(item.kv_len),
         page_begin(item.page_begin) {}
+
+  FJ_INLINE i64 heads_apart() const { return cfg::OWN_HEAD_PACK > 1 ? head_offset : 0; }
 
   // Chunk i of this thread: its key (row) in the stage and its 16-byte column.
   FJ_INLINE bool owns(int i) const { return CHUNKS % NT == 0 || tid + i * NT < CHUNKS; }
@@ -432,7 +438,7 @@ struct PagedKVStage {
   FJ_INLINE void issue(int stage) {
     if constexpr (TWO_PAGE_RUNS) {
       if (run) {
-        const i64 column_offset = column(0) * ELEMS;
+        const i64 column_offset = column(0) * ELEMS + heads_apart();
         const i64 first = token_offset(a, run_page, run_slot) + column_offset;
         const i64 second = token_offset(a, run_page_2, 0) + column_offset;  // slot 0 of the next page
 #pragma unroll
@@ -444,7 +450,7 @@ struct PagedKVStage {
       }
     }
     if (EVEN && run) {
-      const i64 offset = token_offset(a, run_page, run_slot) + column(0) * ELEMS;
+      const i64 offset = token_offset(a, run_page, run_slot) + column(0) * ELEMS + heads_apart();
       const kv_t* k_src = k_head + offset;
       const kv_t* v_src = v_head + offset;
 #pragma unroll
@@ -455,7 +461,8 @@ struct PagedKVStage {
     for (int i = 0; i < LOADS; ++i) {
       if (!owns(i)) continue;
       const bool pred = phys[i] >= 0;
-      const i64 at = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + column(i) * ELEMS : 0;
+      const i64 at =
+          pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + column(i) * ELEMS + heads_apart() : 0;
       copy(stage, i, k_head + at, v_head + at, pred);
     }
   }

@@ -208,7 +208,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   };
   if constexpr (!cfg::SHARED_PREFIX) load_queries();  // (shared-prefix kernels: in prepare())
 
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, cta.kv_head, k_smem, v_smem, tid, item,
+                                                           (i64)(kv_head - cta.kv_head) * a.head_stride);
 
   float o[NTILES][4];
 #pragma unroll
