@@ -286,8 +286,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   // slice, ns = 1; or, with rows by warp, every slice of the stage SHARED_STEP at a time: independent
   // chains of S's MMAs and one max and rescale for them all). ns is a constant at each call: the
   // arrays keep SHARED_STEP entries, and the loops past ns fold away.
-  const auto attend_keys = [&](int stage, int t, int g, int ns) {
-    const int key0 = item.tile_begin + (packed ? t * 16 : t * TILE + g * 16);  // the slice's first key
+  // by_head: a packed item's stage, 16 positions of each warp's head (a constant at each call).
+  const auto attend_keys = [&](int stage, int t, int g, int ns, bool by_head = false) {
+    const int key0 = item.tile_begin + (by_head ? t * 16 : t * TILE + g * 16);  // the slice's first key
     if (key0 < item.v_end) {  // (keys of the stage past the span are zero-filled: P = 0 there)
       // (k_first: a multiple of 4 k-steps, so the warp's share starts k_first / 4 blocks in.)
       const unsigned char* ks = k_smem + stage * TILE * K_PITCH + (g - slice) * 16 * K_ROW + k_first / 4 * ROW_BLOCK;
@@ -399,15 +400,18 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     }
     attend_keys(stage, t, slice, 1);
   };
+  bool streamed = false;
   if constexpr (HEAD_PACK > 1) {
     // A packed item's stage holds 16 positions of each warp's head, warp g's at keys 16g.. of the
-    // stage: its positions start 16g before the item's tiles.
-    const int span = item.v_end - item.tile_begin;  // (constant divisors: shifts)
-    stream_tiles<STAGES, TILE>(loader, item.tile_begin - (packed ? 16 * slice : 0),
-                               packed ? ceil_div(span, 16) : ceil_div(span, TILE), prepare, consume, packed ? 16 : TILE);
-  } else {
-    stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, consume);
+    // stage: its positions start 16g before the item's tiles. (A loop of its own: the other
+    // records' loop keeps its constants.)
+    if (packed) {
+      stream_tiles<STAGES, TILE>(loader, item.tile_begin - 16 * slice, ceil_div(item.v_end - item.tile_begin, 16),
+                                 prepare, [&](int stage, int t) { attend_keys(stage, t, slice, 1, true); }, 16);
+      streamed = true;
+    }
   }
+  if (!streamed) stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, consume);
 
   if constexpr (ROWS_BY_WARP) {
     if (rows_by_warp || packed) {  // each warp's rows are whole: it finishes them from its registers
