@@ -34,13 +34,15 @@ from flashjit.jit import tiling as tiling_module
 from flashjit.jit.tiling import decode_tiling
 from planner_oracle import reference_page_table, reference_plan_work
 
-NUM_SMS, CTAS_PER_SM, DECODE_FN, MERGE_FN = 132, 2, 0xD0, 0xE0
+NUM_SMS, CTAS_PER_SM, DECODE_FN, MERGE_FN, PACKED_FN = 132, 2, 0xD0, 0xE0, 0xD1
 CPU = torch.device("cpu")
 
 
 def fake_loaded(kernel, device_index) -> LoadedKernel:
-    """A kernel 'loaded' instantly, with the occupancy of NUM_SMS x CTAS_PER_SM."""
-    return LoadedKernel(None, DECODE_FN, MERGE_FN, CTAS_PER_SM, NUM_SMS)
+    """A kernel 'loaded' instantly, with the occupancy of NUM_SMS x CTAS_PER_SM (and its packed entry
+    point where its tiling has one)."""
+    packed = PACKED_FN if kernel.tiling.packed_entry else None
+    return LoadedKernel(None, DECODE_FN, MERGE_FN, CTAS_PER_SM, NUM_SMS, decode_packed=packed)
 
 
 def cpu_decoder(engine, **options) -> BatchDecode:

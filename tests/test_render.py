@@ -11,6 +11,7 @@ import pytest
 
 from flashjit import DecodeSpec, TemplateError, register_mask
 from flashjit.jit.render import ENTRY_TEMPLATE, render, template_root
+from flashjit.jit.tiling import decode_tiling
 
 
 def user_mask(tmp_path, name: str, text: str):
@@ -202,3 +203,18 @@ def test_shared_prefix_kernels_prefetch_the_plan_after_the_wait(shared_prefix):
     if shared_prefix:
         assert statements.index("decode::prefetch_plan(args)") < statements.index("decode::attend(args, params, vparams)")
         assert "prefetch.global.L2::evict_last" in source and "a.num_page_ids" in source
+
+
+@pytest.mark.parametrize("head_dim, shared_prefix, packed", [(128, True, True), (64, True, True), (96, True, False),
+                                                            (128, False, False)])
+def test_kernels_that_pack_heads_have_a_packed_entry_point_alike_but_for_its_attend(head_dim, shared_prefix, packed):
+    """A shared-prefix kernel whose tiling packs own items' heads has a second decode entry point,
+    flashjit_decode_packed, the same as flashjit_decode but calling attend_packed (a plan with packed
+    items launches it); other kernels have none."""
+    spec = DecodeSpec(head_dim, group_size=4, arch="sm_90", shared_prefix=shared_prefix, tensor_cores=True)
+    bodies = entry_bodies(render(spec))
+    assert (decode_tiling(spec).packed_entry == "flashjit_decode_packed") == packed
+    assert ("flashjit_decode_packed" in bodies) == packed
+    if packed:
+        assert bodies["flashjit_decode_packed"] == bodies["flashjit_decode"].replace("decode::attend(", "decode::attend_packed(")
+        assert "decode::attend_packed(" in bodies["flashjit_decode_packed"]

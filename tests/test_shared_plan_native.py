@@ -75,8 +75,9 @@ def compare(planner: HostPlanner, lists, last, q_lens, causal: bool, sizes: dict
         reference = plan_shared_work(expected_spans, indptr, kv, qo, PAGE, **sizes)
     native = planner.shared_tables(tables, spans, **sizes)
     assert isinstance(native, NativeSharedTables)
-    assert (native.chunk_tokens, native.num_work, native.num_shared, native.num_slots) == \
-        (reference.work.chunk_tokens, reference.work.num_work, reference.num_shared, reference.num_slots)
+    assert (native.chunk_tokens, native.num_work, native.num_shared, native.num_slots, native.packed_items) == \
+        (reference.work.chunk_tokens, reference.work.num_work, reference.num_shared, reference.num_slots,
+         reference.work.packed_items)
     capacity = max(native.num_slots, native.num_work) + 3  # room for padding records past the list
     tokens = int(qo[-1])
     buffers = []

@@ -15,7 +15,7 @@ from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.shared_plan import (HEAD_PACK_MAX_TILES, members_per_record, plan_shared_work, record_tiles,
                                           shared_chunks)
 from flashjit.serving.shared_prefix import find_shared_spans
-from test_decode_plan import cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
+from test_decode_plan import DECODE_FN, PACKED_FN, cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
 
 PAGE = 4
 
@@ -266,6 +266,31 @@ def test_the_chunk_prices_packed_own_items_as_their_ctas():
     assert ctas[4] <= 264 < 2 * 264 < ctas[1]
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_a_plan_with_packed_own_items_launches_the_packed_entry_point(planner, native):
+    """32 samples of a prompt: own spans of a page pack 4 KV heads a CTA, and the plan launches the
+    kernel's packed entry point; own items of over HEAD_PACK_MAX_TILES tiles keep a CTA a head and
+    the plain one; requests that share nothing plan per request."""
+    library = native_library() if native else None
+    if native and library is None:
+        pytest.skip("no C compiler: the numpy planner is the only one")
+    decoder = cpu_decoder(planner, host_planner=HostPlanner(library))
+    prompt = list(range(64))
+    for own_pages, packed in ((1, True), (200, False)):
+        lists = [prompt + list(range(100 + 200 * m, 100 + 200 * m + own_pages)) for m in range(32)]
+        decoder.plan(*plan_args(lists, [PAGE] * 32), 32, 8, 128, PAGE)
+        plan = decoder.current_plan
+        assert decoder.spec.shared_prefix and decoder.kernel.tiling.packed_entry == "flashjit_decode_packed"
+        own = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
+        own = own[own[:, 7] >= 0]
+        assert (own[:, 11] == (4 if packed else 1)).all()
+        assert packed or (own[:, 2] - own[:, 1] > HEAD_PACK_MAX_TILES * decoder.kernel.tiling.tile_tokens).all()
+        assert decoder.work.packed_items == (len(own) if packed else 0)
+        assert plan.decode_launch.function == (PACKED_FN if packed else DECODE_FN)
+    decoder.plan(*plan_args([[1], [2]], [PAGE, PAGE]), 32, 8, 128, PAGE)
+    assert not decoder.spec.shared_prefix and decoder.current_plan.decode_launch.function == DECODE_FN
+
+
 def test_most_random_patterns_share():
     shared = 0
     for seed in range(12):
@@ -494,6 +519,8 @@ def test_a_cuda_graph_decoder_asked_to_share_plans_every_batch_with_the_shared_k
         capacity = capacity or decoder.current_plan.capacity
         records = check_graph_plan(decoder, lists, last, q_len, causal, capacity)
         shared_seen += bool((records[:, 7] < 0).any())
+        # the graph's launch is fixed: no own item takes several heads, the plain entry point runs
+        assert (records[:, 11] == 1).all() and decoder.current_plan.decode_launch.function == DECODE_FN
     assert 0 < shared_seen < 8
 
 

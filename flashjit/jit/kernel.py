@@ -111,6 +111,7 @@ class LoadedKernel:
     num_sms: int
     plan: int | None = None  # the GPU planner (CUDA-graph mode), in every module since the same render
     plan_max_batch: int = PLAN_MAX_BATCH  # the most requests its shared memory holds on this device
+    decode_packed: int | None = None  # tiling.packed_entry: the decode kernel of plans with packed own items
 
 
 class Kernel:
@@ -156,15 +157,19 @@ class Kernel:
                 plan_max_batch = planner_batch_limit(plan, device_index)
                 check(driver().cuFuncSetAttribute(plan, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                   plan_smem_bytes(plan_max_batch)), "cuFuncSetAttribute")
+                packed = None if self.tiling.packed_entry is None else module.get_function(self.tiling.packed_entry).ptr
                 smem = self.tiling.smem_bytes
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
-                    check(driver().cuFuncSetAttribute(decode, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
-                          f"cuFuncSetAttribute ({self.spec.name}'s {smem} bytes of shared memory on cuda:{device_index})")
+                    for function in (decode, packed) if packed is not None else (decode,):
+                        check(driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                          smem),
+                              f"cuFuncSetAttribute ({self.spec.name}'s {smem} bytes of shared memory on "
+                              f"cuda:{device_index})")
             occupancy = ctypes.c_int(0)
             check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
                 ctypes.byref(occupancy), decode, self.tiling.threads, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
             num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms, plan, plan_max_batch)
+            loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms, plan, plan_max_batch, packed)
             self._loaded[device_index] = loaded
             return loaded
 

@@ -69,6 +69,11 @@ class DecodeTiling:
         return "flashjit_decode"
 
     @property
+    def packed_entry(self) -> str | None:
+        """The decode entry point of a plan with packed own items (own_head_pack > 1), else None."""
+        return "flashjit_decode_packed" if self.own_head_pack > 1 else None
+
+    @property
     def merge_threads(self) -> int:
         return self.merge_lanes * self.merge_split_lanes
 

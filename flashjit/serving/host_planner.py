@@ -101,7 +101,7 @@ class _Shared(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "first", "count", "begin_page", "end_page", "shared_pages", "slots", "offsets")] + [
         (name, ctypes.c_int64) for name in ("groups", "group_size", "row_tiles", "row_warps", "head_pack",
-                                            "num_shared", "num_slots")]
+                                            "num_shared", "num_slots", "num_packed")]
 
 
 class _Layout(ctypes.Structure):
@@ -130,6 +130,8 @@ def _torch_int32():
 
 class NativeTables:
     """One plan's host tables and work, computed by native/host_plan.c. Built by HostPlanner.read()."""
+
+    packed_items = 0  # (a per-request plan packs no heads: WorkPlan.packed_items)
 
     def __init__(self, planner: "HostPlanner", indptr, qo_indptr, q_len, batch: int, kv_scratch: np.ndarray):
         self._planner, self._qo_indptr, self._q_len = planner, qo_indptr, q_len
@@ -200,7 +202,7 @@ class NativeTables:
             records = item_records(host, starts)[:w]
             self._work = WorkPlan(records[:, 0], records[:, 1], records[:, 2], host[work_indptr:work_indptr + b + 1],
                                   host[qo:qo + b + 1], host[token_request:token_request + self.num_tokens],
-                                  self.chunk_tokens, self.fixed_split)
+                                  self.chunk_tokens, self.fixed_split, self.packed_items)
         return self._work
 
 
@@ -215,7 +217,7 @@ class NativeSharedTables:
         self.num_page_ids, self.kv_scratch = tables.num_page_ids, tables.kv_scratch
         p = planner.params
         self.chunk_tokens, self.num_work = p.chunk, p.num_work
-        self.num_shared, self.num_slots = shared.num_shared, shared.num_slots
+        self.num_shared, self.num_slots, self.packed_items = shared.num_shared, shared.num_slots, shared.num_packed
         self.fixed_split = False
         self._work: WorkPlan | None = None
 

@@ -173,7 +173,9 @@ def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_
     cap, tiling, loaded = buffers.capacity, kernel.tiling, setup.loaded
     decode_grid = tiling.grid(cap.work if graph else work.num_work, setup.num_kv_heads)
     programmatic = kernel.programmatic_launch
-    decode = PreparedLaunch.update(None if previous is None else previous.decode_launch, loaded.decode, decode_grid,
+    # Packed own items run in the entry point that reads them (graphs plan none: their launch is fixed).
+    function = loaded.decode_packed if not graph and work.packed_items else loaded.decode
+    decode = PreparedLaunch.update(None if previous is None else previous.decode_launch, function, decode_grid,
                                    tiling.block, decode_params, tiling.smem_bytes, programmatic)
     kept_merge = None if previous is None else previous.merge_prepared
     if tiling.fused_merge:  # the decode kernel merges split requests itself

@@ -154,7 +154,7 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
                             own_slot, own.work_begin, own.work_end, heads], axis=1)
     records = np.concatenate([shared, own_records]).astype(np.int32)
     work = WorkPlan(records[:, 0].copy(), records[:, 1].copy(), records[:, 2].copy(), req_work_indptr.astype(np.int32),
-                    qo.astype(np.int32), own.token_request, chunk, False)
+                    qo.astype(np.int32), own.token_request, chunk, False, int(np.count_nonzero(heads > 1)))
     return SharedWork(work, records, spans, num_shared, int(req_work_indptr[-1]))
 
 

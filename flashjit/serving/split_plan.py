@@ -33,6 +33,9 @@ class WorkPlan:
     # items, so the output's rounding, depend on the request alone. Else a request's items may share
     # its tiles at run time (where the tiling's static_share is below 100).
     fixed_split: bool = False
+    # Shared-prefix plans: own items whose CTA attends several KV heads (shared_plan.HEAD_PACK_MAX_TILES),
+    # which only the kernel's packed entry point reads.
+    packed_items: int = 0
 
     @property
     def num_work(self) -> int:

@@ -321,7 +321,8 @@ FJ_INLINE i64 token_offset(const Args& a, int page, int slot) {
 // ldmatrix's eight rows of one column still hit eight different banks (swizzled_chunk()).
 // cfg::SHARED_WGMMA (swizzled rows of whole 128-byte blocks): each stage is block-major, block b of
 // every row in a TILE x 128-byte column (copy()), as Hopper's warpgroup MMAs read an operand.
-template <int TILE, int K_PITCH, int V_PITCH, int NT, bool SWIZZLE = false>
+// HEADS_APART: each thread's head lies head_offset elements past the CTA's (cfg::OWN_HEAD_PACK).
+template <int TILE, int K_PITCH, int V_PITCH, int NT, bool SWIZZLE = false, bool HEADS_APART = false>
 struct PagedKVStage {
   static constexpr int ELEMS = 16 / sizeof(kv_t);  // values per 16-byte chunk
   static constexpr int CPR = cfg::HEAD_DIM / ELEMS;
@@ -346,7 +347,7 @@ struct PagedKVStage {
   const Args& a;
   const MaskParams& params;
   const kv_t* k_head; const kv_t* v_head;
-  i64 head_offset;  // elements past k_head and v_head to this thread's head (cfg::OWN_HEAD_PACK), else 0
+  i64 head_offset;  // HEADS_APART: elements past k_head and v_head to this thread's head
   u32 k_ring, v_ring;  // shared-memory addresses of the K and V rings
   int tid, request, v_begin, v_end, kv_len, page_begin;  // the work item's (a reference would cost local memory)
   int phys[LOADS];  // physical token (page * PAGE_SIZE + slot) of each key, -1: zero-fill
@@ -364,7 +365,7 @@ struct PagedKVStage {
         request(item.request), v_begin(item.v_begin), v_end(item.v_end), kv_len(item.kv_len),
         page_begin(item.page_begin) {}
 
-  FJ_INLINE i64 heads_apart() const { return cfg::OWN_HEAD_PACK > 1 ? head_offset : 0; }
+  FJ_INLINE i64 heads_apart() const { return HEADS_APART ? head_offset : 0; }
 
   // Chunk i of this thread: its key (row) in the stage and its 16-byte column.
   FJ_INLINE bool owns(int i) const { return CHUNKS % NT == 0 || tid + i * NT < CHUNKS; }

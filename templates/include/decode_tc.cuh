@@ -26,6 +26,8 @@
 // A short own item of such a kernel may take WARPS KV heads in one CTA (cfg::OWN_HEAD_PACK): warp
 // g attends head kv_head + g over 16 keys a stage, the slice its threads copy, so one CTA's chain
 // of loads (record, page ids, K and V) serves WARPS heads and its stream runs WARPS times longer.
+// Only the entry point attend_packed() reads such records (a plan without them launches attend(),
+// which runs the other records without the packed path's branches: 1-2% faster on the H200).
 // Same outputs as decode.cuh: direct for one-item requests, else normalized fp32 partials and
 // base-2 LSEs for the merge.
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
@@ -53,7 +55,6 @@ enum : int { QSTEPS = SPLIT_SCORES ? KSTEPS / COL_SPLIT : KSTEPS };  // S's k-st
 // > 1: shared-prefix records give each warp rows of its own (enums, as HALF_BLOCK below).
 enum : int { ROW_WARPS = cfg::SHARED_ROW_WARPS };
 enum : bool { ROWS_BY_WARP = ROW_WARPS > 1 };
-enum : int { HEAD_PACK = cfg::OWN_HEAD_PACK };  // > 1: own items may take that many KV heads, a warp each
 // Slices a rows-by-warp record's warp attends in one softmax step: its S chains run side by side,
 // where one slice at a time leaves the warp waiting on each chain's latency.
 enum : int { SHARED_STEP = cfg::SHARED_STEP };
@@ -84,8 +85,9 @@ static_assert(!cfg::SHARED_WGMMA || (ROWS_BY_WARP && WARPS == 4 && TILE == 64 &&
               "shared records on wgmma: one warpgroup of 64 rows, 64 keys a stage, rows of whole swizzled blocks");
 static_assert(SLICES % SHARED_STEP == 0 && (SHARED_STEP == 1 || (ROWS_BY_WARP && !SPLIT_SCORES)),
               "whole steps of slices, several a step only with rows by warp");
-static_assert(HEAD_PACK == 1 || (ROWS_BY_WARP && HEAD_PACK == WARPS && ROWS_TOTAL <= M && cfg::STATIC_SHARE == 100 &&
-                                 PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE>::WARP_SLICES),
+static_assert(cfg::OWN_HEAD_PACK == 1 || (ROWS_BY_WARP && cfg::OWN_HEAD_PACK == WARPS && ROWS_TOTAL <= M &&
+                                          cfg::STATIC_SHARE == 100 &&
+                                          PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE>::WARP_SLICES),
               "heads by warp: a warp's rows are one head's whole group, its slice the keys its threads copy");
 static_assert(!cfg::SHARED_PREFIX || (!VARIANT_SINK && !VARIANT_LOGITS),
               "shared-prefix kernels take no variant: a shared record's rows publish no sinks");
@@ -97,7 +99,10 @@ FJ_INLINE void slice_barrier(int slice) {
   asm volatile("bar.sync %0, %1;" ::"r"(1 + slice), "r"(32 * COL_SPLIT) : "memory");
 }
 
-FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
+// PACKED: the records may be packed own items (attend_packed).
+template <bool PACKED>
+FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const VariantParams& vparams) {
+  enum : int { HEAD_PACK = PACKED ? cfg::OWN_HEAD_PACK : 1 };  // KV heads a packed item's CTA attends
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = aligned_ring(smem_raw);
   unsigned char* k_smem = smem;
@@ -120,26 +125,29 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   const int k_first = SPLIT_SCORES ? col_part * QSTEPS : 0;  // the warp's first k-step of S
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
+  // packed: an own item whose last field is HEAD_PACK (attend_packed): the CTA of a multiple of
+  // HEAD_PACK attends that many heads, warp g head kv_head + g (the other CTAs of its heads exit).
+  bool packed = false;
+  if constexpr (HEAD_PACK > 1) {
+    const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
+    packed = splits >= 0 && __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).w == HEAD_PACK;
+    if (packed && cta.kv_head % HEAD_PACK != 0) return;
+  }
+  const int kv_head = packed ? cta.kv_head + tid / 32 : cta.kv_head;  // the head this warp attends
+
+  const HeadScales scales(a, kv_head);
+
   // A shared-prefix record (serving/shared_plan.py; its splits field is -members): the rows are
   // the GQA groups x query tokens of `members` requests from item.request on, over a span every
   // one of their queries sees whole (the planner shares nothing else). 0: an ordinary item.
   // slot: where an ordinary item's partial goes, its record's share field (such a kernel's tiling
   // shares no tiles, serving/shared_plan.py); else its grid position.
-  // packed: an own item whose last field is HEAD_PACK: the CTA of a multiple of HEAD_PACK attends
-  // that many heads, warp g head kv_head + g (the other CTAs of its heads exit).
   int members = 0, slot = w;
-  bool packed = false;
   if constexpr (cfg::SHARED_PREFIX) {
     const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
-    const int4 share = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2);
     members = splits < 0 ? -splits : 0;
-    slot = share.x;
-    if constexpr (HEAD_PACK > 1) packed = members == 0 && share.w == HEAD_PACK;
+    slot = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).x;
   }
-  if (packed && cta.kv_head % HEAD_PACK != 0) return;
-  const int kv_head = packed ? cta.kv_head + tid / 32 : cta.kv_head;  // the head this warp attends
-
-  const HeadScales scales(a, kv_head);
   // The CTA's first row: a shared record's rows by warp hold ROW_WARPS tiles of 16 per row tile.
   const bool rows_by_warp = ROWS_BY_WARP && members > 0;
   const int first_row = rows_by_warp ? (cta.row_tile * ROW_WARPS + tid / 32) * M : cta.row_tile * M;
@@ -158,7 +166,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     row_pos[h] = item.kv_len - item.q_len + row_tok[h];
     if constexpr (cfg::SHARED_PREFIX) {
       row_token[h] = item.q_begin + row_tok[h];
-      row_slot[h] = slot;  // (a shared record's rows: their member's, in load_queries)
+      row_slot[h] = packed ? slot : 0;  // (a shared record's rows: their member's, in load_queries)
       if (members > 0) {
         row_member[h] = row_tok[h] / item.q_len;
         row_tok[h] -= row_member[h] * item.q_len;
@@ -208,8 +216,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   };
   if constexpr (!cfg::SHARED_PREFIX) load_queries();  // (shared-prefix kernels: in prepare())
 
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, cta.kv_head, k_smem, v_smem, tid, item,
-                                                           (i64)(kv_head - cta.kv_head) * a.head_stride);
+  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE, (HEAD_PACK > 1)> loader(a, params, cta.kv_head, k_smem, v_smem, tid,
+                                                                          item, (i64)(kv_head - cta.kv_head) * a.head_stride);
 
   float o[NTILES][4];
 #pragma unroll
@@ -421,22 +429,22 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
         dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
         if (!row_valid[h]) continue;
         const float inv = dsum[h] > 0.f ? scales.value / dsum[h] : 0.f;
-        const float lse2 = dsum[h] > 0.f ? m[h] + log2_approx(dsum[h]) : FJ_NEG_INF;
-        if (item.direct) {  // (a packed item, its request's only one; a shared record never is)
+        if (HEAD_PACK > 1 && item.direct) {  // (a packed item, its request's only one; a shared record never is)
           const int token = item.q_begin + row_tok[h];
           out_t* row_out = a.out + (i64)token * a.out_stride + row_head[h] * D + pair;
 #pragma unroll
           for (int n = 0; n < NTILES; ++n)
             *reinterpret_cast<u32*>(row_out + 8 * n) = (u32)Convert<out_t>::from_float(o[n][2 * h] * inv) |
                                                        ((u32)Convert<out_t>::from_float(o[n][2 * h + 1] * inv) << 16);
-          if (a.lse != nullptr && lane % 4 == 0) a.lse[(i64)token * a.num_qo_heads + row_head[h]] = lse2 * FJ_LN2;
+          if (a.lse != nullptr && lane % 4 == 0)
+            a.lse[(i64)token * a.num_qo_heads + row_head[h]] = dsum[h] > 0.f ? (m[h] + log2_approx(dsum[h])) * FJ_LN2 : FJ_NEG_INF;
           continue;
         }
         const i64 at = ((i64)row_slot[h] * cfg::MAX_Q_LEN + row_tok[h]) * a.num_qo_heads + row_head[h];
 #pragma unroll
         for (int n = 0; n < NTILES; ++n)
           *reinterpret_cast<float2*>(a.tmp_o + at * D + 8 * n + pair) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
-        if (lane % 4 == 0) a.tmp_lse[at] = lse2;
+        if (lane % 4 == 0) a.tmp_lse[at] = dsum[h] > 0.f ? m[h] + log2_approx(dsum[h]) : FJ_NEG_INF;
       }
       return;
     }
@@ -460,6 +468,14 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   __syncthreads();
 
   finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks, members, slot);
+}
+
+FJ_INLINE void attend(const Args& a, const MaskParams& params, const VariantParams& vparams) {
+  attend_records<false>(a, params, vparams);
+}
+
+FJ_INLINE void attend_packed(const Args& a, const MaskParams& params, const VariantParams& vparams) {
+  attend_records<true>(a, params, vparams);
 }
 
 }  // namespace decode

@@ -67,6 +67,7 @@ typedef struct {
     int64_t head_pack;                     /* KV heads one CTA of a short own item attends (1: one) */
     /* outputs (fj_plan_t's chunk and num_work hold the rest) */
     int64_t num_shared, num_slots;         /* shared records; partial slots of all requests */
+    int64_t num_packed;                    /* own items of head_pack heads a CTA (fj_shared_fill packs them) */
 } fj_shared_t;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -403,13 +404,17 @@ int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
         for (int64_t m = s->first[g]; m < s->first[g] + s->count[g]; ++m) s->slots[m] += chunks;
         records += chunks * member_runs(p, s, g);
     }
+    const int64_t pack_max = s->head_pack > 1 ? HEAD_PACK_MAX_TILES * p->granularity : -1;
+    int64_t packed = 0;
     for (int64_t b = 0; b < p->batch; ++b) {
-        int64_t items = max64(ceil_div(p->kv_lens[b] - own_begin(p, s, b), p->chunk), 1);
+        const int64_t len = p->kv_lens[b] - own_begin(p, s, b), items = max64(ceil_div(len, p->chunk), 1);
         own += items;
         slots += s->slots[b] + items;
+        packed += (items - 1) * (p->chunk <= pack_max) + (len - (items - 1) * p->chunk <= pack_max);
     }
     s->num_shared = records;
     s->num_slots = slots;
+    s->num_packed = packed;
     p->num_work = records + own;
     return 0;
 }
