@@ -216,5 +216,6 @@ def test_kernels_that_pack_heads_have_a_packed_entry_point_alike_but_for_its_att
     assert (decode_tiling(spec).packed_entry == "flashjit_decode_packed") == packed
     assert ("flashjit_decode_packed" in bodies) == packed
     if packed:
-        assert bodies["flashjit_decode_packed"] == bodies["flashjit_decode"].replace("decode::attend(", "decode::attend_packed(")
+        plain = bodies["flashjit_decode"]
+        assert bodies["flashjit_decode_packed"] == plain.replace("decode::attend(", "decode::attend_packed(")
         assert "decode::attend_packed(" in bodies["flashjit_decode_packed"]

@@ -159,17 +159,23 @@ class Kernel:
                                                   plan_smem_bytes(plan_max_batch)), "cuFuncSetAttribute")
                 packed = None if self.tiling.packed_entry is None else module.get_function(self.tiling.packed_entry).ptr
                 smem = self.tiling.smem_bytes
+                entries = (decode,) if packed is None else (decode, packed)
                 if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
-                    for function in (decode, packed) if packed is not None else (decode,):
+                    for function in entries:
                         check(driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                           smem),
                               f"cuFuncSetAttribute ({self.spec.name}'s {smem} bytes of shared memory on "
                               f"cuda:{device_index})")
-            occupancy = ctypes.c_int(0)
-            check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(occupancy), decode, self.tiling.threads, smem), "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+            ctas_per_sm = []  # the planner's waves: the fewer of the entry points'
+            for function in entries:
+                occupancy = ctypes.c_int(0)
+                check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    ctypes.byref(occupancy), function, self.tiling.threads, smem),
+                    "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+                ctas_per_sm.append(occupancy.value)
             num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            loaded = LoadedKernel(module, decode, merge, max(1, occupancy.value), num_sms, plan, plan_max_batch, packed)
+            loaded = LoadedKernel(module, decode, merge, max(1, min(ctas_per_sm)), num_sms, plan, plan_max_batch,
+                                  packed)
             self._loaded[device_index] = loaded
             return loaded
 

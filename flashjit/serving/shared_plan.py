@@ -50,9 +50,9 @@ TILE_COST_BASE = 5
 
 # A request's own item this short takes head_pack KV heads per CTA: its CTA's chain of loads before
 # the first tile (record, page ids, K and V) is most of such an item's time, and one chain then
-# serves head_pack heads. On an H200, 64 samples x (2048 + 128) ran in 33.0 us packed against 35.2
-# (30.3 with the chunk priced for the packed CTAs: one wave); 4 x 16 samples x (4096 + 256), whose
-# items are 4 tiles, ran 55 us unpacked and 55-61 us packed.
+# serves head_pack heads. On an H200, 64 samples x (2048 + 128) ran in 30.9 us against 34.0 (its 512
+# items of 2 tiles become 128 CTAs of 8, the plan one wave); the 4-tile items of 4 x 16 samples x
+# (4096 + 256) ran no faster packed (55-61 us against 55).
 HEAD_PACK_MAX_TILES = 2
 
 
@@ -103,9 +103,8 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     tiles = record_tiles(np.minimum(per_record, spans.count), rows_per_member, row_tiles, row_warps)
     # One chunk, priced with each shared span once per member run at its records' cost per key;
     # a shared span is cut evenly into as many pieces as its weighted length makes of the chunk.
-    # Own spans short enough to pack (one item each: shorter than any chunk) launch head_pack times
-    # fewer CTAs, each head_pack times longer: priced as one span of head_pack times the length for
-    # every head_pack of them.
+    # Own spans short enough to pack launch head_pack times fewer CTAs, each head_pack times longer:
+    # priced as one span of head_pack times the length for every head_pack of them.
     own_lens = kv_lens - own_begin
     packs = own_lens <= HEAD_PACK_MAX_TILES * granularity if head_pack > 1 else np.zeros(batch, dtype=bool)
     lens = np.concatenate([own_lens[~packs], head_pack * own_lens[packs][::head_pack],

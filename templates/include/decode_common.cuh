@@ -355,8 +355,8 @@ struct PagedKVStage {
   int run_page, run_slot;  // the page index as loaded: issue() consumes it, a stage later
   int run_page_2, split_at;  // TWO_PAGE_RUNS: the run's second page, and its first key there (LOADS: none)
 
-  // head_offset: a warp's head past the CTA's kv_head, kept out of k_head and v_head, which stay the
-  // same in every thread of the CTA (the compiler keeps such addresses in uniform registers).
+  // head_offset (HEADS_APART): elements from kv_head's K/V to this thread's head's, added to each
+  // copy's offset (k_head and v_head stay the CTA's).
   FJ_INLINE PagedKVStage(const Args& a, const MaskParams& params, int kv_head, unsigned char* k_smem,
                          unsigned char* v_smem, int tid, const WorkItem& item, i64 head_offset = 0)
       : a(a), params(params), k_head(a.k + (i64)kv_head * a.head_stride), v_head(a.v + (i64)kv_head * a.head_stride),
@@ -462,8 +462,9 @@ struct PagedKVStage {
     for (int i = 0; i < LOADS; ++i) {
       if (!owns(i)) continue;
       const bool pred = phys[i] >= 0;
-      const i64 at =
-          pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + column(i) * ELEMS + heads_apart() : 0;
+      const i64 at = pred ? token_offset(a, phys[i] / cfg::PAGE_SIZE, phys[i] % cfg::PAGE_SIZE) + column(i) * ELEMS +
+                                heads_apart()
+                          : 0;
       copy(stage, i, k_head + at, v_head + at, pred);
     }
   }

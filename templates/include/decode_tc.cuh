@@ -216,8 +216,8 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   };
   if constexpr (!cfg::SHARED_PREFIX) load_queries();  // (shared-prefix kernels: in prepare())
 
-  PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE, (HEAD_PACK > 1)> loader(a, params, cta.kv_head, k_smem, v_smem, tid,
-                                                                          item, (i64)(kv_head - cta.kv_head) * a.head_stride);
+  using Loader = PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE, (HEAD_PACK > 1)>;
+  Loader loader(a, params, cta.kv_head, k_smem, v_smem, tid, item, (i64)(kv_head - cta.kv_head) * a.head_stride);
 
   float o[NTILES][4];
 #pragma unroll
@@ -429,7 +429,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
         dsum[h] += __shfl_xor_sync(0xffffffffu, dsum[h], 2);
         if (!row_valid[h]) continue;
         const float inv = dsum[h] > 0.f ? scales.value / dsum[h] : 0.f;
-        if (HEAD_PACK > 1 && item.direct) {  // (a packed item, its request's only one; a shared record never is)
+        if (HEAD_PACK > 1 && item.direct) {  // a packed item, its request's only one (a shared record never is)
           const int token = item.q_begin + row_tok[h];
           out_t* row_out = a.out + (i64)token * a.out_stride + row_head[h] * D + pair;
 #pragma unroll
@@ -437,7 +437,8 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
             *reinterpret_cast<u32*>(row_out + 8 * n) = (u32)Convert<out_t>::from_float(o[n][2 * h] * inv) |
                                                        ((u32)Convert<out_t>::from_float(o[n][2 * h + 1] * inv) << 16);
           if (a.lse != nullptr && lane % 4 == 0)
-            a.lse[(i64)token * a.num_qo_heads + row_head[h]] = dsum[h] > 0.f ? (m[h] + log2_approx(dsum[h])) * FJ_LN2 : FJ_NEG_INF;
+            a.lse[(i64)token * a.num_qo_heads + row_head[h]] =
+                dsum[h] > 0.f ? (m[h] + log2_approx(dsum[h])) * FJ_LN2 : FJ_NEG_INF;
           continue;
         }
         const i64 at = ((i64)row_slot[h] * cfg::MAX_Q_LEN + row_tok[h]) * a.num_qo_heads + row_head[h];

@@ -438,7 +438,8 @@ static void put_record(int32_t *record, int64_t request, int64_t v_begin, int64_
 /* The work list of fj_shared_plan into the staging buffer, as shared_plan.SharedTables.write puts
  * it: per group, per chunk, per member run a shared record (request = first member, kv_len = the
  * span's end, q_begin = the chunk's slot offset, splits = -members); then each request's own items,
- * each naming its slot (and s->head_pack heads a CTA where it is short); then the merges' arrays, and padding records (request -1). */
+ * each naming its slot (and s->head_pack heads a CTA where it is short); then the merges' arrays,
+ * and padding records (request -1). */
 int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, const fj_layout_t *at) {
     int64_t w = 0, slot = 0;
     int32_t *records = staging + at->work_items;
@@ -467,7 +468,8 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
             const int64_t end = min64(first + chunk, kv_len);
             put_record(records + ITEM_INTS * w, b, first, end, kv_len, p->indptr[b], q_begin, q_end - q_begin, splits,
                        slot + s->slots[b] + i);
-            if (end - first <= HEAD_PACK_MAX_TILES * p->granularity) records[ITEM_INTS * w + 11] = (int32_t)s->head_pack;
+            if (end - first <= HEAD_PACK_MAX_TILES * p->granularity)
+                records[ITEM_INTS * w + 11] = (int32_t)s->head_pack;
         }
         slot += splits;
         staging[at->req_work_indptr + b + 1] = (int32_t)slot;
