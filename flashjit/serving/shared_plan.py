@@ -56,6 +56,12 @@ TILE_COST_BASE = 5
 HEAD_PACK_MAX_TILES = 2
 
 
+def item_heads(lengths, head_pack: int, granularity: int) -> np.ndarray:
+    """KV heads one CTA of an own item of each length attends: head_pack up to HEAD_PACK_MAX_TILES
+    tiles, else 1."""
+    return np.where(np.asarray(lengths) <= HEAD_PACK_MAX_TILES * granularity, head_pack, 1)
+
+
 def members_per_record(group_size: int, q_len: int, row_tiles: int, row_warps: int = 1) -> int:
     """Members one shared record's CTAs hold: their rows (group x q_len each) fill the row tiles
     (row_warps 16-row tiles per CTA)."""
@@ -106,7 +112,7 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     # Own spans short enough to pack launch head_pack times fewer CTAs, each head_pack times longer:
     # priced as one span of head_pack times the length for every head_pack of them.
     own_lens = kv_lens - own_begin
-    packs = own_lens <= HEAD_PACK_MAX_TILES * granularity if head_pack > 1 else np.zeros(batch, dtype=bool)
+    packs = item_heads(own_lens, head_pack, granularity) > 1
     lens = np.concatenate([own_lens[~packs], head_pack * own_lens[packs][::head_pack],
                            np.repeat(weighted_spans(span_tokens, tiles), subsets)])
     chunk = chunk_tokens or choose_chunk(lens, ctas_per_item, max_ctas, granularity)
@@ -147,8 +153,7 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     r = own.work_request.astype(np.int64)
     own_slot = req_work_indptr[r] + slots[r] + (np.arange(own.num_work) - own.req_work_indptr[r])
     splits = np.diff(req_work_indptr)
-    short = own.work_end - own.work_begin <= HEAD_PACK_MAX_TILES * granularity
-    heads = np.where(short, head_pack, 1)
+    heads = item_heads(own.work_end - own.work_begin, head_pack, granularity)
     own_records = np.stack([r, own.work_begin, own.work_end, kv_lens[r], indptr[r], qo[r], q_lens[r], splits[r],
                             own_slot, own.work_begin, own.work_end, heads], axis=1)
     records = np.concatenate([shared, own_records]).astype(np.int32)

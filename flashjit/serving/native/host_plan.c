@@ -178,12 +178,17 @@ static void count_items(int64_t len, double whole, int64_t times, int64_t *items
     *long_items += times * (int64_t)(q + 0.5);
 }
 
+/* Whether an own item of len positions takes s->head_pack KV heads a CTA (shared_plan.item_heads). */
+static int packs_heads(const fj_plan_t *p, const fj_shared_t *s, int64_t len) {
+    return s->head_pack > 1 && len <= HEAD_PACK_MAX_TILES * p->granularity;
+}
+
 /* Request b's own span as the chunk estimate prices it (shared_plan.plan_shared_work): a span short
- * enough to pack (one item a head_pack heads' CTA) counts head_pack times its length for every
- * head_pack-th such span in batch order (*packs counts them) and -1, not at all, for the others. */
+ * enough to pack counts head_pack times its length for every head_pack-th such span in batch order
+ * (*packs counts them) and -1, not at all, for the others. */
 static int64_t priced_own_span(const fj_plan_t *p, const fj_shared_t *s, int64_t b, int64_t *packs) {
     const int64_t len = p->kv_lens[b] - own_begin(p, s, b);
-    if (s->head_pack <= 1 || len > HEAD_PACK_MAX_TILES * p->granularity) return len;
+    if (!packs_heads(p, s, len)) return len;
     return (*packs)++ % s->head_pack == 0 ? s->head_pack * len : -1;
 }
 
@@ -404,13 +409,12 @@ int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
         for (int64_t m = s->first[g]; m < s->first[g] + s->count[g]; ++m) s->slots[m] += chunks;
         records += chunks * member_runs(p, s, g);
     }
-    const int64_t pack_max = s->head_pack > 1 ? HEAD_PACK_MAX_TILES * p->granularity : -1;
     int64_t packed = 0;
     for (int64_t b = 0; b < p->batch; ++b) {
         const int64_t len = p->kv_lens[b] - own_begin(p, s, b), items = max64(ceil_div(len, p->chunk), 1);
         own += items;
         slots += s->slots[b] + items;
-        packed += (items - 1) * (p->chunk <= pack_max) + (len - (items - 1) * p->chunk <= pack_max);
+        packed += (items - 1) * packs_heads(p, s, p->chunk) + packs_heads(p, s, len - (items - 1) * p->chunk);
     }
     s->num_shared = records;
     s->num_slots = slots;
@@ -468,8 +472,7 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
             const int64_t end = min64(first + chunk, kv_len);
             put_record(records + ITEM_INTS * w, b, first, end, kv_len, p->indptr[b], q_begin, q_end - q_begin, splits,
                        slot + s->slots[b] + i);
-            if (end - first <= HEAD_PACK_MAX_TILES * p->granularity)
-                records[ITEM_INTS * w + 11] = (int32_t)s->head_pack;
+            if (packs_heads(p, s, end - first)) records[ITEM_INTS * w + 11] = (int32_t)s->head_pack;
         }
         slot += splits;
         staging[at->req_work_indptr + b + 1] = (int32_t)slot;
