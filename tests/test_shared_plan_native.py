@@ -52,12 +52,12 @@ def kernel_sizes(rng: random.Random) -> dict:
     group = rng.choice([1, 2, 4, 8])
     row_tiles = rng.choice([1, 2, 4])
     return dict(group_size=group, row_tiles=row_tiles, row_warps=rng.choice([1, 4, 6]), head_pack=rng.choice([1, 4]),
-                ctas_per_item=rng.choice([1, 2, 8]) * row_tiles,
+                merge_waits=rng.random() < 0.5, ctas_per_item=rng.choice([1, 2, 8]) * row_tiles,
                 max_ctas=rng.choice([8, 64, 264]), granularity=rng.choice([PAGE, 2 * PAGE, 16]))
 
 
 def compare(planner: HostPlanner, lists, last, q_lens, causal: bool, sizes: dict, per_request_q: bool):
-    """Plans one batch both ways; returns whether it shared."""
+    """Plans one batch both ways; returns whether it shared, and whether the kernel merges it."""
     indptr, ids, kv, _ = page_table(lists, last)
     batch = len(lists)
     qo = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -68,16 +68,17 @@ def compare(planner: HostPlanner, lists, last, q_lens, causal: bool, sizes: dict
     spans = planner.shared_spans(tables, torch.from_numpy(ids), PAGE, causal, 4)
     assert (spans is None) == (expected_spans is None)
     if spans is None:
-        return False
+        return False, False
     for name in spans._fields:
         assert getattr(spans, name).tolist() == getattr(expected_spans, name).tolist(), name
     with np.errstate(divide="ignore"):  # members without queries: numpy's x // 0 is 0, one member a record
         reference = plan_shared_work(expected_spans, indptr, kv, qo, PAGE, **sizes)
     native = planner.shared_tables(tables, spans, **sizes)
     assert isinstance(native, NativeSharedTables)
-    assert (native.chunk_tokens, native.num_work, native.num_shared, native.num_slots, native.packed_items) == \
+    assert (native.chunk_tokens, native.num_work, native.num_shared, native.num_slots, native.packed_items,
+            native.merges_in_kernel, native.needs_merge) == \
         (reference.work.chunk_tokens, reference.work.num_work, reference.num_shared, reference.num_slots,
-         reference.work.packed_items)
+         reference.work.packed_items, reference.work.merges_in_kernel, reference.work.needs_merge)
     capacity = max(native.num_slots, native.num_work) + 3  # room for padding records past the list
     tokens = int(qo[-1])
     buffers = []
@@ -90,14 +91,14 @@ def compare(planner: HostPlanner, lists, last, q_lens, causal: bool, sizes: dict
     work, expected = native.work_plan(got, starts), reference.work
     for name in ("work_request", "work_begin", "work_end", "req_work_indptr", "req_qo_indptr", "token_request"):
         assert getattr(work, name).tolist() == getattr(expected, name).tolist(), name
-    return True
+    return True, native.merges_in_kernel
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_native_shared_work_list_equals_numpy(seed):
     planner = HostPlanner(library_or_skip())
     rng = random.Random(seed)
-    shared = 0
+    shared = in_kernel = 0
     for case in range(60):
         kind = rng.choice(["tree", "tree", "tree", "none", "full", "prefixes"])
         lists, last = sharing_batch(rng, kind)
@@ -110,8 +111,9 @@ def test_native_shared_work_list_equals_numpy(seed):
         else:
             q_lens = [rng.randint(1, 3)] * len(lists)
         for causal in (False, True):
-            shared += compare(planner, lists, last, np.array(q_lens), causal, kernel_sizes(rng), per_request_q)
-    assert shared >= 40  # most patterns share: the comparison is not vacuous
+            shares, merges = compare(planner, lists, last, np.array(q_lens), causal, kernel_sizes(rng), per_request_q)
+            shared, in_kernel = shared + shares, in_kernel + merges
+    assert shared >= 40 and in_kernel >= 5  # most patterns share, some merge in the kernel: not vacuous
 
 
 def test_long_shared_spans_split_into_chunks():
@@ -127,7 +129,7 @@ def test_long_shared_spans_split_into_chunks():
                   for _ in range(8)]
     last = [rng.randint(1, PAGE) for _ in lists]
     sizes = dict(group_size=4, row_tiles=2, ctas_per_item=16, max_ctas=264, granularity=16)
-    assert compare(planner, lists, last, np.ones(len(lists), int), True, sizes, False)
+    assert compare(planner, lists, last, np.ones(len(lists), int), True, sizes, False)[0]
 
 
 def test_spans_of_an_earlier_detection_are_refused():

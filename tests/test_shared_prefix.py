@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashjit.jit.abi import MERGE_WAITS
 from flashjit.serving import graph_mode
 from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.shared_plan import (HEAD_PACK_MAX_TILES, members_per_record, plan_shared_work, record_tiles,
@@ -266,6 +267,23 @@ def test_the_chunk_prices_packed_own_items_as_their_ctas():
     assert ctas[4] <= 264 < 2 * 264 < ctas[1]
 
 
+def test_one_wave_plans_merge_in_the_kernel():
+    """64 samples of a 2048-token prompt, 128 tokens each of their own: packed, the plan's CTAs fit
+    one wave (264), so the kernel merges it: every record carries MERGE_WAITS and no merge is
+    launched. Unpacked (over two waves), or for a kernel that cannot, the merge is launched."""
+    indptr, ids, kv, _ = samples_of_one_prompt(64, 128, 8)
+    spans = find_shared_spans(indptr, ids, kv, np.ones(64, int), PAGE, causal=False)
+    for head_pack, merge_waits, in_kernel in ((4, True, True), (1, True, False), (4, False, False)):
+        shared = plan_shared_work(spans, indptr, kv, np.arange(65), PAGE, group_size=4, row_tiles=1, ctas_per_item=8,
+                                  max_ctas=264, granularity=4 * PAGE, row_warps=4, head_pack=head_pack,
+                                  merge_waits=merge_waits)
+        flags = shared.records[:, 11] & MERGE_WAITS
+        assert shared.work.merges_in_kernel == in_kernel
+        assert (flags != 0).all() if in_kernel else (flags == 0).all()
+        assert shared.work.needs_merge != in_kernel
+        assert (shared.records[:, 11] & ~MERGE_WAITS == np.where(shared.records[:, 7] < 0, 1, head_pack)).all()
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_a_plan_with_packed_own_items_launches_the_packed_entry_point(planner, native):
     """32 samples of a prompt: own spans of a page pack 4 KV heads a CTA, and the plan launches the
@@ -283,10 +301,12 @@ def test_a_plan_with_packed_own_items_launches_the_packed_entry_point(planner, n
         assert decoder.spec.shared_prefix and decoder.kernel.tiling.packed_entry == "flashjit_decode_packed"
         own = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
         own = own[own[:, 7] >= 0]
-        assert (own[:, 11] == (4 if packed else 1)).all()
+        assert (own[:, 11] & ~MERGE_WAITS == (4 if packed else 1)).all()
         assert packed or (own[:, 2] - own[:, 1] > HEAD_PACK_MAX_TILES * decoder.kernel.tiling.tile_tokens).all()
         assert decoder.work.packed_items == (len(own) if packed else 0)
         assert plan.decode_launch.function == (PACKED_FN if packed else DECODE_FN)
+        # one wave (packed) merges in the kernel and launches no merge; the longer own spans launch it
+        assert decoder.work.merges_in_kernel == packed and (plan.merge_launch is None) == packed
     decoder.plan(*plan_args([[1], [2]], [PAGE, PAGE]), 32, 8, 128, PAGE)
     assert not decoder.spec.shared_prefix and decoder.current_plan.decode_launch.function == DECODE_FN
 

@@ -68,10 +68,10 @@ def test_the_table_gives_every_spec_its_pinned_tiling():
     for spec in every_spec():
         key = (spec.head_dim, spec.kv_dtype, spec.group_size, spec.max_q_len, spec.tensor_cores)
         tiling = decode_tiling(spec)
-        # the last four fields, which only shared-prefix kernels set
+        # the last five fields, which only shared-prefix kernels set
         assert tiling.shared_row_warps == 1 and tiling.shared_step == 1 and not tiling.shared_wgmma
-        assert tiling.own_head_pack == 1
-        digest.update(repr((key, dataclasses.astuple(tiling)[:-4])).encode())
+        assert tiling.own_head_pack == 1 and not tiling.waiting_merge
+        digest.update(repr((key, dataclasses.astuple(tiling)[:-5])).encode())
     assert digest.hexdigest() == PINNED_GRID_DIGEST
 
 
@@ -89,6 +89,8 @@ def test_short_own_items_take_a_head_per_warp_where_a_warp_copies_its_own_slice(
     assert tiling.own_head_pack == pack
     if pack > 1:
         assert pack == tiling.shared_row_warps == tiling.bdx // 32 and tiling.row_tiles == 1
+    # the kernel merges one-wave plans where each request's rows fit one row tile
+    assert tiling.waiting_merge == (tiling.row_tiles == 1)
     assert decode_tiling(dataclasses.replace(spec, shared_prefix=False)).own_head_pack == 1
 
 
@@ -111,8 +113,9 @@ def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all
     assert plain.compile_arch == "sm_90"
     for arch in ("sm_80", "sm_100"):  # no warpgroup MMAs there
         assert not decode_tiling(dataclasses.replace(shared, arch=arch)).shared_wgmma
+    assert tiling.waiting_merge and not tiling.fused_merge  # one-wave plans merge in the kernel, others launch it
     assert dataclasses.replace(tiling, shared_row_warps=1, shared_step=1, shared_wgmma=False, own_head_pack=1,
-                               fused_merge=True,
+                               fused_merge=True, waiting_merge=False,
                                ring_align=plain_tiling.ring_align, smem_bytes=plain_tiling.smem_bytes,
                                static_share=plain_tiling.static_share) == plain_tiling
 

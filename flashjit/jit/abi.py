@@ -30,6 +30,9 @@ from ..masks.params import MASK_PARAM_CTYPES
 WORK_ITEM_FIELDS = ("request", "v_begin", "v_end", "kv_len", "page_begin", "q_begin", "q_len", "splits",
                     "share", "share_begin", "share_end", "sharers")
 ITEM_INTS = len(WORK_ITEM_FIELDS)
+# A shared-prefix record's last field ("sharers": a short own item's KV heads a CTA) carries this bit
+# when its plan merges in the decode kernel (decode_common.cuh's merge_when_written).
+MERGE_WAITS = 1 << 8
 
 # The GPU planner's shared memory: PLAN_SMEM_INTS int32 per request (plus one), for at most
 # PLAN_MAX_BATCH requests, or fewer where a device's shared memory per block holds fewer beside the

@@ -62,6 +62,10 @@ class DecodeTiling:
     # Shared-prefix kernels: KV heads one CTA of a short own item may attend, a warp each over 16
     # keys a stage (the record's last field picks it; 1: a CTA per head, as an ordinary record's).
     own_head_pack: int = 1
+    # Shared-prefix kernels whose requests' rows fit one row tile: a plan whose working CTAs fit one
+    # wave merges in the kernel, each request's last own item waiting for its other partials
+    # (merge_when_written); other plans launch flashjit_merge.
+    waiting_merge: bool = False
 
     @property
     def entry(self) -> str:
@@ -293,17 +297,19 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
         row_warps = row.warps if spec.shared_prefix and row.col_split == 1 and not q_smem else 1
         shared_wgmma = row_warps > 1 and uses_shared_wgmma(spec, row)
         head_pack = row_warps if row_warps > 1 and rows_total <= rows and _warps_copy_own_slices(spec, row) else 1
+        row_tiles = -(-rows_total // rows)
         ring_align = max(table.ring_align, SWIZZLE_ATOM) if shared_wgmma else table.ring_align
         smem = max(row.stages * tile * (k_pitch + v_pitch), reduction) + q_smem + score_parts + ring_align - 16
         return DecodeTiling(vec=VEC, chunks_per_row=spec.head_dim // VEC, bdx=32 * row.warps, rows=rows, rows_pad=1,
-                            bdz=1, row_tiles=-(-rows_total // rows), tile_tokens=tile, stages=row.stages,
+                            bdz=1, row_tiles=row_tiles, tile_tokens=tile, stages=row.stages,
                             tensor_cores=True, smem_bytes=smem, k_pitch=k_pitch, v_pitch=v_pitch,
                             l2_prefetch=table.l2_prefetch, swizzle=row.swizzle, ring_align=ring_align,
                             heads_first=table.heads_first, fused_merge=fused_merge, static_share=static_share,
                             min_ctas=row.min_ctas, col_split=row.col_split, merge_chunk=table.merge_chunk,
                             q_smem_bytes=q_smem, shared_row_warps=row_warps,
                             shared_step=row.shared_step if row_warps > 1 else 1, shared_wgmma=shared_wgmma,
-                            own_head_pack=head_pack, split_scores=split_scores, **merge)
+                            own_head_pack=head_pack, split_scores=split_scores,
+                            waiting_merge=spec.shared_prefix and table.fused_merge and row_tiles == 1, **merge)
     cc = table.cuda_cores
     chunks = spec.head_dim // VEC
     bdx = _pow2_ceil(chunks)

@@ -101,7 +101,8 @@ class _Shared(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "first", "count", "begin_page", "end_page", "shared_pages", "slots", "offsets")] + [
         (name, ctypes.c_int64) for name in ("groups", "group_size", "row_tiles", "row_warps", "head_pack",
-                                            "num_shared", "num_slots", "num_packed")]
+                                            "merge_waits", "num_shared", "num_slots", "num_packed",
+                                            "merges_in_kernel")]
 
 
 class _Layout(ctypes.Structure):
@@ -132,6 +133,7 @@ class NativeTables:
     """One plan's host tables and work, computed by native/host_plan.c. Built by HostPlanner.read()."""
 
     packed_items = 0  # (a per-request plan packs no heads: WorkPlan.packed_items)
+    merges_in_kernel = False  # (nor merges in the decode kernel: WorkPlan.merges_in_kernel)
 
     def __init__(self, planner: "HostPlanner", indptr, qo_indptr, q_len, batch: int, kv_scratch: np.ndarray):
         self._planner, self._qo_indptr, self._q_len = planner, qo_indptr, q_len
@@ -202,7 +204,7 @@ class NativeTables:
             records = item_records(host, starts)[:w]
             self._work = WorkPlan(records[:, 0], records[:, 1], records[:, 2], host[work_indptr:work_indptr + b + 1],
                                   host[qo:qo + b + 1], host[token_request:token_request + self.num_tokens],
-                                  self.chunk_tokens, self.fixed_split, self.packed_items)
+                                  self.chunk_tokens, self.fixed_split, self.packed_items, self.merges_in_kernel)
         return self._work
 
 
@@ -218,6 +220,7 @@ class NativeSharedTables:
         p = planner.params
         self.chunk_tokens, self.num_work = p.chunk, p.num_work
         self.num_shared, self.num_slots, self.packed_items = shared.num_shared, shared.num_slots, shared.num_packed
+        self.merges_in_kernel = bool(shared.merges_in_kernel)
         self.fixed_split = False
         self._work: WorkPlan | None = None
 
@@ -231,7 +234,7 @@ class NativeSharedTables:
 
     @property
     def needs_merge(self) -> bool:
-        return self.num_work > self.batch
+        return self.num_work > self.batch and not self.merges_in_kernel
 
     def write(self, host: np.ndarray, starts: tuple, staging_pointer: int):
         planner = self._planner
@@ -319,7 +322,7 @@ class HostPlanner:
 
     def shared_tables(self, tables, spans: SharedSpans | None, *, group_size: int, row_tiles: int,
                       ctas_per_item: int, max_ctas: int, granularity: int, row_warps: int = 1,
-                      head_pack: int = 1, chunk_tokens: int | None = None):
+                      head_pack: int = 1, merge_waits: bool = False, chunk_tokens: int | None = None):
         """NativeSharedTables of the last read()'s NativeTables and the spans the last shared_spans()
         found over them (None: it found none, and every request is planned alone in the shared
         kernel's format): the work list of shared_plan.plan_shared_work (its arguments);
@@ -332,7 +335,7 @@ class HostPlanner:
         p.chunk_tokens = 0 if chunk_tokens is None else chunk_tokens
         p.span_begin = p.span_end = None  # a sharing mask reads every request's whole span
         shared.group_size, shared.row_tiles, shared.row_warps = group_size, row_tiles, row_warps
-        shared.head_pack = head_pack
+        shared.head_pack, shared.merge_waits = head_pack, int(merge_waits)
         self.library.fj_shared_plan(ctypes.byref(p), ctypes.byref(shared))
         return NativeSharedTables(self, tables, shared)
 

@@ -64,17 +64,19 @@ def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
 
 
 def shared_work(shared_setup, tables, spans, host_planner=None, chunk_tokens: int | None = None,
-                pack_heads: bool = True):
+                eager: bool = True):
     """(tables, work, capacity) of a batch planned for the shared_prefix kernel's setup, over shared
     spans (shared_prefix.SharedSpans, or None: every request alone in that kernel's format);
-    chunk_tokens forces the chunk; pack_heads: short own items may take several KV heads a CTA (the
-    kernel's packed entry point; not in a CUDA graph, whose launch is fixed). The work list is made
+    chunk_tokens forces the chunk. Eager plans may pack short own items several KV heads a CTA (the
+    kernel's packed entry point) and merge in the decode kernel (tiling.waiting_merge); a CUDA
+    graph's launches are fixed at capture, the merge's among them. The work list is made
     in C where the host planner can (HostPlanner.shared_tables), else in numpy (shared_plan, the
     reference)."""
     tiling, loaded, kv_heads = shared_setup.kernel.tiling, shared_setup.loaded, shared_setup.num_kv_heads
-    head_pack = tiling.own_head_pack if pack_heads and kv_heads % tiling.own_head_pack == 0 else 1
+    head_pack = tiling.own_head_pack if eager and kv_heads % tiling.own_head_pack == 0 else 1
     sizes = dict(group_size=shared_setup.spec.group_size, row_tiles=tiling.row_tiles,
-                 row_warps=tiling.shared_row_warps, head_pack=head_pack, ctas_per_item=kv_heads * tiling.row_tiles,
+                 row_warps=tiling.shared_row_warps, head_pack=head_pack, merge_waits=eager and tiling.waiting_merge,
+                 ctas_per_item=kv_heads * tiling.row_tiles,
                  max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens,
                  chunk_tokens=chunk_tokens)
     native = getattr(host_planner, "shared_tables", None)
@@ -98,7 +100,7 @@ def plan_graph_sharing(shared_setup, tables, spans, host_planner, capacity: Capa
     granularity = shared_setup.kernel.tiling.tile_tokens
     chunk = None
     while True:
-        found, work, needs = shared_work(shared_setup, tables, spans, host_planner, chunk, pack_heads=False)
+        found, work, needs = shared_work(shared_setup, tables, spans, host_planner, chunk, eager=False)
         overflow = max(needs.work / capacity.work, needs.partial_slots / capacity.partial_slots)
         if overflow <= 1:
             return found, work

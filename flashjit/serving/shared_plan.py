@@ -10,7 +10,8 @@ The grid runs the records; the merge reads partial slots, which here are not gri
     after (first in the grid: they are the longest work); then every request's own items over
     [shared end, kv_len), each naming its slot in its share field, and in its last field the KV
     heads one CTA of it attends: head_pack (the kernel's tiling.own_head_pack) for an item of at
-    most HEAD_PACK_MAX_TILES tiles, else 1.
+    most HEAD_PACK_MAX_TILES tiles, else 1. In a plan the kernel merges (merges_in_kernel), every
+    record's last field also carries abi.MERGE_WAITS.
   * Request b's slots [req_work_indptr[b], req_work_indptr[b+1]), which the merge reads: one per
     chunk of every group b belongs to (outermost level first), then one per own item. The shared
     record of a chunk writes each member's partial into that member's slot of the chunk.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS
+from ..jit.abi import ITEM_INTS, MERGE_WAITS
 from .shared_prefix import SharedSpans
 from .split_plan import WorkPlan, choose_chunk, plan_work
 
@@ -62,6 +63,14 @@ def item_heads(lengths, head_pack: int, granularity: int) -> np.ndarray:
     return np.where(np.asarray(lengths) <= HEAD_PACK_MAX_TILES * granularity, head_pack, 1)
 
 
+def merges_in_kernel(records: int, packed: int, ctas_per_item: int, head_pack: int, max_ctas: int) -> bool:
+    """Whether a plan's attending CTAs (a packed item's one per head_pack heads, the others' each)
+    fit one wave (max_ctas): its kernel then merges the partials, each request's last own item
+    waiting for the others (decode_common.cuh's merge_when_written), which only CTAs that are
+    all resident together may do."""
+    return (records - packed) * ctas_per_item + packed * (ctas_per_item // head_pack) <= max_ctas
+
+
 def members_per_record(group_size: int, q_len: int, row_tiles: int, row_warps: int = 1) -> int:
     """Members one shared record's CTAs hold: their rows (group x q_len each) fill the row tiles
     (row_warps 16-row tiles per CTA)."""
@@ -90,11 +99,12 @@ def shared_chunks(chunk: int, span_tokens, tiles, granularity: int):
 
 def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray,
                      page_size: int, *, group_size: int, row_tiles: int, ctas_per_item: int, max_ctas: int,
-                     granularity: int, row_warps: int = 1, head_pack: int = 1,
+                     granularity: int, row_warps: int = 1, head_pack: int = 1, merge_waits: bool = False,
                      chunk_tokens: int | None = None) -> SharedWork:
     """The work list (module docstring); spans with no groups plan every request alone in this
     format. chunk_tokens forces the chunk (else the makespan estimate picks it); head_pack: KV
-    heads a CTA of a short own item attends (1, or the kernel's tiling.own_head_pack)."""
+    heads a CTA of a short own item attends (1, or the kernel's tiling.own_head_pack); merge_waits:
+    the kernel merges a plan whose attending CTAs fit one wave (its tiling.waiting_merge)."""
     indptr = np.asarray(indptr, dtype=np.int64)
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
     qo = np.asarray(qo_indptr, dtype=np.int64)
@@ -157,8 +167,12 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     own_records = np.stack([r, own.work_begin, own.work_end, kv_lens[r], indptr[r], qo[r], q_lens[r], splits[r],
                             own_slot, own.work_begin, own.work_end, heads], axis=1)
     records = np.concatenate([shared, own_records]).astype(np.int32)
+    packed = int(np.count_nonzero(heads > 1))
+    in_kernel = merge_waits and merges_in_kernel(len(records), packed, ctas_per_item, head_pack, max_ctas)
+    if in_kernel:
+        records[:, 11] |= MERGE_WAITS
     work = WorkPlan(records[:, 0].copy(), records[:, 1].copy(), records[:, 2].copy(), req_work_indptr.astype(np.int32),
-                    qo.astype(np.int32), own.token_request, chunk, False, int(np.count_nonzero(heads > 1)))
+                    qo.astype(np.int32), own.token_request, chunk, False, packed, in_kernel)
     return SharedWork(work, records, spans, num_shared, int(req_work_indptr[-1]))
 
 

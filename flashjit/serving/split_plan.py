@@ -36,6 +36,8 @@ class WorkPlan:
     # Shared-prefix plans: own items whose CTA attends several KV heads (shared_plan.HEAD_PACK_MAX_TILES),
     # which only the kernel's packed entry point reads.
     packed_items: int = 0
+    # Shared-prefix plans of one wave: the decode kernel merges the partials (no merge launch).
+    merges_in_kernel: bool = False
 
     @property
     def num_work(self) -> int:
@@ -47,7 +49,9 @@ class WorkPlan:
 
     @property
     def needs_merge(self) -> bool:
-        return self.num_work > len(self.req_work_indptr) - 1  # every request has an item: more means a split
+        """Whether the plan launches the merge: a request is split (every request has an item, so
+        more items means one), and the decode kernel does not merge it."""
+        return self.num_work > len(self.req_work_indptr) - 1 and not self.merges_in_kernel
 
     @property
     def max_splits(self) -> int:

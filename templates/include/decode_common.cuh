@@ -192,18 +192,55 @@ FJ_INLINE void store_out4(out_t* out, i64 out_stride, float* lse, int num_qo_hea
   if (lse != nullptr && col == 0) lse[(i64)token * num_qo_heads + qo_head] = lse2 * FJ_LN2;
 }
 
+// One output row's 4 columns (token, qo_head, col) from `splits` partials, lse_0 and o_0 the first
+// one's LSE and columns and each next item_stride rows on: MERGE_CHUNK partials at a time, LSEs and
+// values together with no load behind another (one L2 round trip per chunk), the chunks combined by
+// the online-softmax rule. Partials with zero weight (empty or fully masked splits) are skipped, so
+// an unwritten one cannot leak NaN. The loads go through L2 (__ldcg): L1 is not coherent across CTAs.
+FJ_INLINE void combine_partials4(const float* lse_0, const float* o_0, i64 item_stride, int splits, out_t* out,
+                                 i64 out_stride, float* lse, int num_qo_heads, int token, int qo_head, int col) {
+  constexpr int D = cfg::HEAD_DIM, MERGE_CHUNK = cfg::MERGE_CHUNK;
+  float m = FJ_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i0 = 0; i0 < splits; i0 += MERGE_CHUNK) {
+    float part_lse[MERGE_CHUNK];
+    float4 part[MERGE_CHUNK];
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) {
+      const bool real = i0 + j < splits;
+      part_lse[j] = real ? __ldcg(lse_0 + (i0 + j) * item_stride) : FJ_NEG_INF;
+      part[j] = real ? __ldcg(reinterpret_cast<const float4*>(o_0 + (i0 + j) * item_stride * D))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float m_new = m;
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[j]);
+    if (m_new == FJ_NEG_INF) continue;  // nothing with weight yet
+    const float rescale = exp2_approx(m - m_new);  // 0 while m is -inf
+    sum *= rescale;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[c] *= rescale;
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) {
+      const float weight = exp2_approx(part_lse[j] - m_new);
+      if (weight > 0.f) {
+        acc[0] += weight * part[j].x; acc[1] += weight * part[j].y; acc[2] += weight * part[j].z; acc[3] += weight * part[j].w;
+        sum += weight;
+      }
+    }
+    m = m_new;
+  }
+  store_out4(out, out_stride, lse, num_qo_heads, token, qo_head, col, acc, sum > 0.f ? 1.f / sum : 0.f,
+             sum > 0.f ? m + log2_approx(sum) : FJ_NEG_INF);
+}
+
 // The split-KV merge fused into the decode kernel (cfg::FUSED_MERGE), for a CTA of a split request
 // whose threads have written its ROWS rows' partials. Each such CTA counts itself in at its group's
 // counter (request, KV head, row tile); the last to arrive combines the group's partials into the
 // output, as flashjit_merge would, and sets the counter back to 0 for the next launch (CUDA-graph
 // replays included). The fences order the partial writes before the count and the count before the
-// reads, which go through L2 (__ldcg): L1 is not coherent across CTAs. Partials with zero weight
-// (empty or fully masked splits) are skipped, so an unwritten one cannot leak NaN.
-//
-// The last CTA's merge is on the kernel's critical path (its group finishes last), so its reads come
-// MERGE_CHUNK partials at a time, LSEs and values together with no load behind another: one L2
-// round trip per chunk, the chunks combined by the online-softmax rule. (A pass for the maximum
-// LSE, then one whose value loads wait on each weight, would cost a round trip per partial.)
+// reads. The last CTA's merge is on the kernel's critical path (its group finishes last), hence
+// combine_partials4's chunked reads. (A pass for the maximum LSE, then one whose value loads wait
+// on each weight, would cost a round trip per partial.)
 //
 // Not inlined: its code in the kernel body would cost registers in the main loop, where the
 // 16-bit head_dim 256 kernel has none to spare. It takes scalars, as a reference to the
@@ -214,7 +251,7 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
                                                     i64 out_stride, float* lse, int num_qo_heads, int request,
                                                     int q_begin, int q_len, int kv_head, int row_tile, int tid) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4, ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
-  constexpr int ROW_TILES = ceil_div(ROWS_TOTAL, ROWS), MERGE_CHUNK = cfg::MERGE_CHUNK;
+  constexpr int ROW_TILES = ceil_div(ROWS_TOTAL, ROWS);
   const int first_item = __ldg(req_work_indptr + request);
   const int splits = __ldg(req_work_indptr + request + 1) - first_item;
   __shared__ bool last;
@@ -238,38 +275,8 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
     if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
     const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
-    const float* o_0 = tmp_o + (lse_0 - tmp_lse) * D + col;
-    float m = FJ_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int i0 = 0; i0 < splits; i0 += MERGE_CHUNK) {
-      float part_lse[MERGE_CHUNK];
-      float4 part[MERGE_CHUNK];
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        const bool real = i0 + j < splits;
-        part_lse[j] = real ? __ldcg(lse_0 + (i0 + j) * item_stride) : FJ_NEG_INF;
-        part[j] = real ? __ldcg(reinterpret_cast<const float4*>(o_0 + (i0 + j) * item_stride * D))
-                       : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      float m_new = m;
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[j]);
-      if (m_new == FJ_NEG_INF) continue;  // nothing with weight yet
-      const float rescale = exp2_approx(m - m_new);  // 0 while m is -inf
-      sum *= rescale;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[c] *= rescale;
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        const float weight = exp2_approx(part_lse[j] - m_new);
-        if (weight > 0.f) {
-          acc[0] += weight * part[j].x; acc[1] += weight * part[j].y; acc[2] += weight * part[j].z; acc[3] += weight * part[j].w;
-          sum += weight;
-        }
-      }
-      m = m_new;
-    }
-    store_out4(out, out_stride, lse, num_qo_heads, q_begin + q_tok, qo_head, col, acc,
-               sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? m + log2_approx(sum) : FJ_NEG_INF);
+    combine_partials4(lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, item_stride, splits, out, out_stride, lse,
+                      num_qo_heads, q_begin + q_tok, qo_head, col);
   }
 }
 
@@ -279,6 +286,69 @@ FJ_INLINE void merge_if_last(const Args& a, const WorkItem& item, const CtaCoord
                                         a.out, a.out_stride,
                                         a.lse, a.num_qo_heads, item.request, item.q_begin, item.q_len, cta.kv_head,
                                         cta.row_tile, tid);
+}
+
+// A shared-prefix plan whose working CTAs fit one wave merges in the decode kernel
+// (cfg::WAITING_MERGE, and FJ_MERGE_WAITS in each record's last field; serving/shared_plan.py):
+// a shared record's members have partials in several CTAs' records, so no CTA can count one
+// request's arrivals as merge_partials_if_last does, and the last to arrive could be a shared
+// record holding many members' merges. Instead every CTA that writes partials counts itself in
+// at each (request, KV head) it wrote, except each request's last own item: that one waits there
+// until the request's other partials are counted, combines them with its own into the output, and
+// sets the counters back to 0. Every CTA it waits for precedes it in the grid, and in one wave all
+// of them are resident, so the wait holds no slot another CTA needs. One thread's release (after
+// the barrier that follows the CTA's writes) and acquire order the partials before their reads.
+FJ_INLINE void release_add(int* counter) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+FJ_INLINE int acquire_load(const int* counter) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
+  return value;
+}
+
+// The CTA's threads have written partials of `requests` consecutive requests from `request` (a
+// shared record's members; 1 for an own item) for `heads` KV heads from kv_head (a packed item's).
+// own_slot: an own item's partial slot (-1 for a shared record): the request's last slot waits.
+// Not inlined, as merge_partials_if_last.
+template <int THREADS>
+__device__ __noinline__ void merge_when_written(const int* req_qo_indptr, const int* req_work_indptr,
+                                                int* merge_counters, const float* tmp_o, const float* tmp_lse,
+                                                out_t* out, i64 out_stride, float* lse, int num_qo_heads,
+                                                int request, int requests, int kv_head, int heads, int q_len,
+                                                int own_slot, int tid) {
+  constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4;
+  const int end = __ldg(req_work_indptr + request + 1);
+  __syncthreads();
+  if (own_slot != end - 1) {  // count in: one arrival per (request, KV head) written
+    if (tid < requests * heads)
+      release_add(merge_counters + group_index(num_qo_heads, request + tid / heads, kv_head + tid % heads, 0, 1));
+    return;
+  }
+  const int first_item = __ldg(req_work_indptr + request), splits = end - first_item;
+  if (tid < heads) {
+    int* counter = merge_counters + group_index(num_qo_heads, request, kv_head + tid, 0, 1);
+    while (acquire_load(counter) != splits - 1) __nanosleep(32);
+    *counter = 0;
+  }
+  __syncthreads();
+  const int rows = cfg::GROUP_SIZE * q_len, token0 = __ldg(req_qo_indptr + request);
+  const i64 item_stride = (i64)cfg::MAX_Q_LEN * num_qo_heads;  // between two slots' partials
+  for (int cell = tid; cell < heads * rows * COLS4; cell += THREADS) {
+    const int row = cell / COLS4 % rows, col = (cell % COLS4) * 4, q_tok = row / cfg::GROUP_SIZE;
+    const int qo_head = (kv_head + cell / COLS4 / rows) * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+    const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
+    combine_partials4(lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, item_stride, splits, out, out_stride, lse,
+                      num_qo_heads, token0 + q_tok, qo_head, col);
+  }
+}
+
+template <int THREADS>
+FJ_INLINE void merge_when_written(const Args& a, const WorkItem& item, int requests, int kv_head, int heads,
+                                  int own_slot) {
+  merge_when_written<THREADS>(a.req_qo_indptr, a.req_work_indptr, a.merge_counters, a.tmp_o, a.tmp_lse, a.out,
+                              a.out_stride, a.lse, a.num_qo_heads, item.request, requests, kv_head, heads,
+                              item.q_len, own_slot, threadIdx.x);
 }
 
 // Where chunk (16 bytes) `chunk` of shared-memory row `row` sits in a swizzled ring (PagedKVStage):

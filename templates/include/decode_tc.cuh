@@ -130,7 +130,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   bool packed = false;
   if constexpr (HEAD_PACK > 1) {
     const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
-    packed = splits >= 0 && __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).w == HEAD_PACK;
+    packed = splits >= 0 && (__ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).w & ~FJ_MERGE_WAITS) == HEAD_PACK;
     if (packed && cta.kv_head % HEAD_PACK != 0) return;
   }
   const int kv_head = packed ? cta.kv_head + tid / 32 : cta.kv_head;  // the head this warp attends
@@ -141,12 +141,16 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   // the GQA groups x query tokens of `members` requests from item.request on, over a span every
   // one of their queries sees whole (the planner shares nothing else). 0: an ordinary item.
   // slot: where an ordinary item's partial goes, its record's share field (such a kernel's tiling
-  // shares no tiles, serving/shared_plan.py); else its grid position.
+  // shares no tiles, serving/shared_plan.py); else its grid position. merges_here: the plan merges
+  // in this kernel (merge_when_written), not in flashjit_merge.
   int members = 0, slot = w;
+  bool merges_here = false;
   if constexpr (cfg::SHARED_PREFIX) {
     const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
+    const int4 tail = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2);
     members = splits < 0 ? -splits : 0;
-    slot = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).x;
+    slot = tail.x;
+    merges_here = cfg::WAITING_MERGE && (tail.w & FJ_MERGE_WAITS) != 0;
   }
   // The CTA's first row: a shared record's rows by warp hold ROW_WARPS tiles of 16 per row tile.
   const bool rows_by_warp = ROWS_BY_WARP && members > 0;
@@ -447,6 +451,11 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
           *reinterpret_cast<float2*>(a.tmp_o + at * D + 8 * n + pair) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
         if (lane % 4 == 0) a.tmp_lse[at] = dsum[h] > 0.f ? m[h] + log2_approx(dsum[h]) : FJ_NEG_INF;
       }
+      if constexpr (cfg::WAITING_MERGE) {
+        if (merges_here && !item.direct)  // (a shared record never is)
+          merge_when_written<NT>(a, item, rows_by_warp ? members : 1, cta.kv_head, packed ? HEAD_PACK : 1,
+                                 rows_by_warp ? -1 : slot);
+      }
       return;
     }
   }
@@ -468,7 +477,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   sinks.publish(row_sinks);
   __syncthreads();
 
-  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks, members, slot);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks, members, slot, merges_here);
 }
 
 FJ_INLINE void attend(const Args& a, const MaskParams& params, const VariantParams& vparams) {

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.serving.host_planner import item_records
+from flashjit.jit.abi import MERGE_WAITS
+from flashjit.serving import shared_decode
+from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.reference import decode_reference
 
 from .batches import rel_error
@@ -67,6 +69,13 @@ def sharing_batch(pattern: str, rng: random.Random):
     return lists, last
 
 
+def plan_merge_launches(monkeypatch):
+    """Sharing plans from here on launch flashjit_merge where the kernel would merge them."""
+    native, numpy_plan = HostPlanner.shared_tables, shared_decode.plan_shared_work
+    monkeypatch.setattr(HostPlanner, "shared_tables", lambda self, *a, **k: native(self, *a, **{**k, "merge_waits": False}))
+    monkeypatch.setattr(shared_decode, "plan_shared_work", lambda *a, **k: numpy_plan(*a, **{**k, "merge_waits": False}))
+
+
 def tables(lists, last):
     indptr = torch.tensor([0] + list(itertools.accumulate(len(p) for p in lists)), dtype=torch.int32)
     ids = torch.tensor([i for p in lists for i in p], dtype=torch.int32).cuda()
@@ -79,7 +88,7 @@ PATTERNS = ["none", "full", "samples", "two_levels", "prefix_of_another", "many_
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q_len):
+def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q_len, monkeypatch):
     rng = random.Random(zlib.crc32(f"{pattern} {mask} {q_len}".encode()))
     k, v = cache
     lists, last = sharing_batch(pattern, rng)
@@ -88,22 +97,31 @@ def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q
     qo = torch.arange(batch + 1, dtype=torch.int32) * q_len
     q = torch.randn(batch * q_len, HEADS, DIM, generator=torch.Generator().manual_seed(5)).bfloat16().cuda()
     outs = {}
-    for share in (True, False):
+    for way in ("kernel merges", "merge launch", "per request"):
+        share = way != "per request"
+        if way == "merge launch":
+            plan_merge_launches(monkeypatch)
         decoder = flashjit.BatchDecode(engine)
         decoder.plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, mask=mask, qo_indptr=qo, share_prefixes=share)
         assert decoder.spec.shared_prefix == (share and pattern != "none")
+        plan = decoder.current_plan
         if share and pattern in ("samples", "many_prompts"):  # own items of a few pages: 4 heads a CTA
-            plan = decoder.current_plan
             records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
-            assert (records[:, 11] == 4).any()
-        outs[share] = decoder.run(q, (k, v), return_lse=True)
+            assert (records[:, 11] & ~MERGE_WAITS == 4).any()
+        if decoder.spec.shared_prefix:  # a batch this small is one wave: the kernel merges unless told not to
+            assert decoder.work.merges_in_kernel == (way == "kernel merges")
+            assert (plan.merge_launch is None) == (way == "kernel merges")
+        outs[way] = decoder.run(q, (k, v), return_lse=True)
+        again = decoder.run(q, (k, v), return_lse=True)  # the kernel's counters are back at rest
+        assert torch.equal(again[0], outs[way][0]) and torch.equal(again[1], outs[way][1])
     ref, ref_lse = decode_reference(q, k, v, indptr, ids, last_t, qo_indptr=qo, mask=mask)
-    (out, lse), (plain, plain_lse) = outs[True], outs[False]
-    assert not out.isnan().any() and not lse.isnan().any()
-    assert rel_error(out, ref) < TOLERANCE
-    assert rel_error(out, plain.float()) < TOLERANCE
-    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
-    torch.testing.assert_close(lse, plain_lse, atol=2e-2, rtol=1e-3)
+    plain, plain_lse = outs["per request"]
+    for out, lse in (outs["kernel merges"], outs["merge launch"]):
+        assert not out.isnan().any() and not lse.isnan().any()
+        assert rel_error(out, ref) < TOLERANCE
+        assert rel_error(out, plain.float()) < TOLERANCE
+        torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
+        torch.testing.assert_close(lse, plain_lse, atol=2e-2, rtol=1e-3)
 
 
 @pytest.mark.parametrize("pattern", ["samples", "two_levels"])

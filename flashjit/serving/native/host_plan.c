@@ -65,14 +65,17 @@ typedef struct {
     int64_t groups, group_size;            /* GQA group */
     int64_t row_tiles, row_warps;          /* the shared kernel's CTAs per record and 16-row tiles per CTA */
     int64_t head_pack;                     /* KV heads one CTA of a short own item attends (1: one) */
+    int64_t merge_waits;                   /* 1: the kernel merges a plan of one wave (tiling.waiting_merge) */
     /* outputs (fj_plan_t's chunk and num_work hold the rest) */
     int64_t num_shared, num_slots;         /* shared records; partial slots of all requests */
     int64_t num_packed;                    /* own items of head_pack heads a CTA (fj_shared_fill packs them) */
+    int64_t merges_in_kernel;              /* 1: the plan's working CTAs fit one wave, and the kernel merges */
 } fj_shared_t;
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 enum { TILE_COST_BASE = 5 };  /* shared_plan.TILE_COST_BASE */
 enum { HEAD_PACK_MAX_TILES = 2 };  /* shared_plan.HEAD_PACK_MAX_TILES */
+enum { MERGE_WAITS = 1 << 8 };  /* abi.MERGE_WAITS: a record's last field where the plan merges in the kernel */
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -420,6 +423,9 @@ int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
     s->num_slots = slots;
     s->num_packed = packed;
     p->num_work = records + own;
+    /* The CTAs that attend: a packed item's CTA per head_pack heads, the others' each. */
+    const int64_t ctas = (p->num_work - packed) * p->ctas_per_item + packed * (p->ctas_per_item / s->head_pack);
+    s->merges_in_kernel = s->merge_waits && ctas <= p->max_ctas;
     return 0;
 }
 
@@ -479,6 +485,8 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
         staging[at->req_qo_indptr + b + 1] = (int32_t)q_end;
         for (int64_t t = q_begin; t < q_end; ++t) staging[at->token_request + t] = (int32_t)b;
     }
+    if (s->merges_in_kernel)
+        for (int64_t i = 0; i < w; ++i) records[ITEM_INTS * i + 11] |= MERGE_WAITS;
     for (; w < at->work_capacity; ++w) records[ITEM_INTS * w] = -1;
     return 0;
 }
