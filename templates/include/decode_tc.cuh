@@ -47,6 +47,7 @@ constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
 constexpr int TILE = 16 * SLICES;         // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
+enum : int { RING_BYTES = STAGES * TILE * (K_PITCH + V_PITCH) };  // the K/V pipeline's shared memory
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
 constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // Q's fragments in shared memory, not registers
@@ -412,6 +413,15 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
     }
     attend_keys(stage, t, slice, 1);
   };
+  // Once the CTA's partials are written, where the plan merges in this kernel (a shared record
+  // counts in its members; a request's only item, direct, writes the output and merges nothing).
+  const auto merge_here = [&] {
+    if constexpr (cfg::WAITING_MERGE) {
+      if (merges_here && !item.direct)
+        merge_when_written<NT, RING_BYTES>(a, item, members > 0 ? members : 1, cta.kv_head, packed ? HEAD_PACK : 1,
+                                           members > 0 ? -1 : slot, smem);
+    }
+  };
   bool streamed = false;
   if constexpr (HEAD_PACK > 1) {
     // A packed item's stage holds 16 positions of each warp's head, warp g's at keys 16g.. of the
@@ -451,11 +461,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
           *reinterpret_cast<float2*>(a.tmp_o + at * D + 8 * n + pair) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
         if (lane % 4 == 0) a.tmp_lse[at] = dsum[h] > 0.f ? m[h] + log2_approx(dsum[h]) : FJ_NEG_INF;
       }
-      if constexpr (cfg::WAITING_MERGE) {
-        if (merges_here && !item.direct)  // (a shared record never is)
-          merge_when_written<NT>(a, item, rows_by_warp ? members : 1, cta.kv_head, packed ? HEAD_PACK : 1,
-                                 rows_by_warp ? -1 : slot);
-      }
+      merge_here();
       return;
     }
   }
@@ -477,7 +483,8 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   sinks.publish(row_sinks);
   __syncthreads();
 
-  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks, members, slot, merges_here);
+  finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks, members, slot);
+  merge_here();
 }
 
 FJ_INLINE void attend(const Args& a, const MaskParams& params, const VariantParams& vparams) {

@@ -63,11 +63,11 @@ FJ_INLINE u32 movmatrix_trans(u32 x) {
 // after their sum.
 // cfg::SHARED_PREFIX: members > 0, a shared-prefix record's rows, each member's partial in its
 // slot req_work_indptr[member] + q_begin; else the item's partial goes to own_slot (its grid
-// position in other kernels). merges_here: the plan merges in the kernel (merge_when_written).
+// position in other kernels).
 template <int M, int STATES>
 FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales& scales, const CtaCoords& cta,
                            const float* red_o, const float (*red_m)[M], const float (*red_d)[M],
-                           const float* row_sinks, int members = 0, int own_slot = -1, bool merges_here = false) {
+                           const float* row_sinks, int members = 0, int own_slot = -1) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4;
   for (int cell = threadIdx.x; cell < M * COLS4; cell += 32 * cfg::WARPS) {
     const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
@@ -118,9 +118,6 @@ FJ_INLINE void finish_rows(const Args& a, const WorkItem& item, const HeadScales
   }
   if constexpr (cfg::FUSED_MERGE)
     if (!item.direct) merge_if_last<M, 32 * cfg::WARPS>(a, item, cta, threadIdx.x);
-  if constexpr (cfg::WAITING_MERGE)
-    if (merges_here && !item.direct)
-      merge_when_written<32 * cfg::WARPS>(a, item, members > 0 ? members : 1, cta.kv_head, 1, members > 0 ? -1 : own_slot);
 }
 
 }  // namespace decode

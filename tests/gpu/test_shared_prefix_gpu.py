@@ -108,9 +108,10 @@ def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q
         if share and pattern in ("samples", "many_prompts"):  # own items of a few pages: 4 heads a CTA
             records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
             assert (records[:, 11] & ~MERGE_WAITS == 4).any()
-        if decoder.spec.shared_prefix:  # a batch this small is one wave: the kernel merges unless told not to
-            assert decoder.work.merges_in_kernel == (way == "kernel merges")
-            assert (plan.merge_launch is None) == (way == "kernel merges")
+        if decoder.spec.shared_prefix:  # one query token: these batches are one wave, which the kernel merges
+            in_kernel = decoder.work.merges_in_kernel
+            assert (plan.merge_launch is None) == in_kernel
+            assert in_kernel == (way == "kernel merges") if q_len == 1 else not in_kernel or way == "kernel merges"
         outs[way] = decoder.run(q, (k, v), return_lse=True)
         again = decoder.run(q, (k, v), return_lse=True)  # the kernel's counters are back at rest
         assert torch.equal(again[0], outs[way][0]) and torch.equal(again[1], outs[way][1])
@@ -122,6 +123,27 @@ def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q
         assert rel_error(out, plain.float()) < TOLERANCE
         torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
         torch.testing.assert_close(lse, plain_lse, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_multi_token_queries_merge_in_the_kernel(engine, cache, mask):
+    """6 samples of a prompt, 3 query tokens each (12 rows a request and KV head, one row tile):
+    one wave, which the kernel merges, each request's last own item combining the others' partials."""
+    k, v = cache
+    rng = random.Random(11)
+    pool = iter(rng.sample(range(POOL), POOL))
+    prompt = [next(pool) for _ in range(30)]
+    lists = [prompt + [next(pool) for _ in range(rng.randint(1, 12))] for _ in range(6)]
+    indptr, ids, last_t = tables(lists, [rng.randint(1, PAGE) for _ in lists])
+    qo = torch.arange(len(lists) + 1, dtype=torch.int32) * 3
+    q = torch.randn(3 * len(lists), HEADS, DIM, generator=torch.Generator().manual_seed(7)).bfloat16().cuda()
+    decoder = flashjit.BatchDecode(engine).plan(indptr, ids, last_t, HEADS, KV_HEADS, DIM, PAGE, mask=mask,
+                                                qo_indptr=qo, share_prefixes=True)
+    assert decoder.spec.shared_prefix and decoder.work.merges_in_kernel and decoder.work.num_work > len(lists)
+    out, lse = decoder.run(q, (k, v), return_lse=True)
+    ref, ref_lse = decode_reference(q, k, v, indptr, ids, last_t, qo_indptr=qo, mask=mask)
+    assert not out.isnan().any() and rel_error(out, ref) < TOLERANCE
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
 
 
 @pytest.mark.parametrize("pattern", ["samples", "two_levels"])
