@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit.abi import ITEM_INTS
+from flashjit.jit.abi import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
 from flashjit.serving.host_planner import HostPlanner, NativeSharedTables
 from flashjit.serving.shared_plan import SharedTables, plan_shared_work
 from flashjit.serving.shared_prefix import find_shared_spans
@@ -79,6 +79,12 @@ def compare(planner: HostPlanner, lists, last, q_lens, causal: bool, sizes: dict
             native.merges_in_kernel, native.needs_merge) == \
         (reference.work.chunk_tokens, reference.work.num_work, reference.num_shared, reference.num_slots,
          reference.work.packed_items, reference.work.merges_in_kernel, reference.work.needs_merge)
+    # A merge in the kernel: each request's last own item waits, every other record counts in.
+    records = reference.records
+    own = records[:, 7] >= 0
+    last = own & np.append(records[1:, 0] != records[:-1, 0], True)
+    roles = np.where(last, MERGE_WAITS, MERGE_COUNTS) if reference.work.merges_in_kernel else 0
+    assert (records[:, 11] & ~RECORD_HEADS == roles).all()
     capacity = max(native.num_slots, native.num_work) + 3  # room for padding records past the list
     tokens = int(qo[-1])
     buffers = []

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit.abi import MERGE_WAITS
+from flashjit.jit.abi import MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
 from flashjit.serving import graph_mode
 from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.shared_plan import (HEAD_PACK_MAX_TILES, members_per_record, plan_shared_work, record_tiles,
@@ -269,19 +269,20 @@ def test_the_chunk_prices_packed_own_items_as_their_ctas():
 
 def test_one_wave_plans_merge_in_the_kernel():
     """64 samples of a 2048-token prompt, 128 tokens each of their own: packed, the plan's CTAs fit
-    one wave (264), so the kernel merges it: every record carries MERGE_WAITS and no merge is
-    launched. Unpacked (over two waves), or for a kernel that cannot, the merge is launched."""
+    one wave (264), so the kernel merges it: each request's own item waits for its partials of the
+    shared records, which count themselves in, and no merge is launched. Unpacked (over two
+    waves), or for a kernel that cannot, the merge is launched."""
     indptr, ids, kv, _ = samples_of_one_prompt(64, 128, 8)
     spans = find_shared_spans(indptr, ids, kv, np.ones(64, int), PAGE, causal=False)
     for head_pack, merge_waits, in_kernel in ((4, True, True), (1, True, False), (4, False, False)):
         shared = plan_shared_work(spans, indptr, kv, np.arange(65), PAGE, group_size=4, row_tiles=1, ctas_per_item=8,
                                   max_ctas=264, granularity=4 * PAGE, row_warps=4, head_pack=head_pack,
                                   merge_waits=merge_waits)
-        flags = shared.records[:, 11] & MERGE_WAITS
+        roles, own = shared.records[:, 11] & ~RECORD_HEADS, shared.records[:, 7] >= 0
         assert shared.work.merges_in_kernel == in_kernel
-        assert (flags != 0).all() if in_kernel else (flags == 0).all()
+        assert own.sum() == 64 and (roles == np.where(own, MERGE_WAITS, MERGE_COUNTS) * in_kernel).all()
         assert shared.work.needs_merge != in_kernel
-        assert (shared.records[:, 11] & ~MERGE_WAITS == np.where(shared.records[:, 7] < 0, 1, head_pack)).all()
+        assert (shared.records[:, 11] & RECORD_HEADS == np.where(own, head_pack, 1)).all()
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -301,7 +302,7 @@ def test_a_plan_with_packed_own_items_launches_the_packed_entry_point(planner, n
         assert decoder.spec.shared_prefix and decoder.kernel.tiling.packed_entry == "flashjit_decode_packed"
         own = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
         own = own[own[:, 7] >= 0]
-        assert (own[:, 11] & ~MERGE_WAITS == (4 if packed else 1)).all()
+        assert (own[:, 11] & RECORD_HEADS == (4 if packed else 1)).all()
         assert packed or (own[:, 2] - own[:, 1] > HEAD_PACK_MAX_TILES * decoder.kernel.tiling.tile_tokens).all()
         assert decoder.work.packed_items == (len(own) if packed else 0)
         assert plan.decode_launch.function == (PACKED_FN if packed else DECODE_FN)

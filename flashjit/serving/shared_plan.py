@@ -10,8 +10,9 @@ The grid runs the records; the merge reads partial slots, which here are not gri
     after (first in the grid: they are the longest work); then every request's own items over
     [shared end, kv_len), each naming its slot in its share field, and in its last field the KV
     heads one CTA of it attends: head_pack (the kernel's tiling.own_head_pack) for an item of at
-    most HEAD_PACK_MAX_TILES tiles, else 1. In a plan the kernel merges (merges_in_kernel), every
-    record's last field also carries abi.MERGE_WAITS.
+    most HEAD_PACK_MAX_TILES tiles, else 1. In a plan the kernel merges (merges_in_kernel), the
+    last field of each request's last own item also carries abi.MERGE_WAITS, every other record's
+    abi.MERGE_COUNTS.
   * Request b's slots [req_work_indptr[b], req_work_indptr[b+1]), which the merge reads: one per
     chunk of every group b belongs to (outermost level first), then one per own item. The shared
     record of a chunk writes each member's partial into that member's slot of the chunk.
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, MERGE_WAITS
+from ..jit.abi import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS
 from .shared_prefix import SharedSpans
 from .split_plan import WorkPlan, choose_chunk, plan_work
 
@@ -169,8 +170,10 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     records = np.concatenate([shared, own_records]).astype(np.int32)
     packed = int(np.count_nonzero(heads > 1))
     in_kernel = merge_waits and merges_in_kernel(len(records), packed, ctas_per_item, head_pack, max_ctas)
-    if in_kernel:
-        records[:, 11] |= MERGE_WAITS
+    if in_kernel:  # each request's last own item waits, every other record counts in
+        last = np.zeros(len(records), dtype=bool)
+        last[num_shared + own.req_work_indptr[1:] - 1] = True
+        records[:, 11] |= np.where(last, MERGE_WAITS, MERGE_COUNTS)
     work = WorkPlan(records[:, 0].copy(), records[:, 1].copy(), records[:, 2].copy(), req_work_indptr.astype(np.int32),
                     qo.astype(np.int32), own.token_request, chunk, False, packed, in_kernel)
     return SharedWork(work, records, spans, num_shared, int(req_work_indptr[-1]))

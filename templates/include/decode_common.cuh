@@ -289,7 +289,8 @@ FJ_INLINE void merge_if_last(const Args& a, const WorkItem& item, const CtaCoord
 }
 
 // A shared-prefix plan whose working CTAs fit one wave merges in the decode kernel
-// (cfg::WAITING_MERGE, and FJ_MERGE_WAITS in each record's last field; serving/shared_plan.py):
+// (cfg::WAITING_MERGE, each record's part in its last field: FJ_MERGE_COUNTS or FJ_MERGE_WAITS;
+// serving/shared_plan.py):
 // a shared record's members have partials in several CTAs' records, so no CTA can count one
 // request's arrivals as merge_partials_if_last does, and the last to arrive could be a shared
 // record holding many members' merges. Instead every CTA that writes partials counts itself in
@@ -309,26 +310,25 @@ FJ_INLINE int acquire_load(const int* counter) {
 
 // The CTA's threads have written partials of `requests` consecutive requests from `request` (a
 // shared record's members; 1 for an own item) for `heads` KV heads from kv_head (a packed item's).
-// own_slot: an own item's partial slot (-1 for a shared record): the request's last slot waits.
-// The waiting CTA is done with its ring (RING_BYTES of shared memory from `ring`): where they fit,
+// waits: the CTA is its request's last own item, whose `splits` partials are in the slots from
+// first_item on and whose query tokens are from q_begin (its record says all of it: no load of the
+// merge's arrays stands between its tiles and its wait). The waiting CTA is done with its ring (RING_BYTES of shared memory from `ring`): where they fit,
 // it copies every partial there at once (cp.async; one round trip to L2 for all, where reading
 // them cell by cell would take one per cell a thread), else it reads them as the fused merge does.
 // Not inlined, as merge_partials_if_last.
 template <int THREADS, int RING_BYTES>
-__device__ __noinline__ void merge_when_written(const int* req_qo_indptr, const int* req_work_indptr,
-                                                int* merge_counters, const float* tmp_o, const float* tmp_lse,
+__device__ __noinline__ void merge_when_written(int* merge_counters, const float* tmp_o, const float* tmp_lse,
                                                 out_t* out, i64 out_stride, float* lse, int num_qo_heads,
-                                                int request, int requests, int kv_head, int heads, int q_len,
-                                                int own_slot, unsigned char* ring, int tid) {
+                                                int request, int requests, int kv_head, int heads, int q_begin,
+                                                int q_len, bool waits, int first_item, int splits,
+                                                unsigned char* ring, int tid) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4, G = cfg::GROUP_SIZE;
-  const int end = __ldg(req_work_indptr + request + 1);
   __syncthreads();
-  if (own_slot != end - 1) {  // count in: one arrival per (request, KV head) written
+  if (!waits) {  // count in: one arrival per (request, KV head) written
     if (tid < requests * heads)
       release_add(merge_counters + group_index(num_qo_heads, request + tid / heads, kv_head + tid % heads, 0, 1));
     return;
   }
-  const int first_item = __ldg(req_work_indptr + request), splits = end - first_item;
   if (tid < heads) {
     int* counter = merge_counters + group_index(num_qo_heads, request, kv_head + tid, 0, 1);
     while (acquire_load(counter) != splits - 1) __nanosleep(32);
@@ -337,7 +337,6 @@ __device__ __noinline__ void merge_when_written(const int* req_qo_indptr, const 
   __syncthreads();
   // The rows: (head, row) pairs hr = head * rows + row, head from kv_head; cells: 4 columns of one.
   const int rows = G * q_len, pairs = heads * rows, cells = pairs * COLS4;
-  const int token0 = __ldg(req_qo_indptr + request);
   const i64 item_stride = (i64)cfg::MAX_Q_LEN * num_qo_heads;  // between two slots' partials
   const auto qo_head_of = [&](int hr) { return (kv_head + hr / rows) * G + hr % rows % G; };
   const auto partial_row = [&](int hr, int s) {  // pair hr's row in the request's partial s
@@ -348,7 +347,7 @@ __device__ __noinline__ void merge_when_written(const int* req_qo_indptr, const 
       const int hr = cell / COLS4, col = cell % COLS4 * 4;
       const i64 at = partial_row(hr, 0);
       combine_partials4(tmp_lse + at, tmp_o + at * D + col, item_stride, splits, out, out_stride, lse, num_qo_heads,
-                        token0 + hr % rows / G, qo_head_of(hr), col);
+                        q_begin + hr % rows / G, qo_head_of(hr), col);
     }
     return;
   }
@@ -376,17 +375,17 @@ __device__ __noinline__ void merge_when_written(const int* req_qo_indptr, const 
       acc[0] += weight * part.x; acc[1] += weight * part.y; acc[2] += weight * part.z; acc[3] += weight * part.w;
       sum += weight;
     }
-    store_out4(out, out_stride, lse, num_qo_heads, token0 + hr % rows / G, qo_head_of(hr), cell % COLS4 * 4, acc,
+    store_out4(out, out_stride, lse, num_qo_heads, q_begin + hr % rows / G, qo_head_of(hr), cell % COLS4 * 4, acc,
                sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? m_ref + log2_approx(sum) : FJ_NEG_INF);
   }
 }
 
 template <int THREADS, int RING_BYTES>
 FJ_INLINE void merge_when_written(const Args& a, const WorkItem& item, int requests, int kv_head, int heads,
-                                  int own_slot, unsigned char* ring) {
-  merge_when_written<THREADS, RING_BYTES>(a.req_qo_indptr, a.req_work_indptr, a.merge_counters, a.tmp_o, a.tmp_lse,
-                                          a.out, a.out_stride, a.lse, a.num_qo_heads, item.request, requests, kv_head,
-                                          heads, item.q_len, own_slot, ring, threadIdx.x);
+                                  bool waits, int first_item, int splits, unsigned char* ring) {
+  merge_when_written<THREADS, RING_BYTES>(a.merge_counters, a.tmp_o, a.tmp_lse, a.out, a.out_stride, a.lse,
+                                          a.num_qo_heads, item.request, requests, kv_head, heads, item.q_begin,
+                                          item.q_len, waits, first_item, splits, ring, threadIdx.x);
 }
 
 // Where chunk (16 bytes) `chunk` of shared-memory row `row` sits in a swizzled ring (PagedKVStage):

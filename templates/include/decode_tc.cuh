@@ -48,6 +48,7 @@ constexpr int TILE = 16 * SLICES;         // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 enum : int { RING_BYTES = STAGES * TILE * (K_PITCH + V_PITCH) };  // the K/V pipeline's shared memory
+enum : int { MERGE_ROLES = FJ_MERGE_COUNTS | FJ_MERGE_WAITS };  // a record's last field: not its heads
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
 constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // Q's fragments in shared memory, not registers
@@ -131,7 +132,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   bool packed = false;
   if constexpr (HEAD_PACK > 1) {
     const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
-    packed = splits >= 0 && (__ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).w & ~FJ_MERGE_WAITS) == HEAD_PACK;
+    packed = splits >= 0 && (__ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).w & ~MERGE_ROLES) == HEAD_PACK;
     if (packed && cta.kv_head % HEAD_PACK != 0) return;
   }
   const int kv_head = packed ? cta.kv_head + tid / 32 : cta.kv_head;  // the head this warp attends
@@ -142,16 +143,16 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   // the GQA groups x query tokens of `members` requests from item.request on, over a span every
   // one of their queries sees whole (the planner shares nothing else). 0: an ordinary item.
   // slot: where an ordinary item's partial goes, its record's share field (such a kernel's tiling
-  // shares no tiles, serving/shared_plan.py); else its grid position. merges_here: the plan merges
-  // in this kernel (merge_when_written), not in flashjit_merge.
-  int members = 0, slot = w;
-  bool merges_here = false;
+  // shares no tiles, serving/shared_plan.py); else its grid position. slots: an own item's
+  // request's partial slots. merge_role: where the plan merges in this kernel (merge_when_written,
+  // not flashjit_merge), the record's part: FJ_MERGE_COUNTS or FJ_MERGE_WAITS.
+  int members = 0, slot = w, slots = 0, merge_role = 0;
   if constexpr (cfg::SHARED_PREFIX) {
-    const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
+    slots = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
     const int4 tail = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2);
-    members = splits < 0 ? -splits : 0;
+    members = slots < 0 ? -slots : 0;
     slot = tail.x;
-    merges_here = cfg::WAITING_MERGE && (tail.w & FJ_MERGE_WAITS) != 0;
+    merge_role = cfg::WAITING_MERGE ? tail.w & MERGE_ROLES : 0;
   }
   // The CTA's first row: a shared record's rows by warp hold ROW_WARPS tiles of 16 per row tile.
   const bool rows_by_warp = ROWS_BY_WARP && members > 0;
@@ -415,11 +416,12 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   };
   // Once the CTA's partials are written, where the plan merges in this kernel (a shared record
   // counts in its members; a request's only item, direct, writes the output and merges nothing).
+  // A waiting item's slot is its request's last.
   const auto merge_here = [&] {
     if constexpr (cfg::WAITING_MERGE) {
-      if (merges_here && !item.direct)
+      if (merge_role != 0 && !item.direct)
         merge_when_written<NT, RING_BYTES>(a, item, members > 0 ? members : 1, cta.kv_head, packed ? HEAD_PACK : 1,
-                                           members > 0 ? -1 : slot, smem);
+                                           merge_role == FJ_MERGE_WAITS, slot + 1 - slots, slots, smem);
     }
   };
   bool streamed = false;

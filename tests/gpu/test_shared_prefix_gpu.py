@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.jit.abi import MERGE_WAITS
+from flashjit.jit.abi import RECORD_HEADS
 from flashjit.serving import shared_decode
 from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.reference import decode_reference
@@ -107,7 +107,7 @@ def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q
         plan = decoder.current_plan
         if share and pattern in ("samples", "many_prompts"):  # own items of a few pages: 4 heads a CTA
             records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
-            assert (records[:, 11] & ~MERGE_WAITS == 4).any()
+            assert (records[:, 11] & RECORD_HEADS == 4).any()
         if decoder.spec.shared_prefix:  # one query token: these batches are one wave, which the kernel merges
             in_kernel = decoder.work.merges_in_kernel
             assert (plan.merge_launch is None) == in_kernel

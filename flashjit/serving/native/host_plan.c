@@ -75,7 +75,7 @@ typedef struct {
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 enum { TILE_COST_BASE = 5 };  /* shared_plan.TILE_COST_BASE */
 enum { HEAD_PACK_MAX_TILES = 2 };  /* shared_plan.HEAD_PACK_MAX_TILES */
-enum { MERGE_WAITS = 1 << 8 };  /* abi.MERGE_WAITS: a record's last field where the plan merges in the kernel */
+enum { MERGE_COUNTS = 1 << 8, MERGE_WAITS = 1 << 9 };  /* abi's: a record's part in a merge in the kernel */
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -454,15 +454,19 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
     int64_t w = 0, slot = 0;
     int32_t *records = staging + at->work_items;
     const int64_t chunk = p->chunk;
+    /* A merge in the kernel: each request's last own item waits, every other record counts in. */
+    const int32_t counts = s->merges_in_kernel ? MERGE_COUNTS : 0, waits = s->merges_in_kernel ? MERGE_WAITS : 0;
     for (int64_t g = 0; g < s->groups; ++g) {
         const int64_t first = s->first[g], stop = first + s->count[g];
         const int64_t span_begin = s->begin_page[g] * p->page_size, end = s->end_page[g] * p->page_size;
         const int64_t per_record = members_per_record(p, s, g), q = queries(p, first), step = span_chunk(p, s, g);
         for (int64_t begin = span_begin, k = s->offsets[g]; begin < end; begin += step, ++k) {
             const int64_t v_end = min64(begin + step, end);
-            for (int64_t m = first; m < stop; m += per_record, ++w)
+            for (int64_t m = first; m < stop; m += per_record, ++w) {
                 put_record(records + ITEM_INTS * w, m, begin, v_end, end, p->indptr[m], k, q,
                            -min64(per_record, stop - m), 0);
+                records[ITEM_INTS * w + 11] |= counts;
+            }
         }
     }
     staging[at->num_tokens] = (int32_t)p->num_tokens;
@@ -479,14 +483,13 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
             put_record(records + ITEM_INTS * w, b, first, end, kv_len, p->indptr[b], q_begin, q_end - q_begin, splits,
                        slot + s->slots[b] + i);
             if (packs_heads(p, s, end - first)) records[ITEM_INTS * w + 11] = (int32_t)s->head_pack;
+            records[ITEM_INTS * w + 11] |= i + 1 == items ? waits : counts;
         }
         slot += splits;
         staging[at->req_work_indptr + b + 1] = (int32_t)slot;
         staging[at->req_qo_indptr + b + 1] = (int32_t)q_end;
         for (int64_t t = q_begin; t < q_end; ++t) staging[at->token_request + t] = (int32_t)b;
     }
-    if (s->merges_in_kernel)
-        for (int64_t i = 0; i < w; ++i) records[ITEM_INTS * i + 11] |= MERGE_WAITS;
     for (; w < at->work_capacity; ++w) records[ITEM_INTS * w] = -1;
     return 0;
 }
