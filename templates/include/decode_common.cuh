@@ -312,16 +312,12 @@ FJ_INLINE int acquire_load(const int* counter) {
 // shared record's members; 1 for an own item) for `heads` KV heads from kv_head (a packed item's).
 // waits: the CTA is its request's last own item, whose `splits` partials are in the slots from
 // first_item on and whose query tokens are from q_begin (its record says all of it: no load of the
-// merge's arrays stands between its tiles and its wait). The waiting CTA is done with its ring (RING_BYTES of shared memory from `ring`): where they fit,
-// it copies every partial there at once (cp.async; one round trip to L2 for all, where reading
-// them cell by cell would take one per cell a thread), else it reads them as the fused merge does.
-// Not inlined, as merge_partials_if_last.
-template <int THREADS, int RING_BYTES>
+// merge's arrays stands between its tiles and its wait). Not inlined, as merge_partials_if_last.
+template <int THREADS>
 __device__ __noinline__ void merge_when_written(int* merge_counters, const float* tmp_o, const float* tmp_lse,
                                                 out_t* out, i64 out_stride, float* lse, int num_qo_heads,
                                                 int request, int requests, int kv_head, int heads, int q_begin,
-                                                int q_len, bool waits, int first_item, int splits,
-                                                unsigned char* ring, int tid) {
+                                                int q_len, bool waits, int first_item, int splits, int tid) {
   constexpr int D = cfg::HEAD_DIM, COLS4 = D / 4, G = cfg::GROUP_SIZE;
   __syncthreads();
   if (!waits) {  // count in: one arrival per (request, KV head) written
@@ -335,57 +331,23 @@ __device__ __noinline__ void merge_when_written(int* merge_counters, const float
     *counter = 0;
   }
   __syncthreads();
-  // The rows: (head, row) pairs hr = head * rows + row, head from kv_head; cells: 4 columns of one.
-  const int rows = G * q_len, pairs = heads * rows, cells = pairs * COLS4;
+  const int rows = G * q_len;
   const i64 item_stride = (i64)cfg::MAX_Q_LEN * num_qo_heads;  // between two slots' partials
-  const auto qo_head_of = [&](int hr) { return (kv_head + hr / rows) * G + hr % rows % G; };
-  const auto partial_row = [&](int hr, int s) {  // pair hr's row in the request's partial s
-    return (first_item + s) * item_stride + (i64)(hr % rows / G) * num_qo_heads + qo_head_of(hr);
-  };
-  if ((i64)splits * pairs * (D + 1) * 4 > RING_BYTES) {
-    for (int cell = tid; cell < cells; cell += THREADS) {
-      const int hr = cell / COLS4, col = cell % COLS4 * 4;
-      const i64 at = partial_row(hr, 0);
-      combine_partials4(tmp_lse + at, tmp_o + at * D + col, item_stride, splits, out, out_stride, lse, num_qo_heads,
-                        q_begin + hr % rows / G, qo_head_of(hr), col);
-    }
-    return;
-  }
-  float4* staged_o = reinterpret_cast<float4*>(ring);  // [splits][cells]
-  float* staged_lse = reinterpret_cast<float*>(staged_o + splits * cells);  // [splits][pairs]
-  const u32 staged_at = (u32)__cvta_generic_to_shared(ring);
-  for (int i = tid; i < splits * cells; i += THREADS) {
-    const int cell = i % cells;
-    cp_async_16<0>(staged_at + 16 * i, tmp_o + partial_row(cell / COLS4, i / cells) * D + cell % COLS4 * 4, true);
-  }
-  cp_async_commit();
-  for (int i = tid; i < splits * pairs; i += THREADS) staged_lse[i] = __ldcg(tmp_lse + partial_row(i % pairs, i / pairs));
-  cp_async_wait<0>();
-  __syncthreads();
-  for (int cell = tid; cell < cells; cell += THREADS) {
-    const int hr = cell / COLS4;
-    float m = FJ_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, staged_lse[s * pairs + hr]);
-    const float m_ref = m == FJ_NEG_INF ? 0.f : m;
-    for (int s = 0; s < splits; ++s) {
-      const float part_lse = staged_lse[s * pairs + hr];
-      if (!(part_lse > FJ_NEG_INF)) continue;  // zero weight: skipped, never multiplied
-      const float weight = exp2_approx(part_lse - m_ref);
-      const float4 part = staged_o[s * cells + cell];
-      acc[0] += weight * part.x; acc[1] += weight * part.y; acc[2] += weight * part.z; acc[3] += weight * part.w;
-      sum += weight;
-    }
-    store_out4(out, out_stride, lse, num_qo_heads, q_begin + hr % rows / G, qo_head_of(hr), cell % COLS4 * 4, acc,
-               sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? m_ref + log2_approx(sum) : FJ_NEG_INF);
+  for (int cell = tid; cell < heads * rows * COLS4; cell += THREADS) {
+    const int row = cell / COLS4 % rows, col = (cell % COLS4) * 4, q_tok = row / G;
+    const int qo_head = (kv_head + cell / COLS4 / rows) * G + row % G;
+    const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
+    combine_partials4(lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, item_stride, splits, out, out_stride, lse,
+                      num_qo_heads, q_begin + q_tok, qo_head, col);
   }
 }
 
-template <int THREADS, int RING_BYTES>
+template <int THREADS>
 FJ_INLINE void merge_when_written(const Args& a, const WorkItem& item, int requests, int kv_head, int heads,
-                                  bool waits, int first_item, int splits, unsigned char* ring) {
-  merge_when_written<THREADS, RING_BYTES>(a.merge_counters, a.tmp_o, a.tmp_lse, a.out, a.out_stride, a.lse,
-                                          a.num_qo_heads, item.request, requests, kv_head, heads, item.q_begin,
-                                          item.q_len, waits, first_item, splits, ring, threadIdx.x);
+                                  bool waits, int first_item, int splits) {
+  merge_when_written<THREADS>(a.merge_counters, a.tmp_o, a.tmp_lse, a.out, a.out_stride, a.lse, a.num_qo_heads,
+                              item.request, requests, kv_head, heads, item.q_begin, item.q_len, waits, first_item,
+                              splits, threadIdx.x);
 }
 
 // Where chunk (16 bytes) `chunk` of shared-memory row `row` sits in a swizzled ring (PagedKVStage):

@@ -47,7 +47,6 @@ constexpr int ROWS_TOTAL = cfg::GROUP_SIZE * cfg::MAX_Q_LEN;
 constexpr int TILE = 16 * SLICES;         // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
-enum : int { RING_BYTES = STAGES * TILE * (K_PITCH + V_PITCH) };  // the K/V pipeline's shared memory
 enum : int { MERGE_ROLES = FJ_MERGE_COUNTS | FJ_MERGE_WAITS };  // a record's last field: not its heads
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
@@ -420,8 +419,8 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   const auto merge_here = [&] {
     if constexpr (cfg::WAITING_MERGE) {
       if (merge_role != 0 && !item.direct)
-        merge_when_written<NT, RING_BYTES>(a, item, members > 0 ? members : 1, cta.kv_head, packed ? HEAD_PACK : 1,
-                                           merge_role == FJ_MERGE_WAITS, slot + 1 - slots, slots, smem);
+        merge_when_written<NT>(a, item, members > 0 ? members : 1, cta.kv_head, packed ? HEAD_PACK : 1,
+                               merge_role == FJ_MERGE_WAITS, slot + 1 - slots, slots);
     }
   };
   bool streamed = false;
