@@ -85,7 +85,7 @@ def main(argv=None):
     for name in args.cases:
         # (inputs: the tensors run() reads, kept alive while it runs)
         run, decoder, inputs = (shared_prefix_call if args.shared_prefix else decode_call)(torch, name, engine)
-        grid = decoder.kernel.tiling.grid(decoder.work.num_work, decoder.num_kv_heads)
+        grid = decoder.current_plan.decode_launch.grid
         ctas = grid[0] * grid[1] * grid[2]
         print(f"{name}: {decoder.spec.name}, {decoder.work.num_work} work items, {ctas} CTAs")
         _, address, nbytes = read_stamps(decoder.kernel, 0)
@@ -140,14 +140,25 @@ def shared_prefix_call(torch, name: str, engine):
     return (lambda: decoder.run(q, cache, out=out)), decoder, (q, cache, out)
 
 
+def cta_items(np, cta_index, decoder, grid):
+    """(work item, KV head) of each CTA of a heads-first grid (CtaCoords): a CTA a head, but for a
+    plan's packed own items, the last records, a CTA for each own_head_pack heads."""
+    heads, x, work = decoder.num_kv_heads, cta_index % grid[0], decoder.work
+    pack = decoder.kernel.tiling.own_head_pack
+    plain = work.num_work - work.packed_items
+    packed = x - plain * heads
+    item = np.where(packed < 0, x // heads, plain + packed // (heads // pack))
+    head = np.where(packed < 0, x % heads, packed % (heads // pack) * pack)
+    return item, head
+
+
 def print_by_record_kind(np, since, cta_index, decoder, grid):
     """A shared-prefix plan's CTAs by record kind (its shared records come first in the grid): when
     they start and finish, and each CTA's time per key of its span."""
     num_shared = getattr(decoder.current_plan.tables, "num_shared", 0)  # a sharing plan's tables have it
     if not num_shared:
         return
-    heads = decoder.num_kv_heads if decoder.kernel.tiling.heads_first else 1
-    item = cta_index % grid[0] // heads
+    item = cta_items(np, cta_index, decoder, grid)[0] if decoder.kernel.tiling.heads_first else cta_index % grid[0]
     keys = (np.asarray(decoder.work.work_end) - np.asarray(decoder.work.work_begin))[item]
     for kind, chosen in (("shared records", item < num_shared), ("own items", item >= num_shared)):
         d = since[chosen]
@@ -164,8 +175,8 @@ def print_by_request(np, since, cta_index, decoder, grid):
     if not tiling.heads_first:
         return
     heads = decoder.num_kv_heads
-    x, row_tile = cta_index % grid[0], cta_index // grid[0]
-    item, head = x // heads, x % heads
+    row_tile = cta_index // grid[0]
+    item, head = cta_items(np, cta_index, decoder, grid)
     request = np.asarray(decoder.work.work_request)[item]
     group = (request * heads + head) * tiling.row_tiles + row_tile
     done = since[:, 2]

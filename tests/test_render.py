@@ -199,9 +199,9 @@ def test_shared_prefix_kernels_prefetch_the_plan_after_the_wait(shared_prefix):
     body = re.sub(r"//[^\n]*", "", entry_bodies(source)["flashjit_decode"])
     statements = [s.strip() for s in body.split(";") if s.strip() and not s.strip().startswith("FJ_STAMP")]
     assert statements[0] == "wait_for_previous_kernel()"
-    assert ("decode::prefetch_plan(args)" in statements) == shared_prefix
+    assert ("decode::prefetch_plan<1>(args)" in statements) == shared_prefix
     if shared_prefix:
-        assert statements.index("decode::prefetch_plan(args)") < statements.index("decode::attend(args, params, vparams)")
+        assert statements.index("decode::prefetch_plan<1>(args)") < statements.index("decode::attend(args, params, vparams)")
         assert "prefetch.global.L2::evict_last" in source and "a.num_page_ids" in source
 
 
@@ -209,13 +209,14 @@ def test_shared_prefix_kernels_prefetch_the_plan_after_the_wait(shared_prefix):
                                                             (128, False, False)])
 def test_kernels_that_pack_heads_have_a_packed_entry_point_alike_but_for_its_attend(head_dim, shared_prefix, packed):
     """A shared-prefix kernel whose tiling packs own items' heads has a second decode entry point,
-    flashjit_decode_packed, the same as flashjit_decode but calling attend_packed (a plan with packed
-    items launches it); other kernels have none."""
+    flashjit_decode_packed, the same as flashjit_decode but calling attend_packed and prefetching
+    the records of its grid (a plan with packed items launches it); other kernels have none."""
     spec = DecodeSpec(head_dim, group_size=4, arch="sm_90", shared_prefix=shared_prefix, tensor_cores=True)
     bodies = entry_bodies(render(spec))
     assert (decode_tiling(spec).packed_entry == "flashjit_decode_packed") == packed
     assert ("flashjit_decode_packed" in bodies) == packed
     if packed:
         plain = bodies["flashjit_decode"]
-        assert bodies["flashjit_decode_packed"] == plain.replace("decode::attend(", "decode::attend_packed(")
+        assert bodies["flashjit_decode_packed"] == plain.replace("decode::attend(", "decode::attend_packed(").replace(
+            "prefetch_plan<1>", "prefetch_plan<cfg::OWN_HEAD_PACK>")
         assert "decode::attend_packed(" in bodies["flashjit_decode_packed"]

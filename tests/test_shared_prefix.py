@@ -267,6 +267,28 @@ def test_the_chunk_prices_packed_own_items_as_their_ctas():
     assert ctas[4] <= 264 < 2 * 264 < ctas[1]
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_own_items_come_last_in_the_grid(seed):
+    """Samples of a prompt with own spans of 1 to 12 pages: the packed own items (of at most
+    HEAD_PACK_MAX_TILES tiles) are the last records, in their order, after the shared records and
+    the unpacked own items; each request's items keep their order, so its last item is last."""
+    rng = random.Random(seed)
+    prompt = list(range(64))
+    lists = [prompt + list(range(100 + 20 * m, 100 + 20 * m + rng.randint(1, 12))) for m in range(24)]
+    indptr, ids, kv, _ = page_table(lists, [PAGE] * 24)
+    spans = find_shared_spans(indptr, ids, kv, np.ones(24, int), PAGE, causal=False)
+    shared = plan_shared_work(spans, indptr, kv, np.arange(25), PAGE, group_size=4, row_tiles=1, ctas_per_item=8,
+                              max_ctas=264, granularity=2 * PAGE, row_warps=4, head_pack=4, chunk_tokens=6 * PAGE)
+    records, work = shared.records, shared.work
+    heads = records[shared.num_shared:, 11] & RECORD_HEADS
+    assert 0 < work.packed_items < len(heads) and work.packed_from == work.num_work - work.packed_items
+    assert (heads == np.repeat([1, 4], [len(heads) - work.packed_items, work.packed_items])).all()
+    own = records[shared.num_shared:]
+    for b in range(24):  # a request's items in span order, its packed ones after its others
+        mine = own[own[:, 0] == b]
+        assert (np.diff(mine[:, 1]) > 0).all() and (np.diff(mine[:, 8]) == 1).all()
+
+
 def test_one_wave_plans_merge_in_the_kernel():
     """64 samples of a 2048-token prompt, 128 tokens each of their own: packed, the plan's CTAs fit
     one wave (264), so the kernel merges it: each request's own item waits for its partials of the
@@ -287,9 +309,10 @@ def test_one_wave_plans_merge_in_the_kernel():
 
 @pytest.mark.parametrize("native", [True, False])
 def test_a_plan_with_packed_own_items_launches_the_packed_entry_point(planner, native):
-    """32 samples of a prompt: own spans of a page pack 4 KV heads a CTA, and the plan launches the
-    kernel's packed entry point; own items of over HEAD_PACK_MAX_TILES tiles keep a CTA a head and
-    the plain one; requests that share nothing plan per request."""
+    """32 samples of a prompt: own spans of a page pack 4 KV heads a CTA, last in the grid, and the
+    plan launches the kernel's packed entry point over a CTA for each 4 heads of them
+    (decode_args.packed_from: where they start); own items of over HEAD_PACK_MAX_TILES tiles keep a
+    CTA a head and the plain one; requests that share nothing plan per request."""
     library = native_library() if native else None
     if native and library is None:
         pytest.skip("no C compiler: the numpy planner is the only one")
@@ -306,6 +329,9 @@ def test_a_plan_with_packed_own_items_launches_the_packed_entry_point(planner, n
         assert packed or (own[:, 2] - own[:, 1] > HEAD_PACK_MAX_TILES * decoder.kernel.tiling.tile_tokens).all()
         assert decoder.work.packed_items == (len(own) if packed else 0)
         assert plan.decode_launch.function == (PACKED_FN if packed else DECODE_FN)
+        work = decoder.work
+        plain = work.num_work - work.packed_items
+        assert plan.decode_args.packed_from == plain and plan.decode_launch.grid == (plain * 8 + work.packed_items * 2, 1, 1)
         # one wave (packed) merges in the kernel and launches no merge; the longer own spans launch it
         assert decoder.work.merges_in_kernel == packed and (plan.merge_launch is None) == packed
     decoder.plan(*plan_args([[1], [2]], [PAGE, PAGE]), 32, 8, 128, PAGE)

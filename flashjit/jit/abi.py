@@ -82,7 +82,7 @@ class DecodeArgs(ctypes.Structure):
         ("k_scale_ptr", ctypes.c_void_p), ("v_scale_ptr", ctypes.c_void_p),
         ("k_scale_stride", ctypes.c_int), ("v_scale_stride", ctypes.c_int),
         ("k_scale", ctypes.c_float), ("v_scale", ctypes.c_float),
-        ("num_page_ids", ctypes.c_int),
+        ("num_page_ids", ctypes.c_int), ("packed_from", ctypes.c_int),
     ]
 
 

@@ -85,8 +85,13 @@ class DecodeTiling:
     def merge_block(self) -> tuple[int, int, int]:
         return (self.merge_lanes, self.merge_split_lanes, 1)
 
-    def grid(self, work_items: int, kv_heads: int) -> tuple[int, int, int]:
-        """The decode kernel's grid for work_items x kv_heads x row tiles (matching CtaCoords)."""
+    def grid(self, work_items: int, kv_heads: int, packed_items: int = 0) -> tuple[int, int, int]:
+        """The decode kernel's grid for work_items x kv_heads x row tiles (matching CtaCoords); with
+        packed_items, the packed entry point's, whose last packed_items take a CTA for each
+        own_head_pack heads."""
+        if packed_items:
+            return ((work_items - packed_items) * kv_heads + packed_items * (kv_heads // self.own_head_pack),
+                    self.row_tiles, 1)
         if self.heads_first:
             return (work_items * kv_heads, self.row_tiles, 1)
         return (work_items, kv_heads, self.row_tiles)

@@ -171,10 +171,12 @@ def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_
     (PreparedLaunch.update): cheaper than converting their arguments to ctypes again."""
     kernel = setup.kernel
     cap, tiling, loaded = buffers.capacity, kernel.tiling, setup.loaded
-    decode_grid = tiling.grid(cap.work if graph else work.num_work, setup.num_kv_heads)
+    # Packed own items run in the entry point that reads them, on a grid of their own (graphs plan
+    # none: their launch is fixed).
+    packed = 0 if graph else work.packed_items
+    decode_grid = tiling.grid(cap.work if graph else work.num_work, setup.num_kv_heads, packed)
     programmatic = kernel.programmatic_launch
-    # Packed own items run in the entry point that reads them (graphs plan none: their launch is fixed).
-    function = loaded.decode_packed if not graph and work.packed_items else loaded.decode
+    function = loaded.decode_packed if packed else loaded.decode
     decode = PreparedLaunch.update(None if previous is None else previous.decode_launch, function, decode_grid,
                                    tiling.block, decode_params, tiling.smem_bytes, programmatic)
     kept_merge = None if previous is None else previous.merge_prepared

@@ -10,7 +10,9 @@ The grid runs the records; the merge reads partial slots, which here are not gri
     after (first in the grid: they are the longest work); then every request's own items over
     [shared end, kv_len), each naming its slot in its share field, and in its last field the KV
     heads one CTA of it attends: head_pack (the kernel's tiling.own_head_pack) for an item of at
-    most HEAD_PACK_MAX_TILES tiles, else 1. In a plan the kernel merges (merges_in_kernel), the
+    most HEAD_PACK_MAX_TILES tiles, else 1; the packed items come last (WorkPlan.packed_from),
+    where the packed entry point's grid gives them a CTA for each head_pack heads. In a plan the
+    kernel merges (merges_in_kernel), the
     last field of each request's last own item also carries abi.MERGE_WAITS, every other record's
     abi.MERGE_COUNTS.
   * Request b's slots [req_work_indptr[b], req_work_indptr[b+1]), which the merge reads: one per
@@ -167,13 +169,16 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     heads = item_heads(own.work_end - own.work_begin, head_pack, granularity)
     own_records = np.stack([r, own.work_begin, own.work_end, kv_lens[r], indptr[r], qo[r], q_lens[r], splits[r],
                             own_slot, own.work_begin, own.work_end, heads], axis=1)
-    records = np.concatenate([shared, own_records]).astype(np.int32)
     packed = int(np.count_nonzero(heads > 1))
-    in_kernel = merge_waits and merges_in_kernel(len(records), packed, ctas_per_item, head_pack, max_ctas)
+    in_kernel = merge_waits and merges_in_kernel(num_shared + own.num_work, packed, ctas_per_item, head_pack, max_ctas)
     if in_kernel:  # each request's last own item waits, every other record counts in
-        last = np.zeros(len(records), dtype=bool)
-        last[num_shared + own.req_work_indptr[1:] - 1] = True
-        records[:, 11] |= np.where(last, MERGE_WAITS, MERGE_COUNTS)
+        shared[:, 11] |= MERGE_COUNTS
+        last = np.zeros(own.num_work, dtype=bool)
+        last[own.req_work_indptr[1:] - 1] = True
+        own_records[:, 11] |= np.where(last, MERGE_WAITS, MERGE_COUNTS)
+    # The packed items last in the grid, in their order (a request's last item packs if any of its do).
+    own_records = own_records[np.argsort(heads > 1, kind="stable")]
+    records = np.concatenate([shared, own_records]).astype(np.int32)
     work = WorkPlan(records[:, 0].copy(), records[:, 1].copy(), records[:, 2].copy(), req_work_indptr.astype(np.int32),
                     qo.astype(np.int32), own.token_request, chunk, False, packed, in_kernel)
     return SharedWork(work, records, spans, num_shared, int(req_work_indptr[-1]))

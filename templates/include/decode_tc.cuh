@@ -86,7 +86,7 @@ static_assert(!cfg::SHARED_WGMMA || (ROWS_BY_WARP && WARPS == 4 && TILE == 64 &&
               "shared records on wgmma: one warpgroup of 64 rows, 64 keys a stage, rows of whole swizzled blocks");
 static_assert(SLICES % SHARED_STEP == 0 && (SHARED_STEP == 1 || (ROWS_BY_WARP && !SPLIT_SCORES)),
               "whole steps of slices, several a step only with rows by warp");
-static_assert(cfg::OWN_HEAD_PACK == 1 || (ROWS_BY_WARP && cfg::OWN_HEAD_PACK == WARPS && ROWS_TOTAL <= M &&
+static_assert(cfg::OWN_HEAD_PACK == 1 || (ROWS_BY_WARP && cfg::OWN_HEAD_PACK == WARPS && ROWS_TOTAL <= M && cfg::HEADS_FIRST &&
                                           cfg::STATIC_SHARE == 100 &&
                                           PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE>::WARP_SLICES),
               "heads by warp: a warp's rows are one head's whole group, its slice the keys its threads copy");
@@ -115,7 +115,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   // round's barrier, which every reader of it has passed).
   float4* score_parts = reinterpret_cast<float4*>(q_smem);
 
-  const CtaCoords cta(a);
+  const CtaCoords cta = HEAD_PACK > 1 ? CtaCoords(a, HEAD_PACK) : CtaCoords(a);
   const int w = cta.work;
   const RowSinks<M> sinks(vparams, cta);
   const WorkItem item(a, w);
@@ -126,14 +126,9 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   const int k_first = SPLIT_SCORES ? col_part * QSTEPS : 0;  // the warp's first k-step of S
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
-  // packed: an own item whose last field is HEAD_PACK (attend_packed): the CTA of a multiple of
-  // HEAD_PACK attends that many heads, warp g head kv_head + g (the other CTAs of its heads exit).
-  bool packed = false;
-  if constexpr (HEAD_PACK > 1) {
-    const int splits = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
-    packed = splits >= 0 && (__ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).w & ~MERGE_ROLES) == HEAD_PACK;
-    if (packed && cta.kv_head % HEAD_PACK != 0) return;
-  }
+  // packed: an own item from a.packed_from on (attend_packed; its last field names HEAD_PACK heads):
+  // its CTA attends HEAD_PACK heads from a multiple of HEAD_PACK, warp g head kv_head + g.
+  const bool packed = HEAD_PACK > 1 && w >= a.packed_from;
   const int kv_head = packed ? cta.kv_head + tid / 32 : cta.kv_head;  // the head this warp attends
 
   const HeadScales scales(a, kv_head);

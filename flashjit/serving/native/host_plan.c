@@ -448,8 +448,8 @@ static void put_record(int32_t *record, int64_t request, int64_t v_begin, int64_
 /* The work list of fj_shared_plan into the staging buffer, as shared_plan.SharedTables.write puts
  * it: per group, per chunk, per member run a shared record (request = first member, kv_len = the
  * span's end, q_begin = the chunk's slot offset, splits = -members); then each request's own items,
- * each naming its slot (and s->head_pack heads a CTA where it is short); then the merges' arrays,
- * and padding records (request -1). */
+ * each naming its slot, those of s->head_pack heads a CTA (the short ones) after all the others;
+ * then the merges' arrays, and padding records (request -1). */
 int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, const fj_layout_t *at) {
     int64_t w = 0, slot = 0;
     int32_t *records = staging + at->work_items;
@@ -472,25 +472,27 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
     staging[at->num_tokens] = (int32_t)p->num_tokens;
     staging[at->req_work_indptr] = 0;
     staging[at->req_qo_indptr] = 0;
+    int64_t packed_w = p->num_work - s->num_packed;  /* the packed own items, last in the grid */
     for (int64_t b = 0; b < p->batch; ++b) {
         const int64_t begin = own_begin(p, s, b), kv_len = p->kv_lens[b];
         const int64_t items = max64(ceil_div(kv_len - begin, chunk), 1), splits = s->slots[b] + items;
         const int64_t q_begin = p->qo_indptr ? p->qo_indptr[b] : b * p->q_len;
         const int64_t q_end = p->qo_indptr ? p->qo_indptr[b + 1] : (b + 1) * p->q_len;
-        for (int64_t i = 0; i < items; ++i, ++w) {
+        for (int64_t i = 0; i < items; ++i) {
             const int64_t first = begin + i * chunk;
             const int64_t end = min64(first + chunk, kv_len);
-            put_record(records + ITEM_INTS * w, b, first, end, kv_len, p->indptr[b], q_begin, q_end - q_begin, splits,
+            const int packs = packs_heads(p, s, end - first);
+            int32_t *record = records + ITEM_INTS * (packs ? packed_w++ : w++);
+            put_record(record, b, first, end, kv_len, p->indptr[b], q_begin, q_end - q_begin, splits,
                        slot + s->slots[b] + i);
-            if (packs_heads(p, s, end - first)) records[ITEM_INTS * w + 11] = (int32_t)s->head_pack;
-            records[ITEM_INTS * w + 11] |= i + 1 == items ? waits : counts;
+            record[11] = (int32_t)(packs ? s->head_pack : 1) | (i + 1 == items ? waits : counts);
         }
         slot += splits;
         staging[at->req_work_indptr + b + 1] = (int32_t)slot;
         staging[at->req_qo_indptr + b + 1] = (int32_t)q_end;
         for (int64_t t = q_begin; t < q_end; ++t) staging[at->token_request + t] = (int32_t)b;
     }
-    for (; w < at->work_capacity; ++w) records[ITEM_INTS * w] = -1;
+    for (w = packed_w; w < at->work_capacity; ++w) records[ITEM_INTS * w] = -1;
     return 0;
 }
 
