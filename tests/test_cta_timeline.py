@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from benchmarks.cta_timeline import balanced_finish, main, print_by_record_kind, print_sm_speeds, sm_means
+from benchmarks.cta_timeline import balanced_finish, cta_items, main, print_by_record_kind, print_sm_speeds, sm_means
 
 
 def test_balanced_finish_spreads_equal_work_at_the_measured_rates():
@@ -58,17 +58,21 @@ def test_cases_are_checked_against_the_chosen_benchmark(capsys):
 
 
 def test_a_shared_prefix_plans_ctas_are_told_apart_by_record_kind(capsys):
-    """Shared records come first in the grid; with heads first, CTA x = item * heads + head."""
+    """Shared records come first in the grid; with heads first, CTA x = item * heads + head, but for
+    the packed own items, the last records, a CTA for each own_head_pack heads."""
     tables = types.SimpleNamespace(num_shared=1)
-    work = types.SimpleNamespace(work_begin=[0, 0], work_end=[1000, 100])
+    work = types.SimpleNamespace(work_begin=[0, 0, 0], work_end=[1000, 100, 50], num_work=3, packed_items=1)
+    tiling = types.SimpleNamespace(heads_first=True, own_head_pack=2)
     decoder = types.SimpleNamespace(current_plan=types.SimpleNamespace(tables=tables), work=work, num_kv_heads=2,
-                                    kernel=types.SimpleNamespace(tiling=types.SimpleNamespace(heads_first=True)))
-    # CTAs 0, 1: the shared record's two heads (1000 keys in 10 us); 2, 3: the own item's (100 keys in 2 us)
-    since = np.array([[0, 1, 11, 12], [0, 1, 11, 13], [0, 2, 4, 5], [0, 2, 4, 6]], dtype=float)
-    print_by_record_kind(np, since, np.arange(4), decoder, (4, 1, 1))
+                                    kernel=types.SimpleNamespace(tiling=tiling))
+    assert [a.tolist() for a in cta_items(np, np.arange(5), decoder, (5, 1, 1))] == [[0, 0, 1, 1, 2], [0, 1, 0, 1, 0]]
+    # CTAs 0, 1: the shared record's two heads (1000 keys in 10 us); 2, 3: the own item's (100 keys in
+    # 2 us); 4: the packed item's two heads (50 keys in 1 us)
+    since = np.array([[0, 1, 11, 12], [0, 1, 11, 13], [0, 2, 4, 5], [0, 2, 4, 6], [0, 2, 3, 4]], dtype=float)
+    print_by_record_kind(np, since, np.arange(5), decoder, (5, 1, 1))
     out = capsys.readouterr().out
     assert "shared records (2 CTAs)" in out and "exit p100 13.0; 10.0 ns a key" in out
-    assert "own items (2 CTAs)" in out and "exit p100 6.0; 20.0 ns a key" in out
+    assert "own items (3 CTAs)" in out and "exit p100 6.0; 20.0 ns a key" in out
     decoder.current_plan.tables = types.SimpleNamespace()  # a plan that shares nothing: no lines
-    print_by_record_kind(np, since, np.arange(4), decoder, (4, 1, 1))
+    print_by_record_kind(np, since, np.arange(5), decoder, (5, 1, 1))
     assert capsys.readouterr().out == ""
