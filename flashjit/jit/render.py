@@ -134,8 +134,8 @@ def render(spec: DecodeSpec | MLASpec, mask: MaskDef | None = None,
         entry, tiling = ENTRY_TEMPLATE, tiling or decode_tiling(spec)
         checks = abi.source_checks(mask.params, merge=not tiling.fused_merge, variant_params=variant.params)
     context = dict(spec=spec, tiling=tiling, mask=mask, variant=variant, ctype=STORAGE_TYPES, version=__version__,
-                   item_ints=abi.ITEM_INTS, merge_counts=abi.MERGE_COUNTS, merge_waits=abi.MERGE_WAITS, split_candidates=abi.SPLIT_CANDIDATES,
-                   plan_smem_ints=abi.PLAN_SMEM_INTS, abi_checks=checks)
+                   item_ints=abi.ITEM_INTS, merge_counts=abi.MERGE_COUNTS, merge_waits=abi.MERGE_WAITS,
+                   split_candidates=abi.SPLIT_CANDIDATES, plan_smem_ints=abi.PLAN_SMEM_INTS, abi_checks=checks)
     try:
         return environment().get_template(entry).render(**context)
     except OutsideTemplateRoots as exc:

@@ -10,11 +10,10 @@ The grid runs the records; the merge reads partial slots, which here are not gri
     after (first in the grid: they are the longest work); then every request's own items over
     [shared end, kv_len), each naming its slot in its share field, and in its last field the KV
     heads one CTA of it attends: head_pack (the kernel's tiling.own_head_pack) for an item of at
-    most HEAD_PACK_MAX_TILES tiles, else 1; the packed items come last (WorkPlan.packed_from),
-    where the packed entry point's grid gives them a CTA for each head_pack heads. In a plan the
-    kernel merges (merges_in_kernel), the
-    last field of each request's last own item also carries abi.MERGE_WAITS, every other record's
-    abi.MERGE_COUNTS.
+    most HEAD_PACK_MAX_TILES tiles, else 1. The packed items come last (from the kernel's
+    Args::packed_from), where the packed entry point's grid gives them a CTA for each head_pack
+    heads. In a plan the kernel merges (merges_in_kernel), the last field of each request's last
+    own item also carries abi.MERGE_WAITS, every other record's abi.MERGE_COUNTS.
   * Request b's slots [req_work_indptr[b], req_work_indptr[b+1]), which the merge reads: one per
     chunk of every group b belongs to (outermost level first), then one per own item. The shared
     record of a chunk writes each member's partial into that member's slot of the chunk.

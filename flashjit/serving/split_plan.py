@@ -54,11 +54,6 @@ class WorkPlan:
         return self.num_work > len(self.req_work_indptr) - 1 and not self.merges_in_kernel
 
     @property
-    def packed_from(self) -> int:
-        """The first packed own item: they are the last records (shared_plan)."""
-        return self.num_work - self.packed_items
-
-    @property
     def max_splits(self) -> int:
         return int(np.diff(self.req_work_indptr).max(initial=0))
 
