@@ -206,67 +206,45 @@ FJ_INLINE void store_out4(out_t* out, i64 out_stride, float* lse, int num_qo_hea
   if (lse != nullptr && col == 0) lse[(i64)token * num_qo_heads + qo_head] = lse2 * FJ_LN2;
 }
 
-// 4 columns (col) of one output row (token, qo_head) and where its partials are: lse_0 and o_0 the
-// first one's LSE and columns, each next item_stride rows on.
-struct PartialCell {
-  const float *lse_0, *o_0;
-  int token, qo_head, col;
-};
-
-// The first `count` of CELLS cells from `splits` partials each: MERGE_CHUNK partials of every cell
-// at a time, LSEs and values together with no load behind another (one L2 round trip per chunk for
-// all the cells), the chunks combined by the online-softmax rule. Partials with zero weight (empty
-// or fully masked splits) are skipped, so an unwritten one cannot leak NaN. The loads go through
-// L2 (__ldcg): L1 is not coherent across CTAs.
-template <int CELLS = 1>
-FJ_INLINE void combine_partials4(const PartialCell (&cells)[CELLS], int count, i64 item_stride, int splits,
-                                 out_t* out, i64 out_stride, float* lse, int num_qo_heads) {
+// One output row's 4 columns (token, qo_head, col) from `splits` partials, lse_0 and o_0 the first
+// one's LSE and columns and each next item_stride rows on: MERGE_CHUNK partials at a time, LSEs and
+// values together with no load behind another (one L2 round trip per chunk), the chunks combined by
+// the online-softmax rule. Partials with zero weight (empty or fully masked splits) are skipped, so
+// an unwritten one cannot leak NaN. The loads go through L2 (__ldcg): L1 is not coherent across CTAs.
+FJ_INLINE void combine_partials4(const float* lse_0, const float* o_0, i64 item_stride, int splits, out_t* out,
+                                 i64 out_stride, float* lse, int num_qo_heads, int token, int qo_head, int col) {
   constexpr int D = cfg::HEAD_DIM, MERGE_CHUNK = cfg::MERGE_CHUNK;
-  float m[CELLS], sum[CELLS], acc[CELLS][4];
-#pragma unroll
-  for (int c = 0; c < CELLS; ++c) {
-    m[c] = FJ_NEG_INF, sum[c] = 0.f;
-    acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.f;
-  }
+  float m = FJ_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int i0 = 0; i0 < splits; i0 += MERGE_CHUNK) {
-    float part_lse[CELLS][MERGE_CHUNK];
-    float4 part[CELLS][MERGE_CHUNK];
+    float part_lse[MERGE_CHUNK];
+    float4 part[MERGE_CHUNK];
 #pragma unroll
-    for (int c = 0; c < CELLS; ++c)
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        const bool real = c < count && i0 + j < splits;
-        part_lse[c][j] = real ? __ldcg(cells[c].lse_0 + (i0 + j) * item_stride) : FJ_NEG_INF;
-        part[c][j] = real ? __ldcg(reinterpret_cast<const float4*>(cells[c].o_0 + (i0 + j) * item_stride * D))
-                          : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-    for (int c = 0; c < CELLS; ++c) {
-      float m_new = m[c];
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[c][j]);
-      if (m_new == FJ_NEG_INF) continue;  // nothing with weight yet
-      const float rescale = exp2_approx(m[c] - m_new);  // 0 while m is -inf
-      sum[c] *= rescale;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) acc[c][k] *= rescale;
-#pragma unroll
-      for (int j = 0; j < MERGE_CHUNK; ++j) {
-        const float weight = exp2_approx(part_lse[c][j] - m_new);
-        if (weight > 0.f) {
-          acc[c][0] += weight * part[c][j].x; acc[c][1] += weight * part[c][j].y;
-          acc[c][2] += weight * part[c][j].z; acc[c][3] += weight * part[c][j].w;
-          sum[c] += weight;
-        }
-      }
-      m[c] = m_new;
+    for (int j = 0; j < MERGE_CHUNK; ++j) {
+      const bool real = i0 + j < splits;
+      part_lse[j] = real ? __ldcg(lse_0 + (i0 + j) * item_stride) : FJ_NEG_INF;
+      part[j] = real ? __ldcg(reinterpret_cast<const float4*>(o_0 + (i0 + j) * item_stride * D))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-  }
+    float m_new = m;
 #pragma unroll
-  for (int c = 0; c < CELLS; ++c)
-    if (c < count)
-      store_out4(out, out_stride, lse, num_qo_heads, cells[c].token, cells[c].qo_head, cells[c].col, acc[c],
-                 sum[c] > 0.f ? 1.f / sum[c] : 0.f, sum[c] > 0.f ? m[c] + log2_approx(sum[c]) : FJ_NEG_INF);
+    for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[j]);
+    if (m_new == FJ_NEG_INF) continue;  // nothing with weight yet
+    const float rescale = exp2_approx(m - m_new);  // 0 while m is -inf
+    sum *= rescale;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[c] *= rescale;
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) {
+      const float weight = exp2_approx(part_lse[j] - m_new);
+      if (weight > 0.f) {
+        acc[0] += weight * part[j].x; acc[1] += weight * part[j].y; acc[2] += weight * part[j].z; acc[3] += weight * part[j].w;
+        sum += weight;
+      }
+    }
+    m = m_new;
+  }
+  store_out4(out, out_stride, lse, num_qo_heads, token, qo_head, col, acc, sum > 0.f ? 1.f / sum : 0.f,
+             sum > 0.f ? m + log2_approx(sum) : FJ_NEG_INF);
 }
 
 // The split-KV merge fused into the decode kernel (cfg::FUSED_MERGE), for a CTA of a split request
@@ -311,8 +289,8 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
     if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
     const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
-    const PartialCell cell_of[1] = {{lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, q_begin + q_tok, qo_head, col}};
-    combine_partials4(cell_of, 1, item_stride, splits, out, out_stride, lse, num_qo_heads);
+    combine_partials4(lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, item_stride, splits, out, out_stride, lse,
+                      num_qo_heads, q_begin + q_tok, qo_head, col);
   }
 }
 
@@ -367,22 +345,14 @@ __device__ __noinline__ void merge_when_written(int* merge_counters, const float
     *counter = 0;
   }
   __syncthreads();
-  // A packed item's thread has several cells: CELLS of them share each round trip.
-  enum : int { CELLS = 2 };
-  const int rows = G * q_len, cells = heads * rows * COLS4;
+  const int rows = G * q_len;
   const i64 item_stride = (i64)cfg::MAX_Q_LEN * num_qo_heads;  // between two slots' partials
-  for (int first = tid; first < cells; first += CELLS * THREADS) {
-    PartialCell cell_of[CELLS];
-    const int count = min(CELLS, ceil_div(cells - first, THREADS));
-#pragma unroll
-    for (int c = 0; c < CELLS; ++c) {
-      const int cell = min(first + c * THREADS, cells - 1);
-      const int row = cell / COLS4 % rows, col = (cell % COLS4) * 4, q_tok = row / G;
-      const int qo_head = (kv_head + cell / COLS4 / rows) * G + row % G;
-      const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
-      cell_of[c] = PartialCell{lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, q_begin + q_tok, qo_head, col};
-    }
-    combine_partials4(cell_of, count, item_stride, splits, out, out_stride, lse, num_qo_heads);
+  for (int cell = tid; cell < heads * rows * COLS4; cell += THREADS) {
+    const int row = cell / COLS4 % rows, col = (cell % COLS4) * 4, q_tok = row / G;
+    const int qo_head = (kv_head + cell / COLS4 / rows) * G + row % G;
+    const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
+    combine_partials4(lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, item_stride, splits, out, out_stride, lse,
+                      num_qo_heads, q_begin + q_tok, qo_head, col);
   }
 }
 
