@@ -247,7 +247,6 @@ class BatchDecode:
         a = buffers.decode_args  # the work-list pointers are in already; the tensors' come with run()
         page_ids = indices if graph is None else graph.hold_page_ids(indices, int(num_page_ids))
         a.page_indices, a.num_page_ids = page_ids.data_ptr(), int(num_page_ids)
-        a.packed_from = 0 if graph is not None else work.num_work - work.packed_items  # (the packed entry's)
         if previous is None or previous.setup is not setup or previous.buffers is not buffers:
             decode_params = self._write_scalars(setup, buffers)
         else:  # the same setup over the same buffers: the arguments hold its scalars already

@@ -171,10 +171,11 @@ def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_
     (PreparedLaunch.update): cheaper than converting their arguments to ctypes again."""
     kernel = setup.kernel
     cap, tiling, loaded = buffers.capacity, kernel.tiling, setup.loaded
-    # Packed own items run in the entry point that reads them, on a grid of their own (graphs plan
-    # none: their launch is fixed).
-    packed = 0 if graph else work.packed_items
-    decode_grid = tiling.grid(cap.work if graph else work.num_work, setup.num_kv_heads, packed)
+    # Packed own items run in the entry point that reads them, on a grid of their own whose CTAs
+    # it maps from where they start (graphs plan none: their launch is fixed).
+    work_items, packed = (cap.work, 0) if graph else (work.num_work, work.packed_items)
+    decode_grid = tiling.grid(work_items, setup.num_kv_heads, packed)
+    buffers.decode_args.packed_from = work_items - packed
     programmatic = kernel.programmatic_launch
     function = loaded.decode_packed if packed else loaded.decode
     decode = PreparedLaunch.update(None if previous is None else previous.decode_launch, function, decode_grid,

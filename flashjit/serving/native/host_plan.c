@@ -430,7 +430,8 @@ int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
 }
 
 static void put_record(int32_t *record, int64_t request, int64_t v_begin, int64_t v_end, int64_t kv_len,
-                       int64_t page_begin, int64_t q_begin, int64_t q_len, int64_t splits, int64_t index) {
+                       int64_t page_begin, int64_t q_begin, int64_t q_len, int64_t splits, int64_t index,
+                       int32_t last) {
     record[0] = (int32_t)request;
     record[1] = (int32_t)v_begin;
     record[2] = (int32_t)v_end;
@@ -442,7 +443,7 @@ static void put_record(int32_t *record, int64_t request, int64_t v_begin, int64_
     record[8] = (int32_t)index;
     record[9] = (int32_t)v_begin;  /* a tile-sharing group of one: the item's own span */
     record[10] = (int32_t)v_end;
-    record[11] = 1;
+    record[11] = last;  /* a shared-prefix record's heads a CTA and part in the merge (abi.RECORD_HEADS) */
 }
 
 /* The work list of fj_shared_plan into the staging buffer, as shared_plan.SharedTables.write puts
@@ -462,11 +463,9 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
         const int64_t per_record = members_per_record(p, s, g), q = queries(p, first), step = span_chunk(p, s, g);
         for (int64_t begin = span_begin, k = s->offsets[g]; begin < end; begin += step, ++k) {
             const int64_t v_end = min64(begin + step, end);
-            for (int64_t m = first; m < stop; m += per_record, ++w) {
+            for (int64_t m = first; m < stop; m += per_record, ++w)
                 put_record(records + ITEM_INTS * w, m, begin, v_end, end, p->indptr[m], k, q,
-                           -min64(per_record, stop - m), 0);
-                records[ITEM_INTS * w + 11] |= counts;
-            }
+                           -min64(per_record, stop - m), 0, 1 | counts);
         }
     }
     staging[at->num_tokens] = (int32_t)p->num_tokens;
@@ -484,8 +483,7 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
             const int packs = packs_heads(p, s, end - first);
             int32_t *record = records + ITEM_INTS * (packs ? packed_w++ : w++);
             put_record(record, b, first, end, kv_len, p->indptr[b], q_begin, q_end - q_begin, splits,
-                       slot + s->slots[b] + i);
-            record[11] = (int32_t)(packs ? s->head_pack : 1) | (i + 1 == items ? waits : counts);
+                       slot + s->slots[b] + i, (int32_t)(packs ? s->head_pack : 1) | (i + 1 == items ? waits : counts));
         }
         slot += splits;
         staging[at->req_work_indptr + b + 1] = (int32_t)slot;
