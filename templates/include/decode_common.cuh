@@ -698,7 +698,6 @@ FJ_INLINE CountedClaims stream_shared_tiles(Stage& loader, const WorkItem& item,
     }
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
-    if constexpr (cfg::SHARED_WGMMA) fence_async_proxy();  // this thread's copies, before wgmma reads them
     __syncthreads();
     if (t == 0) FJ_STAMP(1);
     consume(t % STAGES, tile);
