@@ -165,7 +165,7 @@ def test_the_pieces_of_a_long_prompt_share_its_tiles(engine, cache, graph):
     prompt = [next(pool) for _ in range(1024)]
     lists = [prompt + [next(pool) for _ in range(rng.randint(1, 40))] for _ in range(16)]
     t = tables(lists, [rng.randint(1, PAGE) for _ in lists])
-    decoder = (flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=16, max_num_pages=len(t[1])) if graph
+    decoder = (flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=16, max_num_pages=POOL) if graph
                else flashjit.BatchDecode(engine))
     decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, share_prefixes=True)
     tiling = decode_tiling(decoder.spec)
