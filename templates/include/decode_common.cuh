@@ -630,18 +630,6 @@ struct SharedTiles {
   }
 };
 
-// A relaxed 64-bit add by one thread, whose result it uses later. ptxas turns an add at an address
-// it can prove uniform across the warp into a warp-aggregated one that shuffles the result out at
-// once, waiting there for the round trip; the address's %tid.y term (0: the blocks are 1-D) is one
-// it cannot prove uniform, so the wait moves to the result's first use.
-FJ_INLINE unsigned long long fetch_add_later(unsigned long long* counter, unsigned long long value) {
-  unsigned long long before;
-  asm volatile("{\n\t.reg .u32 y;\n\t.reg .u64 at;\n\tmov.u32 y, %%tid.y;\n\tmad.wide.u32 at, y, 8, %1;\n\t"
-               "atom.relaxed.gpu.global.add.u64 %0, [at], %2;\n\t}"
-               : "=l"(before) : "l"(counter), "l"(value));
-  return before;
-}
-
 struct CountedClaims {
   unsigned long long* counter;  // claims in the low half, CTAs done claiming in the high half
   unsigned long long before;    // thread 0's count-out: the pair as it found it
@@ -686,10 +674,7 @@ FJ_INLINE CountedClaims stream_shared_tiles(Stage& loader, const WorkItem& item,
     if (tile < 0) break;
     const int next = t + 1 + STAGES;  // the sequence number thread 0 claims for now
     int claim = 0;
-    if (threadIdx.x == 0 && next >= shared.head && shared.shares()) {
-      if constexpr (COUNTED) claim = (int)fetch_add_later(counter, 1ull);  // (the low half)
-      else claim = atomicAdd(counter, 1);
-    }
+    if (threadIdx.x == 0 && next >= shared.head && shared.shares()) claim = (int)atomicAdd(counter, (Counter)1);
     const int ahead = t + STAGES - 1;
     if (shared.tiles[ahead % SLOTS] >= 0) {
       loader.issue(ahead % STAGES);
@@ -708,7 +693,7 @@ FJ_INLINE CountedClaims stream_shared_tiles(Stage& loader, const WorkItem& item,
   cp_async_wait<0>();
   CountedClaims counted{nullptr, 0ull};
   if constexpr (COUNTED) {  // (a group whose static runs cover its tiles never claims: nothing to reset)
-    if (threadIdx.x == 0 && shared.shares()) counted = {counter, fetch_add_later(counter, 1ull << 32)};
+    if (threadIdx.x == 0 && shared.shares()) counted = {counter, atomicAdd(counter, 1ull << 32)};
   }
   return counted;
 }

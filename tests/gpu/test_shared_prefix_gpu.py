@@ -121,10 +121,12 @@ def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q
             assert in_kernel == (way == "kernel merges") if q_len == 1 else not in_kernel or way == "kernel merges"
         outs[way] = decoder.run(q, (k, v), return_lse=True)
         assert counters_at_rest(plan.buffers)
-        outs[way, "again"] = decoder.run(q, (k, v), return_lse=True)  # on the counters the first left
+        again = decoder.run(q, (k, v), return_lse=True)  # (pieces sharing tiles may round differently)
+        assert rel_error(again[0], outs[way][0].float()) < 1e-3
+        torch.testing.assert_close(again[1], outs[way][1], atol=1e-4, rtol=1e-5)
     ref, ref_lse = decode_reference(q, k, v, indptr, ids, last_t, qo_indptr=qo, mask=mask)
     plain, plain_lse = outs["per request"]
-    for out, lse in (outs[way] for way in outs if way != "per request"):
+    for out, lse in (outs["kernel merges"], outs["merge launch"]):
         assert not out.isnan().any() and not lse.isnan().any()
         assert rel_error(out, ref) < TOLERANCE
         assert rel_error(out, plain.float()) < TOLERANCE
