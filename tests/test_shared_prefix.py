@@ -235,7 +235,7 @@ def test_a_record_of_more_rows_reads_a_shorter_chunk(group, row_warps, tiles):
 @pytest.mark.parametrize("head_pack", [1, 4])
 def test_short_own_items_name_the_heads_one_cta_attends(head_pack):
     """An own item of at most HEAD_PACK_MAX_TILES tiles names head_pack in its last field (one CTA
-    attends that many KV heads), a longer one 1 (a shared record its chunk set's pieces)."""
+    attends that many KV heads), a longer one and every shared record 1."""
     prompt = list(range(64))
     lists = [prompt + list(range(100 + 40 * m, 100 + 40 * m + 2 * m)) for m in range(16)]  # 0 to 30 own pages
     indptr, ids, kv, _ = page_table(lists, [PAGE] * 16)
@@ -248,41 +248,7 @@ def test_short_own_items_name_the_heads_one_cta_attends(head_pack):
     short = own[:, 2] - own[:, 1] <= HEAD_PACK_MAX_TILES * granularity
     assert short.any() and not short.all()
     assert (own[short, 11] == head_pack).all() and (own[~short, 11] == 1).all()
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_shared_records_name_their_chunk_set(seed):
-    """Nested groups of samples: each shared record names its chunk set (its group's chunks for
-    its run of members) for the kernel's tile sharing: its chunk (share), the set's span and its
-    pieces; the set's records tile that span, the pieces of one chunk for every run alike, and
-    each chunk's slot offset is the set's first plus the chunk. A span of one chunk is a set of
-    one, its own span."""
-    rng = random.Random(seed)
-    prompt = list(range(rng.randint(8, 200)))
-    lists = []
-    for beam in range(3):
-        mid = prompt + list(range(1000 + 100 * beam, 1000 + 100 * beam + rng.randint(1, 40)))
-        lists += [mid + list(range(5000 + 50 * len(lists), 5000 + 50 * len(lists) + rng.randint(0, 3)))
-                  for _ in range(rng.randint(2, 12))]
-    indptr, ids, kv, _ = page_table(lists, [PAGE] * len(lists))
-    spans = find_shared_spans(indptr, ids, kv, np.ones(len(lists), int), PAGE, causal=False)
-    shared = plan_shared_work(spans, indptr, kv, np.arange(len(lists) + 1), PAGE, group_size=4, row_tiles=1,
-                              ctas_per_item=8, max_ctas=264, granularity=4 * PAGE, row_warps=4, head_pack=4,
-                              chunk_tokens=rng.choice([4, 8, 16]) * PAGE)
-    records = shared.records[:shared.num_shared]
-    pieces = records[:, 11] & RECORD_HEADS
-    assert (pieces > 1).any() and spans.level.max() >= 1
-    sets = {}
-    for r in records:
-        sets.setdefault((r[0], r[3], r[5] - r[8]), []).append(r)  # first member, span end, first slot
-    assert len(sets) == sum(1 for r in records if r[8] == 0)
-    for (_, end, _), rs in sets.items():
-        rs = np.array(rs)
-        assert (rs[:, 11] & RECORD_HEADS == len(rs)).all() and sorted(rs[:, 8]) == list(range(len(rs)))
-        assert (rs[:, 10] == end).all() and (rs[:, 9] == rs[:, 1].min()).all() if len(rs) > 1 else \
-            (rs[0, 9], rs[0, 10]) == (rs[0, 1], rs[0, 2])
-        cuts = rs[np.argsort(rs[:, 8])]
-        assert (cuts[1:, 1] == cuts[:-1, 2]).all() and cuts[-1, 2] == end
+    assert (records[:shared.num_shared, 11] == 1).all()
 
 
 def test_the_chunk_prices_packed_own_items_as_their_ctas():
@@ -338,8 +304,7 @@ def test_one_wave_plans_merge_in_the_kernel():
         assert shared.work.merges_in_kernel == in_kernel
         assert own.sum() == 64 and (roles == np.where(own, MERGE_WAITS, MERGE_COUNTS) * in_kernel).all()
         assert shared.work.needs_merge != in_kernel
-        pieces = np.unique(shared.records[~own, 1]).size  # the prompt's chunks
-        assert (shared.records[:, 11] & RECORD_HEADS == np.where(own, head_pack, pieces)).all()
+        assert (shared.records[:, 11] & RECORD_HEADS == np.where(own, head_pack, 1)).all()
 
 
 @pytest.mark.parametrize("native", [True, False])

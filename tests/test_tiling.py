@@ -68,10 +68,10 @@ def test_the_table_gives_every_spec_its_pinned_tiling():
     for spec in every_spec():
         key = (spec.head_dim, spec.kv_dtype, spec.group_size, spec.max_q_len, spec.tensor_cores)
         tiling = decode_tiling(spec)
-        # the last six fields, which only shared-prefix kernels set
+        # the last five fields, which only shared-prefix kernels set
         assert tiling.shared_row_warps == 1 and tiling.shared_step == 1 and not tiling.shared_wgmma
-        assert tiling.own_head_pack == 1 and not tiling.waiting_merge and tiling.shared_static_share == 100
-        digest.update(repr((key, dataclasses.astuple(tiling)[:-6])).encode())
+        assert tiling.own_head_pack == 1 and not tiling.waiting_merge
+        digest.update(repr((key, dataclasses.astuple(tiling)[:-5])).encode())
     assert digest.hexdigest() == PINNED_GRID_DIGEST
 
 
@@ -115,7 +115,7 @@ def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all
         assert not decode_tiling(dataclasses.replace(shared, arch=arch)).shared_wgmma
     assert tiling.waiting_merge and not tiling.fused_merge  # one-wave plans merge in the kernel, others launch it
     assert dataclasses.replace(tiling, shared_row_warps=1, shared_step=1, shared_wgmma=False, own_head_pack=1,
-                               fused_merge=True, waiting_merge=False, shared_static_share=100,
+                               fused_merge=True, waiting_merge=False,
                                ring_align=plain_tiling.ring_align, smem_bytes=plain_tiling.smem_bytes,
                                static_share=plain_tiling.static_share) == plain_tiling
 

@@ -30,12 +30,11 @@ from ..masks.params import MASK_PARAM_CTYPES
 WORK_ITEM_FIELDS = ("request", "v_begin", "v_end", "kv_len", "page_begin", "q_begin", "q_len", "splits",
                     "share", "share_begin", "share_end", "sharers")
 ITEM_INTS = len(WORK_ITEM_FIELDS)
-# A shared-prefix record's last field ("sharers") holds in RECORD_HEADS the KV heads one CTA of a
-# short own item attends, or a shared record's pieces of its chunk set (serving/shared_plan.py),
-# and, where its plan merges in the decode kernel (decode_common.cuh's merge_when_written), the
-# record's part in that merge: MERGE_COUNTS (its CTA counts its partials in) or MERGE_WAITS (its
-# request's last own item: waits for the others' and combines them).
-MERGE_COUNTS, MERGE_WAITS = 1 << 16, 1 << 17
+# A shared-prefix record's last field ("sharers") holds the KV heads one CTA of a short own item
+# attends (RECORD_HEADS) and, where its plan merges in the decode kernel (decode_common.cuh's
+# merge_when_written), the record's part in that merge: MERGE_COUNTS (its CTA counts its partials
+# in) or MERGE_WAITS (its request's last own item: waits for the others' and combines them).
+MERGE_COUNTS, MERGE_WAITS = 1 << 8, 1 << 9
 RECORD_HEADS = MERGE_COUNTS - 1
 
 # The GPU planner's shared memory: PLAN_SMEM_INTS int32 per request (plus one), for at most

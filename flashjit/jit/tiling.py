@@ -66,9 +66,6 @@ class DecodeTiling:
     # wave merges in the kernel, each request's last own item waiting for its other partials
     # (merge_when_written); other plans launch flashjit_merge.
     waiting_merge: bool = False
-    # Shared-prefix kernels: % of a shared record's fair share of its chunk set's tiles it reads
-    # before claiming the rest one at a time with the set's other records (100: each its own piece).
-    shared_static_share: int = 100
 
     @property
     def entry(self) -> str:
@@ -127,9 +124,6 @@ class TensorCoreRow:
     # Shared-prefix records (rows by warp): slices of a stage a warp attends in one softmax step, its
     # S chains side by side (more registers, the same CTAs per SM where the row sets it above 1)
     shared_step: int = 1
-    # Shared-prefix kernels: % of a shared record's fair share of its chunk set's tiles read before
-    # it claims the rest one at a time with the set's other records (100: each reads its piece)
-    shared_static_share: int = 100
 
     @property
     def key(self) -> tuple[bool, int]:
@@ -191,8 +185,7 @@ TUNING = Tuning(
         TensorCoreRow(False, 96,      6,    1,        2,     2,       True,   16,   16,   100),
         # 2 stages beat 3 by 0.1-2.7% at the same 2 CTAs/SM; swizzled rows beat 16-byte pads (139.5 against 148.0 us)
         # (shared records: the whole stage in one step, 239 registers and 2 CTAs/SM as with 1)
-        TensorCoreRow(False, 128,     4,    1,        2,     1,       True,   16,   16,   100, shared_step=4,
-                      shared_static_share=75),
+        TensorCoreRow(False, 128,     4,    1,        2,     1,       True,   16,   16,   100, shared_step=4),
         # two warps per slice keep O off the 255-register limit, each with half of S's k-steps (193
         # registers; repeating S took 224 and 3 stages: 262 µs against 258 at b16 L8192); swizzling
         # spills, so 32-byte pads; sharing 6% faster
@@ -321,8 +314,7 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
                             q_smem_bytes=q_smem, shared_row_warps=row_warps,
                             shared_step=row.shared_step if row_warps > 1 else 1, shared_wgmma=shared_wgmma,
                             own_head_pack=head_pack, split_scores=split_scores,
-                            waiting_merge=spec.shared_prefix and table.fused_merge and row_tiles == 1,
-                            shared_static_share=row.shared_static_share if spec.shared_prefix else 100, **merge)
+                            waiting_merge=spec.shared_prefix and table.fused_merge and row_tiles == 1, **merge)
     cc = table.cuda_cores
     chunks = spec.head_dim // VEC
     bdx = _pow2_ceil(chunks)

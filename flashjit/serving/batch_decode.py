@@ -281,14 +281,12 @@ class BatchDecode:
         spec, num_qo_heads = setup.spec, setup.num_qo_heads
         partial_rows = capacity.partial_slots * spec.max_q_len * num_qo_heads
         merge_groups = capacity.batch * setup.num_kv_heads * setup.kernel.tiling.row_tiles
-        # A shared-prefix kernel's chunk sets count their tile claims in a 64-bit pair at a slot and KV head.
-        set_counters = 2 * capacity.partial_slots * setup.num_kv_heads if spec.shared_prefix else 0
         current = None if previous is None else previous.buffers
-        if current is not None and current.fits(capacity, partial_rows * setup.head_dim, merge_groups, set_counters):
+        if current is not None and current.fits(capacity, partial_rows * setup.head_dim, merge_groups):
             return current
         if current is not None and self._graph is not None:
             self._graph.refuse_new_buffers()
-        return PlanBuffers(capacity, partial_rows, setup.head_dim, merge_groups, self.device, set_counters)
+        return PlanBuffers(capacity, partial_rows, setup.head_dim, merge_groups, self.device)
 
     def _write_scalars(self, setup: Setup, buffers: PlanBuffers):
         """The setup's scalars into the buffers' launch arguments (they hold another setup's); returns

@@ -36,8 +36,7 @@ class PlanBuffers:
     # 16-byte aligned; the rest are the merges' (req_*, token_request, num_tokens).
     FIELDS = ("work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request")
 
-    def __init__(self, capacity: Capacity, partial_rows: int, head_dim: int, merge_groups: int, device,
-                 tile_counters: int = 0):
+    def __init__(self, capacity: Capacity, partial_rows: int, head_dim: int, merge_groups: int, device):
         import torch
 
         self.capacity = capacity
@@ -54,11 +53,9 @@ class PlanBuffers:
         self.tmp_o = torch.empty(max(1, partial_rows * head_dim), dtype=torch.float32, device=device)
         self.tmp_lse = torch.empty(max(1, partial_rows), dtype=torch.float32, device=device)
         # The fused merge's arrival counters and the split requests' shared-tile claims, per
-        # (request, KV head, row tile), or at least tile_counters int32 of claims (a shared-prefix
-        # kernel's chunk sets: two per partial slot and KV head): zero here, and the kernel leaves
-        # them zero.
+        # (request, KV head, row tile): zero here, and the kernel leaves them zero.
         self.merge_counters = torch.zeros(max(1, merge_groups), dtype=torch.int32, device=device)
-        self.tile_counters = torch.zeros(max(1, merge_groups, tile_counters), dtype=torch.int32, device=device)
+        self.tile_counters = torch.zeros(max(1, merge_groups), dtype=torch.int32, device=device)
         self.copies = StreamCopies(device)
         # Launch arguments over these buffers; each plan() sets its scalars, each run() its tensors.
         p = self.pointers
@@ -98,11 +95,10 @@ class PlanBuffers:
             found = self._plan_params = (struct, self._mask_values, array)
         return found[2]
 
-    def fits(self, capacity: Capacity, partial_elems: int, merge_groups: int, tile_counters: int = 0) -> bool:
+    def fits(self, capacity: Capacity, partial_elems: int, merge_groups: int) -> bool:
         c = self.capacity
         return (capacity.work <= c.work and capacity.batch <= c.batch and capacity.tokens <= c.tokens
-                and partial_elems <= self.tmp_o.numel() and merge_groups <= self.merge_counters.numel()
-                and tile_counters <= self.tile_counters.numel())
+                and partial_elems <= self.tmp_o.numel() and merge_groups <= self.merge_counters.numel())
 
     def write(self, tables, synced_stream=None):
         """A plan's work list (tables: host_planner's NumpyTables or NativeTables) to the GPU.

@@ -21,20 +21,16 @@ The grid runs the records; the merge reads partial slots, which here are not gri
 A shared record reuses the 12 fields of abi.WORK_ITEM_FIELDS: request = its first member, the
 chunk's [v_begin, v_end), kv_len = the span's end, page_begin = the first member's page offset (the
 members' first pages are the same ids), q_begin = the slot offset k (member m's partial goes to
-position req_work_indptr[m] + k), q_len = the members' query tokens, splits = -(members); its
-tile-sharing group is its chunk set (the chunks of its group's span for its member run): share =
-its chunk, the span, and in the last field (abi.RECORD_HEADS) the set's pieces. A kernel whose
-tiling.shared_static_share is below 100 has the pieces share the set's tiles (each reads that % of
-its fair share, then claims tiles with the others: the SMs the memory system serves faster read
-more); others read each piece's chunk. Only a kernel built with shared_prefix reads them (and the
-own items' slots).
+position req_work_indptr[m] + k), q_len = the members' query tokens, splits = -(members); the
+sharing group is the item alone. Only a kernel built with shared_prefix reads them (and the own
+items' slots).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
+from ..jit.abi import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS
 from .shared_prefix import SharedSpans
 from .split_plan import WorkPlan, choose_chunk, plan_work
 
@@ -159,13 +155,8 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     end = spans.end_page[group] * page_size
     v_end = np.minimum(begin + span_chunk[group], end)
     members = np.minimum(per_record[group], spans.first[group] + spans.count[group] - first)
-    # The pieces of a chunk set share its tiles (the kernel's tiling.shared_static_share) where the
-    # last field can count them: piece, the set's span, pieces.
-    pieces = chunks[group]
-    shares = (pieces > 1) & (pieces <= RECORD_HEADS)
-    shared = np.stack([first, begin, v_end, end, indptr[first], offsets[group] + chunk_index, q_lens[first], -members,
-                       np.where(shares, chunk_index, 0), np.where(shares, spans.begin_page[group] * page_size, begin),
-                       np.where(shares, end, v_end), np.where(shares, pieces, 1)], axis=1)
+    shared = np.stack([first, begin, v_end, end, indptr[first], offsets[group] + chunk_index,
+                       q_lens[first], -members, np.zeros_like(first), begin, v_end, np.ones_like(first)], axis=1)
     num_shared = len(shared)
     own_items = np.diff(own.req_work_indptr).astype(np.int64)
     req_work_indptr = np.zeros(batch + 1, dtype=np.int64)

@@ -104,15 +104,10 @@ struct WorkItem {
       const int previous = w > 0 ? __ldg(reinterpret_cast<const int*>(a.work_items + RECORD_INT4S * (w - 1))) : -1;
       first_of_request = direct || previous != request;
     }
-    tile_begin = v_begin - v_begin % cfg::PAGE_SIZE;
     if constexpr (cfg::STATIC_SHARE < 100) {
       const int4 group = __ldg(a.work_items + RECORD_INT4S * w + 2);
-      share_tiles(group.y, group.z, group.x, group.w);
+      share = group.x; v_begin = group.y; v_end = group.z; sharers = group.w;
     }
-  }
-  // The CTA reads tiles of [begin, end) as the index-th of count CTAs sharing them (stream_shared_tiles).
-  FJ_INLINE void share_tiles(int begin, int end, int index, int count) {
-    v_begin = begin; v_end = end; share = index; sharers = count;
     tile_begin = v_begin - v_begin % cfg::PAGE_SIZE;
   }
   FJ_INLINE bool padding() const { return request < 0; }
@@ -607,10 +602,6 @@ FJ_INLINE void stream_tiles(Stage& loader, int v_begin, int num_tiles, Prepare&&
 // split), or a fair share of at most STAGES + 1 tiles, reads its tiles statically: the same tiles,
 // in the same order, at every launch.
 //
-// A shared record's chunk set (cfg::SHARED_STATIC_SHARE < 100, Counter a 64-bit pair) has no merge
-// of its own to set its claims back to 0: there each CTA also counts itself out in the high half
-// once its claims are over, and the last to do so resets the pair (CountedClaims::release).
-//
 // Thread 0 decides the tile of each sequence number j (SharedTiles::tile) and publishes it in
 // tiles[j % SLOTS]; the other threads only read that, so the scheme costs them one register.
 // It claims the tile of sequence t + 1 + STAGES at the start of iteration t (the atomic's latency
@@ -630,29 +621,15 @@ struct SharedTiles {
   }
 };
 
-struct CountedClaims {
-  unsigned long long* counter;  // claims in the low half, CTAs done claiming in the high half
-  unsigned long long before;    // thread 0's count-out: the pair as it found it
-  // Thread 0 of the last CTA out sets the pair back to 0 for the next launch. Called late: the
-  // count-out's round trip then hides behind the CTA's epilogue.
-  FJ_INLINE void release(int sharers) const {
-    if (threadIdx.x == 0 && counter != nullptr && (int)(before >> 32) == sharers - 1) *counter = 0ull;
-  }
-};
-
-// Streams the CTA's tiles of its sharing group; with a 64-bit Counter it counts itself out as well
-// and returns what release() needs.
-template <int STAGES, int TILE, int SHARE = cfg::STATIC_SHARE, class Counter, class Stage, class Prepare,
-          class Consume>
-FJ_INLINE CountedClaims stream_shared_tiles(Stage& loader, const WorkItem& item, Counter* counter,
-                                            Prepare&& prepare, Consume&& consume) {
-  enum : bool { COUNTED = sizeof(Counter) == 8 };
+template <int STAGES, int TILE, class Stage, class Prepare, class Consume>
+FJ_INLINE void stream_shared_tiles(Stage& loader, const WorkItem& item, int* counter, Prepare&& prepare,
+                                   Consume&& consume) {
   constexpr int SLOTS = SharedTiles::SLOTS;
   static_assert(SLOTS >= STAGES + 2, "a slot is not reused while read");
   __shared__ SharedTiles shared;
   if (threadIdx.x == 0) {
     const int total = item.num_tiles(TILE), fair = ceil_div(total, item.sharers);
-    const int head = item.sharers == 1 || fair <= STAGES + 1 ? fair : max(STAGES + 1, fair * SHARE / 100);
+    const int head = item.sharers == 1 || fair <= STAGES + 1 ? fair : max(STAGES + 1, fair * cfg::STATIC_SHARE / 100);
     shared.total = total; shared.head = head; shared.first = item.share * head; shared.pool = item.sharers * head;
 #pragma unroll
     for (int j = 0; j <= STAGES; ++j) shared.tiles[j] = shared.tile(j, total);  // static (or past the end)
@@ -674,7 +651,7 @@ FJ_INLINE CountedClaims stream_shared_tiles(Stage& loader, const WorkItem& item,
     if (tile < 0) break;
     const int next = t + 1 + STAGES;  // the sequence number thread 0 claims for now
     int claim = 0;
-    if (threadIdx.x == 0 && next >= shared.head && shared.shares()) claim = (int)atomicAdd(counter, (Counter)1);
+    if (threadIdx.x == 0 && next >= shared.head && shared.shares()) claim = atomicAdd(counter, 1);
     const int ahead = t + STAGES - 1;
     if (shared.tiles[ahead % SLOTS] >= 0) {
       loader.issue(ahead % STAGES);
@@ -691,38 +668,19 @@ FJ_INLINE CountedClaims stream_shared_tiles(Stage& loader, const WorkItem& item,
   }
   FJ_STAMP(2);
   cp_async_wait<0>();
-  CountedClaims counted{nullptr, 0ull};
-  if constexpr (COUNTED) {  // (a group whose static runs cover its tiles never claims: nothing to reset)
-    if (threadIdx.x == 0 && shared.shares()) counted = {counter, atomicAdd(counter, 1ull << 32)};
-  }
-  return counted;
 }
 
 // A tensor-core CTA's tiles: its item's (stream_tiles), or with cfg::STATIC_SHARE < 100 its sharing
 // group's, shared with the group's other CTAs (stream_shared_tiles). ROWS: query rows per CTA.
-//
-// A shared record of a chunk set (item.sharers > 1, cfg::SHARED_STATIC_SHARE < 100) shares the set's
-// tiles with its other pieces (serving/shared_plan.py): their claims are counted at the set's
-// first slot of its first member and KV head, a 64-bit pair of tile_counters (the shared-prefix
-// kernel's tiling shares no request's tiles, so no other use of them).
 template <int STAGES, int TILE, int ROWS, class Stage, class Prepare, class Consume>
-FJ_INLINE CountedClaims stream_item_tiles(Stage& loader, const Args& a, const WorkItem& item, const CtaCoords& cta,
-                                          Prepare&& prepare, Consume&& consume) {
+FJ_INLINE void stream_item_tiles(Stage& loader, const Args& a, const WorkItem& item, const CtaCoords& cta,
+                                 Prepare&& prepare, Consume&& consume) {
   if constexpr (cfg::STATIC_SHARE < 100) {
     constexpr int ROW_TILES = ceil_div(cfg::GROUP_SIZE * cfg::MAX_Q_LEN, ROWS);
     int* counter = a.tile_counters + group_index(a.num_qo_heads, item.request, cta.kv_head, cta.row_tile, ROW_TILES);
-    return stream_shared_tiles<STAGES, TILE>(loader, item, counter, prepare, consume);
+    stream_shared_tiles<STAGES, TILE>(loader, item, counter, prepare, consume);
   } else {
-    if constexpr (cfg::SHARED_STATIC_SHARE < 100) {
-      if (item.sharers > 1) {
-        const i64 set = ((i64)__ldg(a.req_work_indptr + item.request) + item.q_begin - item.share) *
-                            (a.num_qo_heads / cfg::GROUP_SIZE) + cta.kv_head;
-        unsigned long long* counter = reinterpret_cast<unsigned long long*>(a.tile_counters) + set;
-        return stream_shared_tiles<STAGES, TILE, cfg::SHARED_STATIC_SHARE>(loader, item, counter, prepare, consume);
-      }
-    }
     stream_tiles<STAGES, TILE>(loader, item.tile_begin, item.num_tiles(TILE), prepare, consume);
-    return CountedClaims{nullptr, 0ull};
   }
 }
 

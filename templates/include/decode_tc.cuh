@@ -48,7 +48,6 @@ constexpr int TILE = 16 * SLICES;         // keys per pipeline stage
 constexpr int STAGES = cfg::STAGES;
 constexpr bool SWIZZLE = cfg::SWIZZLE;    // the ring's rows are unpadded and swizzled (PagedKVStage)
 enum : int { MERGE_ROLES = FJ_MERGE_COUNTS | FJ_MERGE_WAITS };  // a record's last field: not its heads
-enum : int { RECORD_HEADS = FJ_MERGE_COUNTS - 1 };  // the rest of it (abi.RECORD_HEADS)
 constexpr int KSTEPS = D / 16;            // MMA k-steps of S = Q K^T
 constexpr int NTILES = D / 8 / COL_SPLIT;  // MMA n-tiles of O per warp
 constexpr bool Q_IN_SMEM = cfg::Q_SMEM_BYTES > 0;  // Q's fragments in shared memory, not registers
@@ -119,7 +118,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   const CtaCoords cta = HEAD_PACK > 1 ? CtaCoords(a, HEAD_PACK) : CtaCoords(a);
   const int w = cta.work;
   const RowSinks<M> sinks(vparams, cta);
-  WorkItem item(a, w);  // (a shared record's: over its chunk set's span where its pieces share tiles, below)
+  const WorkItem item(a, w);
   if (item.padding()) return;  // a CUDA-graph grid's position past the plan's items
   const MaskParams params = mask_bind(unbound, item.request);
   const int tid = threadIdx.x, lane = tid % 32;
@@ -148,11 +147,6 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
     members = slots < 0 ? -slots : 0;
     slot = tail.x;
     merge_role = cfg::WAITING_MERGE ? tail.w & MERGE_ROLES : 0;
-    // A shared record of a chunk set cut in pieces: piece tail.x of (tail.w & RECORD_HEADS) over
-    // the set's span [tail.y, tail.z), whose tiles the pieces share (stream_item_tiles).
-    if constexpr (cfg::SHARED_STATIC_SHARE < 100) {
-      if (members > 0 && (tail.w & RECORD_HEADS) > 1) item.share_tiles(tail.y, tail.z, tail.x, tail.w & RECORD_HEADS);
-    }
   }
   // The CTA's first row: a shared record's rows by warp hold ROW_WARPS tiles of 16 per row tile.
   const bool rows_by_warp = ROWS_BY_WARP && members > 0;
@@ -417,14 +411,12 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   // Once the CTA's partials are written, where the plan merges in this kernel (a shared record
   // counts in its members; a request's only item, direct, writes the output and merges nothing).
   // A waiting item's slot is its request's last.
-  // Last, the chunk set's tile claims back to 0 where this CTA is the last of its set out.
-  const auto merge_here = [&](const CountedClaims& claims) {
+  const auto merge_here = [&] {
     if constexpr (cfg::WAITING_MERGE) {
       if (merge_role != 0 && !item.direct)
         merge_when_written<NT>(a, item, members > 0 ? members : 1, cta.kv_head, packed ? HEAD_PACK : 1,
                                merge_role == FJ_MERGE_WAITS, slot + 1 - slots, slots);
     }
-    if constexpr (cfg::SHARED_STATIC_SHARE < 100) claims.release(item.sharers);
   };
   bool streamed = false;
   if constexpr (HEAD_PACK > 1) {
@@ -437,8 +429,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
       streamed = true;
     }
   }
-  CountedClaims claims{nullptr, 0ull};
-  if (!streamed) claims = stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, consume);
+  if (!streamed) stream_item_tiles<STAGES, TILE, M>(loader, a, item, cta, prepare, consume);
 
   if constexpr (ROWS_BY_WARP) {
     if (rows_by_warp || packed) {  // each warp's rows are whole: it finishes them from its registers
@@ -466,7 +457,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
           *reinterpret_cast<float2*>(a.tmp_o + at * D + 8 * n + pair) = make_float2(o[n][2 * h] * inv, o[n][2 * h + 1] * inv);
         if (lane % 4 == 0) a.tmp_lse[at] = dsum[h] > 0.f ? m[h] + log2_approx(dsum[h]) : FJ_NEG_INF;
       }
-      merge_here(claims);
+      merge_here();
       return;
     }
   }
@@ -489,7 +480,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   __syncthreads();
 
   finish_rows<M, SLICES>(a, item, scales, cta, red_o, red_m, red_d, row_sinks, members, slot);
-  merge_here(claims);
+  merge_here();
 }
 
 FJ_INLINE void attend(const Args& a, const MaskParams& params, const VariantParams& vparams) {

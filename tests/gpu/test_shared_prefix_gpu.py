@@ -12,7 +12,6 @@ import torch
 
 import flashjit
 from flashjit.jit.abi import RECORD_HEADS
-from flashjit.jit.tiling import decode_tiling
 from flashjit.serving import shared_decode
 from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.reference import decode_reference
@@ -77,12 +76,6 @@ def plan_merge_launches(monkeypatch):
     monkeypatch.setattr(shared_decode, "plan_shared_work", lambda *a, **k: numpy_plan(*a, **{**k, "merge_waits": False}))
 
 
-def counters_at_rest(buffers) -> bool:
-    """Whether the kernels left their merge and tile-claim counters at 0, as the next launch needs them."""
-    torch.cuda.synchronize()
-    return not buffers.merge_counters.any() and not buffers.tile_counters.any()
-
-
 def tables(lists, last):
     indptr = torch.tensor([0] + list(itertools.accumulate(len(p) for p in lists)), dtype=torch.int32)
     ids = torch.tensor([i for p in lists for i in p], dtype=torch.int32).cuda()
@@ -120,10 +113,8 @@ def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q
             assert (plan.merge_launch is None) == in_kernel
             assert in_kernel == (way == "kernel merges") if q_len == 1 else not in_kernel or way == "kernel merges"
         outs[way] = decoder.run(q, (k, v), return_lse=True)
-        assert counters_at_rest(plan.buffers)
-        again = decoder.run(q, (k, v), return_lse=True)  # (pieces sharing tiles may round differently)
-        assert rel_error(again[0], outs[way][0].float()) < 1e-3
-        torch.testing.assert_close(again[1], outs[way][1], atol=1e-4, rtol=1e-5)
+        again = decoder.run(q, (k, v), return_lse=True)  # the kernel's counters are back at rest
+        assert torch.equal(again[0], outs[way][0]) and torch.equal(again[1], outs[way][1])
     ref, ref_lse = decode_reference(q, k, v, indptr, ids, last_t, qo_indptr=qo, mask=mask)
     plain, plain_lse = outs["per request"]
     for out, lse in (outs["kernel merges"], outs["merge launch"]):
@@ -153,46 +144,6 @@ def test_multi_token_queries_merge_in_the_kernel(engine, cache, mask):
     ref, ref_lse = decode_reference(q, k, v, indptr, ids, last_t, qo_indptr=qo, mask=mask)
     assert not out.isnan().any() and rel_error(out, ref) < TOLERANCE
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3)
-
-
-@pytest.mark.parametrize("graph", [False, True])
-def test_the_pieces_of_a_long_prompt_share_its_tiles(engine, cache, graph):
-    """16 samples of a 1024-page prompt: its chunks are pieces of one chunk set per KV head, which
-    read part of their fair share and claim the rest from the set's counter (tiling.
-    shared_static_share). Every launch is exact, eager and replayed in a CUDA graph, and leaves the
-    counters at 0 for the next."""
-    k, v = cache
-    rng = random.Random(21)
-    pool = iter(rng.sample(range(POOL), POOL))
-    prompt = [next(pool) for _ in range(1024)]
-    lists = [prompt + [next(pool) for _ in range(rng.randint(1, 40))] for _ in range(16)]
-    t = tables(lists, [rng.randint(1, PAGE) for _ in lists])
-    decoder = (flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=16, max_num_pages=POOL) if graph
-               else flashjit.BatchDecode(engine))
-    decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, share_prefixes=True)
-    tiling = decode_tiling(decoder.spec)
-    assert decoder.spec.shared_prefix and tiling.shared_static_share < 100
-    plan = decoder.current_plan
-    records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
-    shared = records[records[:, 7] < 0]
-    assert (shared[:, 11] & RECORD_HEADS > 1).all()
-    assert (shared[:, 2] - shared[:, 1] > (tiling.stages + 1) * tiling.tile_tokens).all()  # past the static minimum
-    q = torch.zeros(16, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
-    out = torch.zeros_like(q)
-    run = lambda: decoder.run(q, (k, v), out=out)  # noqa: E731
-    if graph:
-        run()
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            run()
-        run = captured.replay  # noqa: F811
-    for seed in range(3):
-        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).bfloat16())
-        out.fill_(float("nan"))
-        run()
-        assert counters_at_rest(plan.buffers)
-        ref, _ = decode_reference(q, k, v, *t)
-        assert not out.isnan().any() and rel_error(out, ref) < TOLERANCE, seed
 
 
 @pytest.mark.parametrize("pattern", ["samples", "two_levels"])

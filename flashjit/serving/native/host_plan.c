@@ -75,8 +75,7 @@ typedef struct {
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 enum { TILE_COST_BASE = 5 };  /* shared_plan.TILE_COST_BASE */
 enum { HEAD_PACK_MAX_TILES = 2 };  /* shared_plan.HEAD_PACK_MAX_TILES */
-enum { MERGE_COUNTS = 1 << 16, MERGE_WAITS = 1 << 17 };  /* abi's: a record's part in a merge in the kernel */
-enum { RECORD_HEADS = MERGE_COUNTS - 1 };  /* abi's: the rest of a record's last field */
+enum { MERGE_COUNTS = 1 << 8, MERGE_WAITS = 1 << 9 };  /* abi's: a record's part in a merge in the kernel */
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -432,7 +431,7 @@ int fj_shared_plan(fj_plan_t *p, fj_shared_t *s) {
 
 static void put_record(int32_t *record, int64_t request, int64_t v_begin, int64_t v_end, int64_t kv_len,
                        int64_t page_begin, int64_t q_begin, int64_t q_len, int64_t splits, int64_t index,
-                       int64_t share_begin, int64_t share_end, int32_t last) {
+                       int32_t last) {
     record[0] = (int32_t)request;
     record[1] = (int32_t)v_begin;
     record[2] = (int32_t)v_end;
@@ -442,9 +441,9 @@ static void put_record(int32_t *record, int64_t request, int64_t v_begin, int64_
     record[6] = (int32_t)q_len;
     record[7] = (int32_t)splits;
     record[8] = (int32_t)index;
-    record[9] = (int32_t)share_begin;  /* the span the item's tile-sharing group reads */
-    record[10] = (int32_t)share_end;
-    record[11] = last;  /* heads a CTA or pieces (abi.RECORD_HEADS), and the part in the merge */
+    record[9] = (int32_t)v_begin;  /* a tile-sharing group of one: the item's own span */
+    record[10] = (int32_t)v_end;
+    record[11] = last;  /* a shared-prefix record's heads a CTA and part in the merge (abi.RECORD_HEADS) */
 }
 
 /* The work list of fj_shared_plan into the staging buffer, as shared_plan.SharedTables.write puts
@@ -462,15 +461,11 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
         const int64_t first = s->first[g], stop = first + s->count[g];
         const int64_t span_begin = s->begin_page[g] * p->page_size, end = s->end_page[g] * p->page_size;
         const int64_t per_record = members_per_record(p, s, g), q = queries(p, first), step = span_chunk(p, s, g);
-        /* The pieces of a chunk set share its tiles where the last field can count them. */
-        const int64_t pieces = ceil_div(end - span_begin, step);
-        const int shares = pieces > 1 && pieces <= RECORD_HEADS;
         for (int64_t begin = span_begin, k = s->offsets[g]; begin < end; begin += step, ++k) {
-            const int64_t v_end = min64(begin + step, end), piece = k - s->offsets[g];
+            const int64_t v_end = min64(begin + step, end);
             for (int64_t m = first; m < stop; m += per_record, ++w)
                 put_record(records + ITEM_INTS * w, m, begin, v_end, end, p->indptr[m], k, q,
-                           -min64(per_record, stop - m), shares ? piece : 0, shares ? span_begin : begin,
-                           shares ? end : v_end, (int32_t)(shares ? pieces : 1) | counts);
+                           -min64(per_record, stop - m), 0, 1 | counts);
         }
     }
     staging[at->num_tokens] = (int32_t)p->num_tokens;
@@ -488,8 +483,7 @@ int fj_shared_fill(const fj_plan_t *p, const fj_shared_t *s, int32_t *staging, c
             const int packs = packs_heads(p, s, end - first);
             int32_t *record = records + ITEM_INTS * (packs ? packed_w++ : w++);
             put_record(record, b, first, end, kv_len, p->indptr[b], q_begin, q_end - q_begin, splits,
-                       slot + s->slots[b] + i, first, end,
-                       (int32_t)(packs ? s->head_pack : 1) | (i + 1 == items ? waits : counts));
+                       slot + s->slots[b] + i, (int32_t)(packs ? s->head_pack : 1) | (i + 1 == items ? waits : counts));
         }
         slot += splits;
         staging[at->req_work_indptr + b + 1] = (int32_t)slot;
