@@ -36,6 +36,7 @@ def hf_specs(args) -> list:
     """The specs of every --hf-config (a config.json or its folder); says what it derived on stderr."""
     from .hf_config import manifest_from_hf_config, read_hf_config
     from .hf_mla import DEFAULT_TPS, is_mla_config, read_mla_config
+    from .input_files import printable
     from .manifest import parse_arch_list
 
     configs = getattr(args, "hf_config", None) or ()
@@ -54,15 +55,15 @@ def hf_specs(args) -> list:
     for config in configs:
         if is_mla_config(config):  # latent attention: MLA kernels at each TP size
             mla = read_mla_config(config, dtype=args.dtype)
-            print(f"flashjit: {mla.path}: {mla.summary()}", file=sys.stderr)
+            print(f"flashjit: {printable(mla.path)}: {mla.summary()}", file=sys.stderr)
             for note in mla.notes:
-                print(f"flashjit: note: {note}", file=sys.stderr)
+                print(f"flashjit: note: {printable(note)}", file=sys.stderr)
             specs += mla.specs(args.arch, tps, page_sizes or [64], args.kv_dtype, max_q_lens)
             continue
         model = read_hf_config(config, dtype=args.dtype)
-        print(f"flashjit: {model.path}: {model.summary()}", file=sys.stderr)
+        print(f"flashjit: {printable(model.path)}: {model.summary()}", file=sys.stderr)
         for note in model.notes:
-            print(f"flashjit: note: {note}", file=sys.stderr)
+            print(f"flashjit: note: {printable(note)}", file=sys.stderr)
         specs += manifest_from_hf_config(config, page_sizes or [16], args.dtype, args.kv_dtype,
                                          max_q_lens).specs(args.arch)
     return specs
