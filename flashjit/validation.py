@@ -55,6 +55,22 @@ def positive_float32(name: str, value, factor: float = 1.0) -> float:
     fail(name, f"a finite float > 0 in {low:.3g}..{high:.3g} ({kernel_value})", repr(value))
 
 
+def require_cuda(torch, device, who: str, instead: str) -> None:
+    """Raises RuntimeError("no CUDA device: <who> needs one (why); <instead>") where device is a
+    CUDA device torch cannot use: torch built without CUDA, no GPU found, or no device of that index."""
+    if device.type != "cuda":
+        return
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is built without CUDA"
+    elif not torch.cuda.is_available():
+        why = "torch finds no CUDA GPU: check the driver and CUDA_VISIBLE_DEVICES"
+    elif device.index is not None and device.index >= torch.cuda.device_count():
+        why = f"{device} does not exist: torch finds {torch.cuda.device_count()} CUDA devices"
+    else:
+        return
+    raise RuntimeError(f"no CUDA device: {who} needs one ({why}); {instead}")
+
+
 def host_int_array(name: str, value, length: int | None = None) -> np.ndarray:
     """A 1-D integer array on the host (a CPU tensor, list or numpy array; a GPU tensor is copied)."""
     if hasattr(value, "detach"):
