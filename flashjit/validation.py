@@ -20,6 +20,16 @@ def fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
+def did_you_mean(value, names) -> str:
+    """"; did you mean 'causal'?" where value is a string close to one of names (a typo), else ""."""
+    import difflib
+
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [str(n) for n in names], n=2, cutoff=0.6)
+    return "; did you mean " + " or ".join(map(repr, close)) + "?" if close else ""
+
+
 # Scalars reach the kernel as C int and float values, which ctypes fills by wrapping and rounding
 # silently (2**32 becomes 0): each is checked to survive the conversion. A bool is refused where an
 # int or a float is meant: True as a window or a scale is a mistake, not a 1.

@@ -6,6 +6,7 @@ Tables go to stdout; progress bars, log lines and errors to stderr.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 
@@ -16,6 +17,20 @@ log = logging.getLogger("flashjit")
 
 def error(message: str) -> None:
     print(f"flashjit: error: {message}", file=sys.stderr)
+
+
+def print_json(value) -> None:
+    """A command's report on stdout as JSON (--json): paths and other objects as their text."""
+    print(json.dumps(value, indent=1, default=str))
+
+
+def on_terminal(stream=None) -> bool:
+    """Whether stream (default stderr) is a terminal: progress bars draw only there."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without one, or closed
+        return False
 
 
 class UsageError(SpecError):

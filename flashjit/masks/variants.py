@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import SpecError
+from ..validation import did_you_mean
 from .registry import MaskParam, _parse_params, masks
 
 
@@ -77,7 +78,8 @@ class VariantRegistry:
     def get(self, name: str) -> VariantDef:
         variant = self._variants.get(name)
         if variant is None:
-            raise SpecError("variant", name, ", ".join(sorted(self._variants)) + " (or one added with register_variant)")
+            raise SpecError("variant", name, ", ".join(sorted(self._variants)) + " (or one added with register_variant)"
+                            + did_you_mean(name, self._variants))
         return variant
 
     def names(self) -> Iterable[str]:
