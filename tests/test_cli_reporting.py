@@ -87,6 +87,19 @@ def test_a_huge_max_size_is_one_line(tmp_path):
     assert code == 2 and err.count("\n") == 1 and "at most 1 EiB" in err and len(err) < 200
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["check-mask", "soft_cap", "--params", "logits_soft_cap=x"], "a finite float value for 'logits_soft_cap'"),
+    (["check-mask", "soft_cap", "--params", "logits_soft_cap=1e999"], "a finite float value for 'logits_soft_cap'"),
+    (["check-mask", "sliding_window", "--params", "window_left=" + "9" * 40], "an int in 0..2147483647 value"),
+    (["prewarm", "--spec", "9" * 5000], "... (5110 characters)"),
+    (["prewarm", "--hf-config", ROOT / "examples/hf/llama-3-8b", "--page-size", "\x1b[31m"], "--page-size \\x1b[31m"),
+])
+def test_bad_command_line_values_are_one_printable_line(tmp_path, argv, words):
+    code, _, err = run(*argv, "--cache-dir", tmp_path)
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert words in err and err.strip().isprintable() and len(err) < 1100, err
+
+
 # ---- --json -----------------------------------------------------------------------------------
 
 def json_of(*argv, code=0) -> object:

@@ -15,8 +15,17 @@ from ..errors import SpecError
 log = logging.getLogger("flashjit")
 
 
+LINE_CHARS = 1000  # an error line longer than this quotes an argument too long to echo whole
+
+
 def error(message: str) -> None:
-    print(f"flashjit: error: {message}", file=sys.stderr)
+    """The error line(s) on stderr: control characters escaped (a value from the command line or a
+    file reaches the terminal as text), each line at most LINE_CHARS characters."""
+    lines = []
+    for line in str(message).split("\n"):
+        line = "".join(ch if ch.isprintable() or ch == "\t" else ascii(ch)[1:-1] for ch in line)
+        lines.append(line if len(line) <= LINE_CHARS else f"{line[:LINE_CHARS - 40]}... ({len(line)} characters)")
+    print("flashjit: error: " + "\n".join(lines), file=sys.stderr)
 
 
 def print_json(value) -> None:
