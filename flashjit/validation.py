@@ -20,6 +20,16 @@ def fail(name: str, expected: str, got) -> None:
     raise ValueError(f"{name}: expected {expected}, got {got}")
 
 
+def did_you_mean(value, names) -> str:
+    """"; did you mean 'causal'?" where value is a string close to one of names (a typo), else ""."""
+    import difflib
+
+    if not isinstance(value, str):
+        return ""
+    close = difflib.get_close_matches(value, [str(n) for n in names], n=2, cutoff=0.6)
+    return "; did you mean " + " or ".join(map(repr, close)) + "?" if close else ""
+
+
 # Scalars reach the kernel as C int and float values, which ctypes fills by wrapping and rounding
 # silently (2**32 becomes 0): each is checked to survive the conversion. A bool is refused where an
 # int or a float is meant: True as a window or a scale is a mistake, not a 1.
@@ -53,6 +63,22 @@ def positive_float32(name: str, value, factor: float = 1.0) -> float:
         return float(value)
     kernel_value = "a normal float32" if factor == 1.0 else f"times {factor:.6g} a normal float32"
     fail(name, f"a finite float > 0 in {low:.3g}..{high:.3g} ({kernel_value})", repr(value))
+
+
+def require_cuda(torch, device, who: str, instead: str) -> None:
+    """Raises RuntimeError("no CUDA device: <who> needs one (why); <instead>") where device is a
+    CUDA device torch cannot use: torch built without CUDA, no GPU found, or no device of that index."""
+    if device.type != "cuda":
+        return
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is built without CUDA"
+    elif not torch.cuda.is_available():
+        why = "torch finds no CUDA GPU: check the driver and CUDA_VISIBLE_DEVICES"
+    elif device.index is not None and device.index >= torch.cuda.device_count():
+        why = f"{device} does not exist: torch finds {torch.cuda.device_count()} CUDA devices"
+    else:
+        return
+    raise RuntimeError(f"no CUDA device: {who} needs one ({why}); {instead}")
 
 
 def host_int_array(name: str, value, length: int | None = None) -> np.ndarray:

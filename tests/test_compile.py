@@ -177,3 +177,20 @@ def test_shared_prefix_kernels_on_hopper_compile_their_warpgroup_mmas_for_sm90a(
     assert spills and not any(spills) and "Potential Performance Loss" not in compiled.log, compiled.log
     ampere = spec.replace(arch="sm_80")
     assert ampere.compile_arch == "sm_80" and "wgmma.mma_async" not in render(ampere)
+
+
+@pytest.mark.parametrize("fields", [dict(head_dim=64, group_size=4, arch="sm_90"),
+                                    dict(head_dim=64, tensor_cores=False, arch="sm_80"),
+                                    dict(head_dim=128, kv_dtype="e4m3", group_size=8, arch="sm_90"),
+                                    dict(head_dim=64, group_size=4, arch="sm_90", shared_prefix=True)],
+                         ids=["tensor cores", "CUDA cores", "fp8", "shared prefix"])
+def test_a_mask_that_fails_to_compile_shows_its_error_alone(isolated_masks, mask_file, tmp_path, fields):
+    """The log of a broken mask holds the mask's error, not warnings about flashjit's own code
+    (unused constants of the kernel's configuration, a variable only one kernel form sets)."""
+    register_mask("wrong_mask", mask_file(tmp_path, "wrong_mask", "return kv_pos <= no_such_symbol;"))
+    spec = DecodeSpec(mask="wrong_mask", **fields)
+    with pytest.raises(CompileError) as info:
+        compile_source(render(spec), spec.compile_arch, spec.name, failed_source_dir=tmp_path / "failed")
+    diagnostics = [line for line in info.value.log.splitlines() if re.search(r"\b(warning|error)\b", line)]
+    assert len(diagnostics) == 2 and 'identifier "no_such_symbol" is undefined' in diagnostics[0], info.value.log
+    assert diagnostics[1].startswith("1 error detected")

@@ -296,19 +296,21 @@ def test_a_forced_chunk_past_the_gpu_planners_capacity_is_refused_as_the_host_pl
     monkeypatch.setattr(kernel, "_cu_launch", lambda *args: launched.append(launch_of(args)[0]) or 0)
     rng = np.random.default_rng(4)
     small = tables([300, 20], 16, rng)
-    decoders = {name: cpu_decoder(planner, use_cuda_graph=True, max_batch_size=2, max_num_pages=4000, load_kernel=load,
-                                  current_stream=lambda device_index: 0)
-                for name, load in (("gpu", gpu_planned), ("host", fake_loaded))}
     long = tables([30000, 30000], 16, rng)
-    window = dict(mask="sliding_window", window_left=900)
-    for name, decoder in decoders.items():
-        decoder.plan(*small, 32, 8, 128, 16, **window)  # a planned chunk sizes the capacity
-        before, capacity = decoder.current_plan, decoder.current_plan.capacity.work
-        assert (decoder.graph_page_table is not None) == (name == "gpu")
+    for name, load in (("gpu", gpu_planned), ("host", fake_loaded)):
+        # A graph keeps its window: one decoder each for the wide window and the narrow one.
+        wide, narrow = (cpu_decoder(planner, use_cuda_graph=True, max_batch_size=2, max_num_pages=4000,
+                                    load_kernel=load, current_stream=lambda device_index: 0) for _ in range(2))
+        wide.plan(*small, 32, 8, 128, 16, mask="sliding_window", window_left=40000)  # a planned chunk sizes the capacity
+        before, capacity = wide.current_plan, wide.current_plan.capacity.work
+        assert (wide.graph_page_table is not None) == (name == "gpu")
         with pytest.raises(ValueError, match=f"at most {capacity} work items .*938 items of 64 tokens"):
-            decoder.plan(*long, 32, 8, 128, 16, mask="sliding_window", window_left=40000, **split)
-        assert decoder.current_plan is before
-        decoder.plan(*long, 32, 8, 128, 16, **window, **split)  # 2 x 15 items of the 901-token windows
+            wide.plan(*long, 32, 8, 128, 16, mask="sliding_window", window_left=40000, **split)
+        assert wide.current_plan is before
+        window = dict(mask="sliding_window", window_left=900)
+        narrow.plan(*small, 32, 8, 128, 16, **window)
+        assert narrow.current_plan.capacity.work == capacity
+        narrow.plan(*long, 32, 8, 128, 16, **window, **split)  # 2 x 15 items of the 901-token windows
     assert PLAN_FN in launched
 
 

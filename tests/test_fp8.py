@@ -11,7 +11,7 @@ import torch
 from flashjit import DecodeSpec, SpecError
 from flashjit import validation as checks
 from flashjit.jit.compile import compile_source
-from flashjit.serving.quantize import FP8_MAX, dequantize_kv, quantize_kv
+from flashjit.serving.quantize import FP8_MAX, dequantize_kv, quantize_kv, quantize_latent
 from flashjit.jit.render import render
 from flashjit.jit.tiling import decode_tiling
 
@@ -114,6 +114,43 @@ def test_quantize_refuses_bad_caches():
         quantize_kv(torch.ones(2, 3))
     with pytest.raises(SpecError, match="kv_dtype"):
         quantize_kv(torch.ones(1, 1, 1, 8), "bf16")
+
+
+@pytest.mark.parametrize("kv_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("largest", [1e-36, 1.2e-38, 3e-39, 1e-45])
+def test_quantize_tiny_magnitudes_without_nan(kv_dtype, per_head, largest):
+    """A cache whose largest magnitude is near or below float32's smallest normal (its scale was
+    subnormal, its reciprocal infinite: 0 * inf gave NaN) gets the smallest normal scale."""
+    cache = torch.zeros(2, 16, 2, 8)
+    cache[0, 3, 1, 5], cache[1, 0, 0, 0] = largest, -largest / 2  # zeros beside them: the NaN of 0 * inf
+    fp8, scale = quantize_kv(cache, kv_dtype, per_head=per_head)
+    assert scale.isfinite().all() and (scale >= checks.FLOAT32_MIN_NORMAL).all() and (1 / scale).isfinite().all()
+    restored = dequantize_kv(fp8, scale)
+    assert not restored.isnan().any() and (restored[cache == 0] == 0).all()
+    if largest >= checks.FLOAT32_MIN_NORMAL:  # a normal value keeps its fp8 precision's worth
+        assert torch.allclose(restored, cache, rtol=0.15, atol=0)
+    latent, latent_scale = quantize_latent(cache.reshape(2, 16, 16), kv_dtype)
+    assert not (latent.float() * latent_scale).isnan().any()
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_quantize_an_empty_cache_gives_an_empty_one_and_the_scale_1(per_head):
+    fp8, scale = quantize_kv(torch.empty(0, 16, 4, 8, dtype=torch.bfloat16), per_head=per_head)
+    assert fp8.shape == (0, 16, 4, 8) and fp8.dtype == torch.float8_e4m3fn
+    assert torch.equal(scale, torch.ones(4 if per_head else 1))
+    latent, latent_scale = quantize_latent(torch.empty(0, 64, 576, dtype=torch.bfloat16))
+    assert latent.shape == (0, 64, 576) and torch.equal(latent_scale, torch.ones(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8])
+def test_quantize_refuses_a_cache_of_another_dtype_naming_it(dtype):
+    already = r" \(an fp8 cache is quantized already: dequantize_kv gives its values\)" if dtype.is_floating_point else ""
+    message = rf"^cache: expected a float16, bfloat16, float32 or float64 tensor{already}, got {dtype}$"
+    with pytest.raises(ValueError, match=message):
+        quantize_kv(torch.zeros(1, 16, 2, 8, dtype=dtype))
+    with pytest.raises(ValueError, match=message):
+        quantize_latent(torch.zeros(1, 16, 576, dtype=dtype))
 
 
 # ---- run()'s scale arguments ---------------------------------------------------------------------------

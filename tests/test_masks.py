@@ -449,7 +449,7 @@ def test_cli_check_mask_compiles_and_skips_the_gpu(mask_cache, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["check-mask", "no_such_mask"], "mask='no_such_mask'"),
-    (["check-mask", "sink_window", "--params", "num_sink=x"], "an int value"),
+    (["check-mask", "sink_window", "--params", "num_sink=x"], "an int in 0..2147483647 value for 'num_sink'"),
     (["check-mask", "tree", "--arch", "sm_7"], "arch"),
 ])
 def test_cli_check_mask_bad_arguments(argv, message, tmp_path):

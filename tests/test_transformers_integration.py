@@ -234,9 +234,19 @@ def test_head_dims_and_groups_the_kernels_lack_are_refused():
 
 
 def test_the_default_name_is_one_transformers_serves_as_registered():
-    name = register()
+    name = register(backend_factory=ReferenceDecode)
     assert name == "paged|fjit" and "flash" not in name
     assert isinstance(transformers.AttentionInterface._global_mapping[name], PagedAttention)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device serves flashjit's attention here")
+def test_without_a_cuda_device_register_raises_naming_what_is_missing():
+    """Not generate_batch's background thread, which would log the error and return empty token lists."""
+    with pytest.raises(RuntimeError, match=r"^no CUDA device: flashjit's paged attention needs one \(torch .*\); "
+                                           r"register\(backend_factory=ReferenceDecode\) serves the float32 "
+                                           r"reference instead$"):
+        register("fjit_no_cuda")
+    assert "paged|fjit_no_cuda" not in transformers.AttentionInterface._global_mapping
 
 
 def test_a_call_without_a_paged_cache_and_bad_names_are_refused():

@@ -134,8 +134,15 @@ def test_plan_passes_the_variant_params_after_the_masks(planner):  # noqa: F811
 @pytest.mark.parametrize("keywords, message", [
     ({"sinks": torch.zeros(HEADS - 1)}, "one float32 logit per query head"),
     ({"sinks": torch.zeros(HEADS, dtype=torch.float16)}, "sinks"),
-    ({"logits_soft_cap": -2.0}, "finite float > 0"),
-    ({"logits_soft_cap": float("inf")}, "logits_soft_cap"),
+    ({"logits_soft_cap": -2.0}, r"logits_soft_cap: expected a float in 1\.18e-38\.\.1\.84e\+19 \(its reciprocal a "
+                                 r"normal float32; 0 or None: no capping\), got -2\.0$"),
+    ({"logits_soft_cap": float("inf")}, r"logits_soft_cap: expected a finite float .*, got inf$"),
+    # a cap without a normal reciprocal made NaN scores; one past 2**64 flushed small scores to 0
+    ({"logits_soft_cap": 1e-39}, r"logits_soft_cap: expected a float in .*, got 1e-39$"),
+    ({"logits_soft_cap": 2.0**-126 * 0.99}, r"logits_soft_cap: expected a float in 1\.18e-38"),
+    ({"logits_soft_cap": 1e30}, r"logits_soft_cap: expected a float in .*, got 1e\+30$"),
+    ({"logits_soft_cap": 2.0**126}, r"logits_soft_cap: expected a float in .*\.\.1\.84e\+19"),
+    ({"logits_soft_cap": 2.0**64 * 1.01, "sinks": torch.zeros(HEADS)}, r"logits_soft_cap: expected a float in "),
     ({"variant": "sinks", "variant_params": {}}, "missing \\['sinks'\\]"),
     ({"variant": "soft_cap", "variant_params": {"logits_soft_cap": 1.0, "extra": 2}}, "unknown \\['extra'\\]"),
 ])
@@ -145,6 +152,15 @@ def test_plan_refuses_bad_variant_params(planner, keywords, message):  # noqa: F
     with pytest.raises(ValueError, match=message):
         decoder.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, **keywords)
     assert decoder.current_plan is None
+
+
+@pytest.mark.parametrize("cap", [2.0**-126, 1e-30, 0.5, 50.0, 2.0**64])
+def test_plan_accepts_soft_caps_at_the_edges(planner, cap):  # noqa: F811
+    decoder = cpu_decoder(planner)
+    indptr, indices, last = tables([40, 7], PAGE, np.random.default_rng(1))
+    decoder.plan(indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE, logits_soft_cap=cap)
+    assert decoder.spec.variant == "soft_cap"
+    assert ctypes.cast(decoder.current_plan.decode_launch.params[1], ctypes.POINTER(ctypes.c_float))[0] == np.float32(cap)
 
 
 # ---- the reference's math -----------------------------------------------------------------------

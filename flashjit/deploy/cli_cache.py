@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from .cli_kernels import hf_specs, named_specs
-from .cli_output import UsageError, error, format_size, table
+from .cli_output import UsageError, error, format_size, print_json, table
 
 
 # ---- list / clear -----------------------------------------------------------------------------
@@ -59,12 +59,16 @@ SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 <
               "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
 
 
+MAX_SIZE = 1 << 60
+
+
 def parse_size(text: str) -> int:
     """'2GB' -> 2*10**9, '1.5GiB' -> 1.5*2**30, '500M' -> 500*2**20 (like du), '0' -> 0."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([a-zA-Z]*)\s*", str(text))
+    match = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{0,30})?)\s*([a-zA-Z]*)\s*", str(text)[:100])
     unit = match.group(2).lower() if match else None
-    if unit not in SIZE_UNITS:
-        raise UsageError(f"--max-size {text!r}: expected a size such as 2GB, 500MiB, 1.5G or 0")
+    if unit not in SIZE_UNITS or float(match.group(1)) * SIZE_UNITS[unit] > MAX_SIZE:
+        shown = repr(text) if len(str(text)) <= 40 else f"{str(text)[:30]!r}... ({len(str(text))} characters)"
+        raise UsageError(f"--max-size {shown}: expected a size such as 2GB, 500MiB, 1.5G or 0, at most 1 EiB")
     return int(float(match.group(1)) * SIZE_UNITS[unit])
 
 
@@ -84,12 +88,18 @@ def cmd_cache_export(args) -> int:
         for value in (values if isinstance(values, list) else [values] if values else []):
             hint += ["--" + flag.replace("_", "-"), str(value)]
     report = export_bundle(args.out, args.cache_dir, specs=specs, archs=archs, prewarm_hint=shlex.join(hint))
-    rows = [(e.get("name", "?"), e.get("arch", "?"), format_size(int(e.get("cubin_bytes", 0)))) for e in report.entries]
-    print(table(rows, ("spec", "arch", "cubin")))
-    for key, why in report.skipped:
-        print(f"flashjit: skipped entry {key[:16]}: {why}", file=sys.stderr)
-    print(f"exported {len(report.entries)} entries and {report.index_files} index files to {report.path} "
-          f"({format_size(report.bytes)})")
+    if args.json:
+        print_json({"path": report.path, "bytes": report.bytes, "index_files": report.index_files,
+                    "entries": [{k: e.get(k) for k in ("name", "arch", "key", "cubin_bytes")} for e in report.entries],
+                    "skipped": [{"entry": key, "why": why} for key, why in report.skipped]})
+    else:
+        rows = [(e.get("name", "?"), e.get("arch", "?"), format_size(int(e.get("cubin_bytes", 0))))
+                for e in report.entries]
+        print(table(rows, ("spec", "arch", "cubin")))
+        for key, why in report.skipped:
+            print(f"flashjit: skipped entry {key[:16]}: {why}", file=sys.stderr)
+        print(f"exported {len(report.entries)} entries and {report.index_files} index files to {report.path} "
+              f"({format_size(report.bytes)})")
     if report.skipped:
         error(f"skipped {len(report.skipped)} entries of the cache that do not verify (listed above): the bundle "
               "lacks them; prewarm their specs again to rebuild them")
@@ -103,6 +113,12 @@ def cmd_cache_import(args) -> int:
     limits = Limits(members=args.max_members if args.max_members is not None else Limits.members,
                     total_bytes=parse_size(args.max_size) if args.max_size is not None else Limits.total_bytes)
     report = import_bundle(args.bundle, args.cache_dir, replace=args.replace, limits=limits)
+    if args.json:
+        print_json({"path": report.path, "cache_dir": report.cache_dir, "imported": report.imported,
+                    "present": report.present, "rejected": [{"key": key, "why": why} for key, why in report.rejected],
+                    "index_files": report.index_files, "index_skipped": report.index_skipped,
+                    "index_kept": report.index_kept})
+        return 1 if report.rejected or report.index_kept else 0
     for key, why in report.rejected:
         print(f"flashjit: rejected entry {key[:16]}: {why}", file=sys.stderr)
     if report.index_skipped:
@@ -152,6 +168,14 @@ def cmd_cache_prune(args) -> int:
         error(f"{not_writable(cache)}: nothing was removed (--dry-run shows what prune would remove)")
         return 1
     report = cache.prune(max_bytes=max_bytes, old_versions=args.old_versions, dry_run=args.dry_run)
+    left = [e["name"] for e in report["removed"] if cache.entry_dir(e["key"]).exists()]
+    left += [v["path"] for v in report["versions_removed"] if Path(v["path"]).exists()]
+    left = [] if args.dry_run else left
+    if args.json:
+        kept_versions = [v for v in cache.usage()["other_versions"] if v["state"] != "older"] if args.old_versions else []
+        print_json({**report, "dry_run": args.dry_run, "cache": cache.root, "kept_versions": kept_versions,
+                    "not_removed": left})
+        return 1 if left else 0
     verb = "would remove" if args.dry_run else "removed"
     for e in report["removed"]:
         print(f"{verb} {e['name']} ({e['arch']}, {format_size(e['bytes'])}, last used "
@@ -166,9 +190,7 @@ def cmd_cache_prune(args) -> int:
         for v in cache.usage()["other_versions"]:
             if v["state"] != "older":
                 print(f"kept v{v['version']} at {v['path']}: {v['state'].removesuffix(' (kept)')}")
-    left = [e["name"] for e in report["removed"] if cache.entry_dir(e["key"]).exists()]
-    left += [v["path"] for v in report["versions_removed"] if Path(v["path"]).exists()]
-    if left and not args.dry_run:
+    if left:
         error(f"could not remove {len(left)} of them ({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}): "
               "check the permissions in the cache dir")
         return 1

@@ -8,7 +8,7 @@ import sys
 import time
 
 from .._version import __version__
-from .cli_output import format_size
+from .cli_output import format_size, print_json
 
 
 def module_version(module: str) -> str:
@@ -71,10 +71,13 @@ def cmd_doctor(args) -> int:
         ok = False
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         rows.append(("test compile", f"FAILED: {first}"))
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FLASHJIT_")}
+    if args.json:
+        print_json({**dict(rows), "env": env, "ok": ok})
+        return 0 if ok else 1
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key.ljust(width)}  {value}")
-    env = {k: v for k, v in os.environ.items() if k.startswith("FLASHJIT_")}
-    for key, value in sorted(env.items()):
+    for key, value in env.items():
         print(f"{'env'.ljust(width)}  {key}={value}")
     return 0 if ok else 1

@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from .cli_output import UsageError, error, table
+from .cli_output import UsageError, error, on_terminal, print_json, table
 
 DEFAULT_EXAMPLE = "llama-3-8b.toml"
 ORIGIN = {"memory": "hit (memory)", "disk": "hit (disk)", "compiled": "compiled"}
@@ -36,6 +36,7 @@ def hf_specs(args) -> list:
     """The specs of every --hf-config (a config.json or its folder); says what it derived on stderr."""
     from .hf_config import manifest_from_hf_config, read_hf_config
     from .hf_mla import DEFAULT_TPS, is_mla_config, read_mla_config
+    from .input_files import printable
     from .manifest import parse_arch_list
 
     configs = getattr(args, "hf_config", None) or ()
@@ -54,15 +55,15 @@ def hf_specs(args) -> list:
     for config in configs:
         if is_mla_config(config):  # latent attention: MLA kernels at each TP size
             mla = read_mla_config(config, dtype=args.dtype)
-            print(f"flashjit: {mla.path}: {mla.summary()}", file=sys.stderr)
+            print(f"flashjit: {printable(mla.path)}: {mla.summary()}", file=sys.stderr)
             for note in mla.notes:
-                print(f"flashjit: note: {note}", file=sys.stderr)
+                print(f"flashjit: note: {printable(note)}", file=sys.stderr)
             specs += mla.specs(args.arch, tps, page_sizes or [64], args.kv_dtype, max_q_lens)
             continue
         model = read_hf_config(config, dtype=args.dtype)
-        print(f"flashjit: {model.path}: {model.summary()}", file=sys.stderr)
+        print(f"flashjit: {printable(model.path)}: {model.summary()}", file=sys.stderr)
         for note in model.notes:
-            print(f"flashjit: note: {note}", file=sys.stderr)
+            print(f"flashjit: note: {printable(note)}", file=sys.stderr)
         specs += manifest_from_hf_config(config, page_sizes or [16], args.dtype, args.kv_dtype,
                                          max_q_lens).specs(args.arch)
     return specs
@@ -76,30 +77,46 @@ def named_specs(args) -> list:
 # ---- prewarm ----------------------------------------------------------------------------------
 
 def prewarm_specs(engine, specs, jobs: int | None, *, progress: bool = True) -> tuple[list, float]:
-    """Engine.prewarm with a progress bar on stderr; returns (results, wall seconds)."""
+    """Engine.prewarm with a progress bar on stderr where stderr is a terminal, else (progress
+    given) one summary line there when done; returns (results, wall seconds)."""
     from tqdm import tqdm
 
     lock = threading.Lock()
     start = time.perf_counter()
-    with tqdm(total=len(specs), desc="prewarm", unit="kernel", file=sys.stderr,
-              disable=None if progress else True, leave=False) as bar:
+    drawn = progress and on_terminal()
+    with tqdm(total=len(specs), desc="prewarm", unit="kernel", file=sys.stderr, disable=not drawn,
+              leave=False) as bar:
         def on_done(result):
             with lock:
                 bar.set_postfix_str(result.spec.name, refresh=False)
                 bar.update(1)
 
         results = engine.prewarm(specs, jobs=jobs, on_done=on_done)
-    return results, time.perf_counter() - start
+    wall = time.perf_counter() - start
+    if progress and not drawn:
+        print(f"flashjit: prewarm: {totals_line(results, wall)}", file=sys.stderr)
+    return results, wall
+
+
+def totals_line(results, wall_s: float) -> str:
+    counts = {origin: sum(r.source == origin for r in results) for origin in ("compiled", "disk", "memory")}
+    return (f"{len(results)} kernels, {counts['compiled']} compiled, {counts['disk']} disk hits, "
+            f"{counts['memory']} memory hits in {wall_s:.2f} s")
 
 
 def prewarm_summary(results, wall_s: float, unsaved=frozenset()) -> str:
     """One row per kernel (where it came from, seconds), then the totals."""
     rows = [(r.spec.name, r.spec.arch, ORIGIN.get(r.source, r.source) + (", not saved" if r.spec in unsaved else ""),
              f"{r.seconds:.2f}") for r in results]
-    counts = {origin: sum(r.source == origin for r in results) for origin in ("compiled", "disk", "memory")}
-    total = (f"total: {len(results)} kernels, {counts['compiled']} compiled, {counts['disk']} disk hits, "
-             f"{counts['memory']} memory hits in {wall_s:.2f} s")
-    return table(rows, ("spec", "arch", "result", "seconds")) + "\n" + total
+    return table(rows, ("spec", "arch", "result", "seconds")) + "\ntotal: " + totals_line(results, wall_s)
+
+
+def prewarm_json(results, wall_s: float, unsaved, cache, host_planner: str) -> dict:
+    return {"kernels": [{"spec": r.spec.name, "arch": r.spec.arch, "result": r.source, "saved": r.spec not in unsaved,
+                         "seconds": round(r.seconds, 4)} for r in results],
+            "total": {origin: sum(r.source == origin for r in results) for origin in ("compiled", "disk", "memory")}
+            | {"kernels": len(results), "seconds": round(wall_s, 4)},
+            "cache": {"root": str(cache.root), "writable": cache.writable}, "host_planner": host_planner}
 
 
 def cmd_prewarm(args) -> int:
@@ -114,9 +131,13 @@ def cmd_prewarm(args) -> int:
     # A compile whose entry did not reach the disk (read-only, full) serves only this process.
     unsaved = {r.spec for r in results
                if r.source == "compiled" and engine.cache.load(engine.get_kernel(r.spec).key) is None}
-    print(prewarm_summary(results, wall, unsaved))
-    print(f"cache: {engine.cache.root}" + ("" if engine.cache.writable else " (not writable: kept in memory only)"))
-    print(f"host planner: {host_planner_status(engine)}")
+    planner = host_planner_status(engine)
+    if args.json:
+        print_json(prewarm_json(results, wall, unsaved, engine.cache, planner))
+    else:
+        print(prewarm_summary(results, wall, unsaved))
+        print(f"cache: {engine.cache.root}" + ("" if engine.cache.writable else " (not writable: kept in memory only)"))
+        print(f"host planner: {planner}")
     if unsaved:
         error(f"{len(unsaved)} kernels compiled but not saved in the kernel cache at {engine.cache.root} (read-only "
               "or full: see the warning); a later process or `flashjit cache export` will not find them")
@@ -185,6 +206,12 @@ def cmd_check_mask(args) -> int:
 
     report = check_mask(args.mask, archs=args.arch, overrides=args.params, engine=Engine(args.cache_dir),
                         seed=args.seed, jobs=args.jobs, variant=args.variant)
+    if args.json:
+        print_json({"mask": args.mask, "variant": args.variant, "passed": report.passed,
+                    "tables": [{"title": title, "rows": [dict(zip(header, row)) for row in rows]}
+                               for title, header, rows in report.tables()],
+                    "notes": report.notes, "failures": report.failures()})
+        return 0 if report.passed else 1
     for title, header, rows in report.tables():
         print(f"{title}\n{table(rows, header)}\n")
     for line in report.notes + report.failures():

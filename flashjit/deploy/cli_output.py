@@ -6,6 +6,7 @@ Tables go to stdout; progress bars, log lines and errors to stderr.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 
@@ -14,8 +15,31 @@ from ..errors import SpecError
 log = logging.getLogger("flashjit")
 
 
+LINE_CHARS = 1000  # an error line longer than this quotes an argument too long to echo whole
+
+
 def error(message: str) -> None:
-    print(f"flashjit: error: {message}", file=sys.stderr)
+    """The error line(s) on stderr: control characters escaped (a value from the command line or a
+    file reaches the terminal as text), each line at most LINE_CHARS characters."""
+    lines = []
+    for line in str(message).split("\n"):
+        line = "".join(ch if ch.isprintable() or ch == "\t" else ascii(ch)[1:-1] for ch in line)
+        lines.append(line if len(line) <= LINE_CHARS else f"{line[:LINE_CHARS - 40]}... ({len(line)} characters)")
+    print("flashjit: error: " + "\n".join(lines), file=sys.stderr)
+
+
+def print_json(value) -> None:
+    """A command's report on stdout as JSON (--json): paths and other objects as their text."""
+    print(json.dumps(value, indent=1, default=str))
+
+
+def on_terminal(stream=None) -> bool:
+    """Whether stream (default stderr) is a terminal: progress bars draw only there."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without one, or closed
+        return False
 
 
 class UsageError(SpecError):

@@ -28,12 +28,14 @@ Every problem raises ManifestError naming the file, the model and the config fie
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from ..errors import SpecError
-from .manifest import Manifest, ManifestError, ModelEntry
 from ..jit.spec import HEAD_DIMS, QUERY_DTYPES, normalize_dtype
+from ..masks.variants import SOFT_CAP_RANGE
+from .input_files import (ManifestError, bool_field, dict_field, int_field, load_json, number_field, printable,
+                          quote, str_field, str_list_field)
+from .manifest import Manifest, ModelEntry
 
 
 # Defaults of transformers' config classes that the attention shape depends on: Hub configs leave
@@ -107,21 +109,15 @@ def config_path(path) -> Path:
 def read_hf_config(path, dtype=None) -> HFAttention:
     """Derive a model's attention shape from its config.json. `dtype` overrides torch_dtype."""
     path = config_path(path)
-    try:
-        config = json.loads(path.read_text())
-    except OSError as exc:
-        raise ManifestError(path, None, "<file>", f"cannot be read ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ManifestError(path, None, "<file>", f"is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ManifestError(path, None, "<file>", "is not a JSON object")
+    config = load_config(path)
     name = _model_name(config, path)
     fail = lambda field, problem: ManifestError(path, name, field, problem)  # noqa: E731
-    if "num_attention_heads" not in config and isinstance(config.get("text_config"), dict):
-        outer, config = config, dict(config["text_config"])  # multimodal: the language model's config
+    text_config = dict_field(config, "text_config", fail)
+    if "num_attention_heads" not in config and text_config is not None:
+        outer, config = config, dict(text_config)  # multimodal: the language model's config
         for key in ("torch_dtype", "dtype"):
             config.setdefault(key, outer.get(key))
-    config = {**MODEL_DEFAULTS.get(config.get("model_type"), {}), **config}
+    config = {**MODEL_DEFAULTS.get(str_field(config, "model_type", fail), {}), **config}
     refuse_unsupported(config, fail)
     notes = []
 
@@ -142,21 +138,22 @@ def read_hf_config(path, dtype=None) -> HFAttention:
                                + ", ".join(map(str, HEAD_DIMS)))
 
     if dtype is None:
-        dtype = _config_dtype(config, notes)
+        dtype = _config_dtype(config, notes, fail)
     try:
         dtype = normalize_dtype(dtype)
     except SpecError as exc:
-        raise fail("torch_dtype", f"{dtype!r} is not supported; accepted: {exc.accepted}") from None
+        raise fail("torch_dtype", f"{quote(dtype)} is not supported; accepted: {exc.accepted}") from None
 
-    layers = config.get("num_hidden_layers")
-    layers = layers if isinstance(layers, int) and not isinstance(layers, bool) and layers > 0 else None
-    window, sliding = _sliding_window(config, layers, notes)
-    cap = config.get("attn_logit_softcapping")
-    if cap is not None and (not isinstance(cap, (int, float)) or isinstance(cap, bool) or not 0 <= cap < float("inf")):
-        raise fail("attn_logit_softcapping", f"must be a positive number (or null/0: none), got {cap!r}")
-    scalar = config.get("query_pre_attn_scalar")
-    if isinstance(scalar, (int, float)) and scalar != head_dim:
-        notes.append(f"query_pre_attn_scalar={scalar}: pass sm_scale={scalar}**-0.5 to BatchDecode.plan")
+    layers = int_field(config, "num_hidden_layers", fail)
+    window, sliding = _sliding_window(config, layers, notes, fail)
+    cap, (low, high) = config.get("attn_logit_softcapping"), SOFT_CAP_RANGE
+    if cap is not None and cap != 0 and not (isinstance(cap, (int, float)) and not isinstance(cap, bool)
+                                              and low <= cap <= high):
+        raise fail("attn_logit_softcapping", f"must be a number in {low:.3g}..{high:.3g} (or null/0: none), "
+                                             f"got {quote(cap)}")
+    scalar = number_field(config, "query_pre_attn_scalar", fail, minimum=1e-30)
+    if scalar is not None and scalar != head_dim:
+        notes.append(f"query_pre_attn_scalar={scalar:g}: pass sm_scale={scalar:g}**-0.5 to BatchDecode.plan")
     return HFAttention(name, str(path), heads, kv_heads, head_dim, dtype, layers, window, sliding, tuple(notes),
                        float(cap) if cap else None, config.get("model_type") == "gpt_oss")
 
@@ -168,24 +165,33 @@ def manifest_from_hf_config(path, page_sizes=(16,), dtype=None, kv_dtype=None, m
     return Manifest(model.path, tuple(archs), (model.model_entry(page_sizes, kv_dtype, max_q_lens, kv_layouts),))
 
 
+def load_config(path: Path) -> dict:
+    """A config.json's top-level object (input_files.load_json: never blocks, one line per problem)."""
+    config = load_json(path)
+    if not isinstance(config, dict):
+        raise ManifestError(path, None, "<file>", "is not a JSON object")
+    return config
+
+
 def _model_name(config: dict, path: Path) -> str:
+    """The model's name (from _name_or_path, else the folder), control characters escaped."""
     named = config.get("_name_or_path")
-    if isinstance(named, str) and named.strip():
-        return named.rstrip("/").rsplit("/", 1)[-1]
-    return path.parent.name if path.name == "config.json" and path.parent.name else path.stem
+    if named is not None and not isinstance(named, str):
+        raise ManifestError(path, None, "_name_or_path", f"must be a string, got {quote(named)}")
+    if named and named.strip():
+        return printable(named.rstrip("/").rsplit("/", 1)[-1])
+    return printable(path.parent.name if path.name == "config.json" and path.parent.name else path.stem)
 
 
 def _positive_int(config: dict, key: str, fail, default=None) -> int:
-    value = config.get(key, default)
+    value = int_field(config, key, fail, default=default)
     if value is None:
         raise fail(key, "is required")
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise fail(key, f"must be a positive integer, got {value!r}")
     return value
 
 
-def _config_dtype(config: dict, notes: list) -> str:
-    value = config.get("torch_dtype") or config.get("dtype")
+def _config_dtype(config: dict, notes: list, fail) -> str:
+    value = str_field(config, "torch_dtype", fail) or str_field(config, "dtype", fail)
     if value is None:
         notes.append("no torch_dtype in the config: using bfloat16 (pass --dtype to choose)")
         return "bfloat16"
@@ -197,25 +203,27 @@ def _config_dtype(config: dict, notes: list) -> str:
     return text
 
 
-def _sliding_window(config: dict, layers: int | None, notes: list) -> tuple[int | None, int]:
+def _sliding_window(config: dict, layers: int | None, notes: list, fail) -> tuple[int | None, int]:
     """(window, how many layers use it); (None, 0) when no layer attends through a window."""
-    window = config.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+    window = int_field(config, "sliding_window", fail, minimum=0)
+    layer_types = str_list_field(config, "layer_types", fail)
+    use_window = bool_field(config, "use_sliding_window", fail)
+    first = int_field(config, "max_window_layers", fail, minimum=0, default=0)
+    pattern = int_field(config, "sliding_window_pattern", fail)
+    if not window:
         return None, 0
     count = layers or 1  # Mistral: every layer
-    if isinstance(config.get("layer_types"), list):  # refuse_unsupported checked its entries
-        count = sum(kind == "sliding_attention" for kind in config["layer_types"])
+    if layer_types is not None:  # refuse_unsupported checked its entries
+        count = sum(kind == "sliding_attention" for kind in layer_types)
     elif "use_sliding_window" in config:  # Qwen2/2.5: layers from max_window_layers on
-        if not config["use_sliding_window"]:
+        if not use_window:
             notes.append(f"sliding_window={window} is set but use_sliding_window is false: every layer attends "
                          "to the whole context")
             return None, 0
-        first = config.get("max_window_layers") or 0
         count = max(0, layers - first) if layers else 1
     elif config.get("model_type") == "gemma2":  # layers 0, 2, 4, ... use the window
         count = (layers + 1) // 2 if layers else 1
-    elif isinstance(config.get("sliding_window_pattern"), int) and config["sliding_window_pattern"] > 0:
-        pattern = config["sliding_window_pattern"]  # Gemma 3: every pattern-th layer is global
+    elif pattern is not None:  # Gemma 3: every pattern-th layer is global
         count = layers - layers // pattern if layers else 1
     if not count:
         notes.append(f"sliding_window={window} is set but no layer uses it")
@@ -226,7 +234,7 @@ def _sliding_window(config: dict, layers: int | None, notes: list) -> tuple[int 
 def refuse_unsupported(config: dict, fail) -> None:
     """Raise for the first config field whose attention flashjit kernels do not compute."""
     def refuse(field, feature, verdict="not supported"):
-        raise fail(field, f"{config[field]!r}: {feature}; {verdict}: {SUPPORTED}")
+        raise fail(field, f"{quote(config[field])}: {feature}; {verdict}: {SUPPORTED}")
 
     for field in ("alibi", "use_alibi"):
         if config.get(field):
@@ -237,9 +245,8 @@ def refuse_unsupported(config: dict, fail) -> None:
         refuse("kv_lora_rank", "multi-head latent attention (DeepSeek V2/V3)")
     if config.get("attention_chunk_size"):
         refuse("attention_chunk_size", "chunked attention (Llama 4)")
-    layer_types = config.get("layer_types")
-    if isinstance(layer_types, list):
-        other = sorted({str(kind) for kind in layer_types if kind not in LAYER_TYPES})
-        if other:
-            raise fail("layer_types", f"layers of type {', '.join(map(repr, other))} are not supported; "
-                                      f"layer_types may list {' and '.join(LAYER_TYPES)} ({SUPPORTED})")
+    layer_types = str_list_field(config, "layer_types", fail)
+    other = sorted({kind for kind in layer_types or () if kind not in LAYER_TYPES})
+    if other:
+        raise fail("layer_types", f"layers of type {', '.join(map(quote, other[:4]))} are not supported; "
+                                  f"layer_types may list {' and '.join(LAYER_TYPES)} ({SUPPORTED})")

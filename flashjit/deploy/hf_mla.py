@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 
 from ..errors import SpecError
 from ..jit.mla_spec import LATENT_DIMS, MAX_HEADS, ROPE_DIMS, MLASpec
-from .hf_config import _config_dtype, _model_name, _positive_int, config_path
-from .manifest import ManifestError, resolve_archs
+from .hf_config import _config_dtype, _model_name, _positive_int, config_path, load_config
+from .input_files import ManifestError, dict_field, number_field, quote, str_field
+from .manifest import resolve_archs
 
 DEFAULT_TPS = (1, 8, 16)
 
@@ -53,7 +53,7 @@ class MLAAttention:
         fail = lambda field, problem: ManifestError(self.path, self.name, field, problem)  # noqa: E731
         for tp in tps:
             if not isinstance(tp, int) or tp < 1 or self.num_heads % tp:
-                raise fail("--tp", f"{tp!r} must be a positive divisor of num_attention_heads={self.num_heads}")
+                raise fail("--tp", f"{quote(tp)} must be a positive divisor of num_attention_heads={self.num_heads}")
         targets = resolve_archs(archs, (), self.path)
         specs = []
         for tp, page_size, q_len, arch in itertools.product(tps, page_sizes, max_q_lens, targets):
@@ -62,25 +62,22 @@ class MLAAttention:
                                      page_size=page_size, max_q_len=q_len, arch=arch, kv_lora_rank=self.kv_lora_rank,
                                      rope_dim=self.rope_dim))
             except SpecError as exc:
-                raise fail(exc.field, f"{exc.value!r} is not supported; accepted: {exc.accepted}") from None
+                raise fail(exc.field, f"{quote(exc.value)} is not supported; accepted: {exc.accepted}") from None
         return list(dict.fromkeys(specs))
 
 
 def is_mla_config(path) -> bool:
     """Whether a config.json (or its folder) describes latent attention (sets kv_lora_rank)."""
     try:
-        config = json.loads(config_path(path).read_text())
-    except (OSError, ValueError):
+        config = load_config(config_path(path))
+    except ManifestError:
         return False  # read_hf_config reports what is wrong with it
-    return isinstance(config, dict) and bool(config.get("kv_lora_rank"))
+    return bool(config.get("kv_lora_rank"))
 
 
 def read_mla_config(path, dtype=None) -> MLAAttention:
     path = config_path(path)
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ManifestError(path, None, "<file>", f"cannot be read as JSON ({exc})") from None
+    config = load_config(path)
     name = _model_name(config, path)
     fail = lambda field, problem: ManifestError(path, name, field, problem)  # noqa: E731
     heads = _positive_int(config, "num_attention_heads", fail)
@@ -95,15 +92,21 @@ def read_mla_config(path, dtype=None) -> MLAAttention:
     nope = _positive_int(config, "qk_nope_head_dim", fail)
     notes: list[str] = []
     if dtype is None:
-        dtype = _config_dtype(config, notes)
+        dtype = _config_dtype(config, notes, fail)
     try:
         dtype = MLASpec(num_heads=1, dtype=dtype, arch="sm_90").dtype
     except SpecError as exc:
-        raise fail("torch_dtype", f"{dtype!r} is not supported; accepted: {exc.accepted}") from None
+        raise fail("torch_dtype", f"{quote(dtype)} is not supported; accepted: {exc.accepted}") from None
     scale = (nope + rope) ** -0.5
-    rope_scaling = config.get("rope_scaling")
-    if isinstance(rope_scaling, dict) and rope_scaling.get("type", rope_scaling.get("rope_type")) == "yarn":
-        factor, all_dim = rope_scaling.get("factor", 1.0), rope_scaling.get("mscale_all_dim", 0.0)
+    rope_scaling = dict_field(config, "rope_scaling", fail, default={})
+    nested = lambda field, problem: fail(f"rope_scaling.{field}", problem)  # noqa: E731
+    if (str_field(rope_scaling, "type", nested) or str_field(rope_scaling, "rope_type", nested)) == "yarn":
+        factor = number_field(rope_scaling, "factor", nested, minimum=1e-30, default=1.0)
+        all_dim = number_field(rope_scaling, "mscale_all_dim", nested, default=0.0)
         if factor > 1 and all_dim:
-            scale *= (0.1 * all_dim * math.log(factor) + 1.0) ** 2
+            mscale = 0.1 * all_dim * math.log(factor) + 1.0
+            if not 1.0 <= mscale <= 1e6:  # DeepSeek-V3's is 1.37
+                raise nested("mscale_all_dim", f"gives the YaRN mscale {mscale:.3g} (0.1 x mscale_all_dim x "
+                                               "ln(factor) + 1), expected 1..1e6")
+            scale *= mscale ** 2
     return MLAAttention(name, str(path), heads, rank, rope, dtype, scale, tuple(notes))

@@ -24,16 +24,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import sys
 from pathlib import Path
 
 from ..errors import SpecError
 from ..jit.spec import HEAD_DIMS, DecodeSpec, current_arch
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from .input_files import INT32_MAX, ManifestError, load_toml, quote
 
 TOP_LEVEL_KEYS = ("archs", "model")
 REQUIRED_KEYS = ("name", "num_qo_heads", "num_kv_heads", "head_dim", "dtype", "page_sizes", "masks")
@@ -43,16 +38,6 @@ LIST_KEYS = ("page_sizes", "masks", "max_q_lens", "kv_layouts", "variants")
 _SPEC_FIELD_TO_KEY = {"head_dim": "head_dim", "dtype": "dtype", "kv_dtype": "kv_dtype", "mask": "masks",
                       "page_size": "page_sizes", "group_size": "num_qo_heads/num_kv_heads",
                       "max_q_len": "max_q_lens", "kv_layout": "kv_layouts", "arch": "archs", "variant": "variants"}
-
-
-class ManifestError(SpecError):
-    """A manifest that cannot be expanded. A SpecError (so a ValueError) naming file, model and field."""
-
-    def __init__(self, path, model: str | None, field: str, problem: str):
-        self.path, self.model, self.problem = (str(path) if path else None), model, problem
-        self.field, self.value, self.accepted = field, None, problem
-        where = (f"{self.path}: " if self.path else "") + (f"model {model!r}, " if model else "")
-        Exception.__init__(self, f"{where}field {field!r}: {problem}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +80,7 @@ class Manifest:
 def load_manifest(path) -> Manifest:
     """Parse and check a manifest file (no spec is built yet: archs may come from the command line)."""
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ManifestError(path, None, "<file>", f"cannot be read ({exc.strerror or exc})") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ManifestError(path, None, "<file>", f"is not valid TOML ({exc})") from None
-    return parse_manifest(data, path)
+    return parse_manifest(load_toml(path), path)
 
 
 def parse_manifest(data: dict, path="<manifest>") -> Manifest:
@@ -110,7 +89,7 @@ def parse_manifest(data: dict, path="<manifest>") -> Manifest:
         raise ManifestError(path, None, unknown[0], f"unknown top-level key; accepted: {', '.join(TOP_LEVEL_KEYS)}")
     archs = data.get("archs", [])
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
-        raise ManifestError(path, None, "archs", f"must be a list of arch names such as [\"sm_80\", \"sm_90\"], got {archs!r}")
+        raise ManifestError(path, None, "archs", f"must be a list of arch names such as [\"sm_80\", \"sm_90\"], got {quote(archs)}")
     tables = data.get("model")
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise ManifestError(path, None, "model", "the manifest needs at least one [[model]] table")
@@ -127,7 +106,7 @@ def parse_manifest(data: dict, path="<manifest>") -> Manifest:
 def _parse_model(table: dict, index: int, path) -> ModelEntry:
     name = table.get("name")
     if not isinstance(name, str) or not name.strip():
-        raise ManifestError(path, f"#{index + 1}", "name", f"every [[model]] needs a non-empty string name, got {name!r}")
+        raise ManifestError(path, f"#{index + 1}", "name", f"every [[model]] needs a non-empty string name, got {quote(name)}")
     fail = lambda field, problem: ManifestError(path, name, field, problem)  # noqa: E731
     unknown = sorted(set(table) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
     if unknown:
@@ -138,21 +117,21 @@ def _parse_model(table: dict, index: int, path) -> ModelEntry:
     values = dict(OPTIONAL_KEYS, **table)
     for key in ("num_qo_heads", "num_kv_heads", "head_dim"):
         value = values[key]
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise fail(key, f"must be a positive integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= INT32_MAX:
+            raise fail(key, f"must be a positive integer up to {INT32_MAX}, got {quote(value)}")
     if values["num_qo_heads"] % values["num_kv_heads"]:
         raise fail("num_kv_heads", f"must divide num_qo_heads={values['num_qo_heads']} "
                                    f"(GQA group size), got {values['num_kv_heads']}")
     for key in ("dtype", "kv_dtype"):
         if values[key] is not None and not isinstance(values[key], str):
-            raise fail(key, f"must be a string such as \"bf16\", got {values[key]!r}")
+            raise fail(key, f"must be a string such as \"bf16\", got {quote(values[key])}")
     for key in LIST_KEYS:
         value = values[key]
         kind = str if key in ("masks", "kv_layouts", "variants") else int
         if (not isinstance(value, list) or not value
                 or not all(isinstance(v, kind) and not isinstance(v, bool) for v in value)):
             example = '["none", "causal"]' if kind is str else "[16]"
-            raise fail(key, f"must be a non-empty list of {kind.__name__}s such as {example}, got {value!r}")
+            raise fail(key, f"must be a non-empty list of {kind.__name__}s such as {example}, got {quote(value)}")
     return ModelEntry(
         name=name, num_qo_heads=values["num_qo_heads"], num_kv_heads=values["num_kv_heads"],
         head_dim=values["head_dim"], dtype=values["dtype"], kv_dtype=values["kv_dtype"],
@@ -180,7 +159,7 @@ def resolve_archs(cli_archs, manifest_archs=(), path=None) -> tuple[str, ...]:
         try:  # DecodeSpec is the one place that knows the accepted spellings
             normalized.append(DecodeSpec(head_dim=HEAD_DIMS[0], arch=arch).arch)
         except SpecError as exc:
-            raise ManifestError(path, None, field, f"{arch!r} is not a known arch; accepted: {exc.accepted}") from None
+            raise ManifestError(path, None, field, f"{quote(arch)} is not a known arch; accepted: {exc.accepted}") from None
     return tuple(dict.fromkeys(normalized))
 
 
@@ -199,7 +178,7 @@ def expand_model(model: ModelEntry, archs, path="<manifest>") -> list[DecodeSpec
                                     kv_layout=layout, arch=arch, variant=variant))
         except SpecError as exc:
             key = _SPEC_FIELD_TO_KEY.get(exc.field, exc.field)
-            raise ManifestError(path, model.name, key, f"{exc.value!r} is not supported; accepted: {exc.accepted}") from None
+            raise ManifestError(path, model.name, key, f"{quote(exc.value)} is not supported; accepted: {exc.accepted}") from None
     return specs
 
 

@@ -152,13 +152,16 @@ class DecodeSpec(CacheAndArch):
             raise SpecError("shared_prefix", self.shared_prefix, "False, or True for tensor cores over a 16-bit cache")
         from ..masks.registry import masks  # late import: the registry imports nothing from here
 
+        from ..validation import did_you_mean
+
         if self.mask not in masks:
-            raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)")
+            raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)"
+                            + did_you_mean(self.mask, masks.names()))
         from ..masks.variants import variants
 
         if self.variant not in variants:
-            raise SpecError("variant", self.variant,
-                            ", ".join(sorted(variants.names())) + " (or a variant added with register_variant)")
+            raise SpecError("variant", self.variant, ", ".join(sorted(variants.names())) + " (or a variant added "
+                            "with register_variant)" + did_you_mean(self.variant, variants.names()))
         if self.shared_prefix and self.variant != "none":  # plan() shares prefixes under no variant
             raise SpecError("shared_prefix", self.shared_prefix, f"False with variant {self.variant!r} "
                             "(shared-prefix kernels take variant 'none')")

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 
 from .. import env
 from ..errors import SpecError
+from ..validation import did_you_mean
 from . import block_sparse
 from .params import PARAM_CTYPES
 
@@ -235,7 +236,7 @@ class MaskRegistry:
             folder_error = self.template_folder_error()
             if folder_error is not None:
                 accepted += f" (template folders that failed to load: {folder_error})"
-            raise SpecError("mask", name, accepted)
+            raise SpecError("mask", name, accepted + did_you_mean(name, self._masks))
         return mask
 
     def names(self) -> Iterable[str]:

@@ -30,6 +30,8 @@ def sink_window_params(kv_lens, q_lens=1, *, num_sink: int, window_left: int, de
     """mask_params for plan(mask="sink_window"): kv_lens and q_lens per request (q_lens may be one int)."""
     import torch
 
+    validation.require_cuda(torch, torch.device(device), f"sink_window_params(device={device!r})",
+                            "pass device='cpu' to build the parameters on the CPU")
     kv = np.asarray(kv_lens, dtype=np.int64).reshape(-1)
     q = np.broadcast_to(np.asarray(q_lens, dtype=np.int64), kv.shape)
     return {"num_sink": int(num_sink), "window_left": int(window_left),

@@ -49,6 +49,8 @@ def pack_tree_mask(parents_per_request, device="cuda") -> dict:
     """
     import torch
 
+    validation.require_cuda(torch, torch.device(device), f"pack_tree_mask(device={device!r})",
+                            "pass device='cpu' to build the parameters on the CPU")
     words, indptr = [], [0]
     for parents in parents_per_request:
         words += tree_words(parents)

@@ -12,13 +12,13 @@ DecodeSpec.variant). Built-ins live in ``templates/variants``; users add variant
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import SpecError
+from ..validation import did_you_mean
 from .registry import MaskParam, _parse_params, masks
 
 
@@ -78,7 +78,8 @@ class VariantRegistry:
     def get(self, name: str) -> VariantDef:
         variant = self._variants.get(name)
         if variant is None:
-            raise SpecError("variant", name, ", ".join(sorted(self._variants)) + " (or one added with register_variant)")
+            raise SpecError("variant", name, ", ".join(sorted(self._variants)) + " (or one added with register_variant)"
+                            + did_you_mean(name, self._variants))
         return variant
 
     def names(self) -> Iterable[str]:
@@ -108,10 +109,18 @@ def _sinks_sink(heads, params):
     return params["sinks"].to(heads.device).float()[heads]
 
 
+# The caps the kernel computes cap * tanh(score * (1 / cap)) with exactly, flushing subnormals to 0:
+# from the smallest normal float32 (a smaller cap has no finite reciprocal: NaN scores) to 2**64
+# (beyond, scores below cap * 2**-126 flush to 0 in the product, 2**-62 and more at the bound;
+# tanh is the identity at that scale anyway).
+SOFT_CAP_RANGE = (2.0**-126, 2.0**64)
+
+
 def _check_soft_cap(params, num_qo_heads):
-    cap = params["logits_soft_cap"]
-    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
-        raise ValueError(f"variant param logits_soft_cap: expected a finite float > 0, got {cap!r}")
+    cap, (low, high) = params["logits_soft_cap"], SOFT_CAP_RANGE
+    if not (isinstance(cap, (int, float)) and not isinstance(cap, bool) and low <= cap <= high):
+        raise ValueError(f"variant param logits_soft_cap: expected a float in {low:.3g}..{high:.3g} (its reciprocal "
+                         f"a normal float32; 0 or None: no capping), got {cap!r}")
 
 
 def _check_sinks(params, num_qo_heads):

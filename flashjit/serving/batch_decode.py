@@ -82,8 +82,9 @@ class BatchDecode:
         sharing its storage from the start, as indices), and max_num_pages defaults to its length.
         graph_page_ids is the buffer in use, either way. Every plan() then uses one kernel, built for max_q_len, so
         the heads, head_dim, dtypes, mask and page size must stay the same, while the query tokens
-        per request may vary up to max_q_len (speculative decoding). Scalars such as sm_scale and
-        window_left, and mask tensors, are part of the captured launch: keep them the same too.
+        per request may vary up to max_q_len (speculative decoding). The head counts, sm_scale, the
+        mask's and the variant's parameters (window_left, a tensor's address) are part of the
+        captured launch too: plan() refuses a change of them (write new values into the same tensors).
 
         The other keywords replace what the decoder asks of its device, so tests can plan without
         a GPU: arch ("sm_90"; default the device's; given, the device may be the CPU, where copies
@@ -94,8 +95,8 @@ class BatchDecode:
         the page ids' range)."""
         import torch
 
+        self.device, self._arch = decoder_device(torch, device, arch)  # first: a refused device changes nothing
         self.engine = engine or default_engine()
-        self.device, self._arch = decoder_device(torch, device, arch)
         self._device_index = self.device.index
         self._load_kernel = load_kernel or Kernel.loaded
         self._current_stream = current_stream or stream_getter()

@@ -94,8 +94,8 @@ class BatchDecodeMLA:
         a GPU)."""
         import torch
 
+        self.device, self._arch = decoder_device(torch, device, arch, "BatchDecodeMLA")  # first: refused, nothing changed
         self.engine = engine or default_engine()
-        self.device, self._arch = decoder_device(torch, device, arch)
         self._load_kernel = load_kernel or Kernel.loaded
         self._current_stream = current_stream or stream_getter()
         self.use_cuda_graph = use_cuda_graph

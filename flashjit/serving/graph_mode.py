@@ -8,6 +8,7 @@ from __future__ import annotations
 from .. import validation
 from .buffers import Capacity
 from .device_planner import DevicePlanner
+from .plan_setup import LOG2E
 
 _REFUSED = "plan() with use_cuda_graph=True"
 # Work items beyond one per request that the capacity holds: waves of split chunks for the long
@@ -21,6 +22,27 @@ SPLIT_WAVES = 4
 # request; the partials stay within SHARED_PARTIAL_BYTES (a larger batch takes fewer chunks).
 SHARED_SLOTS_PER_REQUEST = 32
 SHARED_PARTIAL_BYTES = 64 << 20
+
+
+def captured_values(setup) -> dict:
+    """The values a captured launch holds besides its kernel (BatchDecode's Setup or BatchDecodeMLA's):
+    name -> value, a tensor parameter by its address."""
+    values = {"sm_scale": setup.sm_scale_log2 / LOG2E}
+    for name in ("num_qo_heads", "num_kv_heads"):
+        if hasattr(setup, name):
+            values[name] = getattr(setup, name)
+    for what, params in (("mask param", getattr(setup, "params", {})),
+                         ("variant param", getattr(setup, "variant_params", {}))):
+        for name, value in params.items():
+            values[f"{what} {name}"] = _Address(value.data_ptr()) if hasattr(value, "data_ptr") else value
+    return values
+
+
+class _Address(int):
+    """A tensor parameter's address: what a captured launch holds of it."""
+
+    def __repr__(self):
+        return f"the tensor at {int(self):#x}"
 
 
 def graph_limits(use_cuda_graph: bool, device, max_batch_size, max_num_pages, max_tokens,
@@ -104,8 +126,19 @@ class GraphLimits:
         return fixed
 
     def check_kernel(self, setup, previous):
-        if previous is not None and setup.spec != previous.setup.spec:
+        """Refuses a setup whose launch differs from the first plan's: a captured graph replays the
+        kernel, grid and argument values it was captured with (heads, sm_scale, the mask's and the
+        variant's parameters, a tensor's address among them), so a plan changing any of them would
+        be ignored by every replay."""
+        if previous is None:
+            return
+        if setup.spec != previous.setup.spec:
             validation.fail(_REFUSED, f"the first plan's kernel {previous.setup.spec.name}", setup.spec.name)
+        first = captured_values(previous.setup)
+        for name, value in captured_values(setup).items():
+            if value != first[name]:
+                validation.fail(f"{_REFUSED}: {name}", f"the first plan's {first[name]!r} (a captured graph replays "
+                                "it; plan another configuration on a BatchDecode of its own)", repr(value))
 
     def capacity(self, spec, batch: int, tokens: int, one_wave_items: int, previous,
                  fixed_split_tokens: int | None = None, shared_slot_bytes: int | None = None,

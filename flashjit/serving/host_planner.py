@@ -277,6 +277,9 @@ class HostPlanner:
         """The tables of a page table (and query offsets): NativeTables or NumpyTables. A bad input
         raises ValueError naming it. keep: tables of an earlier read (the current plan's) whose
         kv_lens stay valid, however this read ends."""
+        if qo_indptr is not None and q_len is not None:
+            validation.fail("qo_indptr and q_len", "one of them (qo_indptr gives each request's query tokens, q_len "
+                            "one count for all)", f"both (q_len={q_len!r})")
         if self.library is not None and _int32_cpu_vector(indptr) and indptr.shape[0] >= 1:
             batch = indptr.shape[0] - 1
             queries_ok = (_int32_cpu_vector(qo_indptr, batch + 1) if qo_indptr is not None

@@ -74,6 +74,10 @@ def checked_mask_params(mask, window_left, mask_params, device) -> dict:
         return {}  # the common case, a mask without parameters given none, in one test
     params = dict(mask_params or {})
     if window_left is not None:
+        if "window_left" in params:
+            validation.fail("window_left= and mask_params['window_left']", "one of them (both name the same "
+                            "parameter)", f"both (window_left={window_left!r}, mask_params['window_left']="
+                            f"{params['window_left']!r})")
         params["window_left"] = window_left
     return _checked_params("mask", mask, params, device)
 

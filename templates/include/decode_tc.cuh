@@ -164,8 +164,8 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
     row_head[h] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
     row_valid[h] = row < ROWS_TOTAL && row_tok[h] < item.q_len;
     row_pos[h] = item.kv_len - item.q_len + row_tok[h];
+    row_token[h] = item.q_begin + row_tok[h];
     if constexpr (cfg::SHARED_PREFIX) {
-      row_token[h] = item.q_begin + row_tok[h];
       row_slot[h] = packed ? slot : 0;  // (a shared record's rows: their member's, in load_queries)
       if (members > 0) {
         row_member[h] = row_tok[h] / item.q_len;
@@ -188,8 +188,7 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   const auto q_fragment = [&](int k, int r) -> u32 {
     const int h = r & 1, col = 16 * k + pair + (r >> 1) * 8;
     return row_valid[h] ? QueryPair<q_t, mma_t>::convert(*reinterpret_cast<const u32*>(
-                              a.q + (i64)(cfg::SHARED_PREFIX ? row_token[h] : item.q_begin + row_tok[h]) * a.q_stride +
-                              row_head[h] * D + col))
+                              a.q + (i64)row_token[h] * a.q_stride + row_head[h] * D + col))
                         : 0u;
   };
   u32 qa[Q_IN_SMEM ? 1 : QSTEPS][4];

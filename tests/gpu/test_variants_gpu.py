@@ -119,6 +119,28 @@ def test_variant_matches_reference(engine, variant, mask, kv, head_dim, group, q
             assert torch.allclose(lse[both], unsplit[1][both], atol=2e-3, rtol=1e-4), f"split={split} lse ({where})"
 
 
+@pytest.mark.parametrize("cap", [2.0**-126, 1e-20, 2.0**64])
+@pytest.mark.parametrize("split", ["one", "many"])
+def test_soft_caps_at_the_edges_of_the_accepted_range(engine, cap, split):
+    """plan() accepts caps from the smallest normal float32 (every logit ~0: uniform weights) to
+    2**64 (tanh the identity): the kernel's cap * tanh(score * (1 / cap)) gives no NaN and no
+    zeroed logits at either end, as the float32 reference."""
+    group, head_dim = 8, 64
+    kv_lens = [1, 37, 700, 5000]
+    batch = make_batch(kv_lens, num_qo_heads=NUM_KV_HEADS * group, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
+                       page_size=16, seed=11)
+    params, variant_params = {"window_left": 1 << 20}, {"logits_soft_cap": cap}
+    cache = (batch.k_cache, batch.v_cache)
+    ref, ref_lse = decode_reference(batch.q, *cache, batch.indptr, batch.indices, batch.last_page_len,
+                                    qo_indptr=batch.qo_indptr, mask="sliding_window", mask_params=params,
+                                    variant="soft_cap", variant_params=variant_params)
+    out, lse, _ = run_variant(engine, batch, cache, (None, None), "sliding_window", params, "soft_cap",
+                              variant_params, split)
+    assert out.isfinite().all() and lse.isfinite().all()
+    _, _, failures = cm.compare(out, lse, ref, ref_lse, tolerance=cm.TOLERANCE["bfloat16"])
+    assert not failures, f"cap {cap}, split={split}: {'; '.join(failures)}"
+
+
 def shorter(batch, lens):
     """(indptr, indices, last_page_len) of the batch's requests cut to lens, over the same pages."""
     ps, indptr, ids, last = batch.page_size, batch.indptr.tolist(), [], []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from ... import validation
 from ...errors import SpecError
 from ...masks.registry import MaskDef
 
@@ -11,8 +12,9 @@ DEFAULT_INTS = (0, 1, 5, 37)  # int params of masks without sample_params
 DEFAULT_FLOATS = (0.0, 0.5, 2.0)
 
 
-def parse_overrides(mask: MaskDef, items) -> dict:
-    """['window_left=37', ...] (or {'window_left': '37'}) -> {'window_left': 37}, typed by the param kinds."""
+def parse_overrides(mask: MaskDef, items, what: str = "mask") -> dict:
+    """['window_left=37', ...] (or {'window_left': '37'}) -> {'window_left': 37}, typed and checked
+    by the param kinds (what: "mask", or "variant" for a VariantDef's params)."""
     kinds = {p.name: p.kind for p in mask.params}
     if isinstance(items, dict):
         items = [f"{k}={v}" for k, v in items.items()]
@@ -21,15 +23,18 @@ def parse_overrides(mask: MaskDef, items) -> dict:
         name, sep, text = str(item).partition("=")
         name = name.strip()
         if not sep or name not in kinds:
-            raise SpecError("--params", item, f"NAME=VALUE with NAME one of {list(kinds)} (mask {mask.name!r})")
-        if kinds[name] == "int_tensor":
+            raise SpecError("--params", item, f"NAME=VALUE with NAME one of {list(kinds)} ({what} {mask.name!r})",
+                            owner="check_mask")
+        if kinds[name] not in ("int", "float"):
             raise SpecError("--params", item, f"int or float params only; {name!r} is a tensor, built by the "
-                                              "mask's sample_params")
+                                              f"{what}'s sample_params", owner="check_mask")
         try:
-            values[name] = int(text) if kinds[name] == "int" else float(text)
+            number = int(text) if kinds[name] == "int" else float(text)
+            values[name] = (validation.int32_param(name, number) if kinds[name] == "int"
+                            else validation.float32_param(name, number))
         except ValueError:
-            raise SpecError("--params", item, f"a{'n int' if kinds[name] == 'int' else ' float'} value for "
-                                              f"{name!r}") from None
+            raise SpecError("--params", item, f"{'an int in 0..2147483647' if kinds[name] == 'int' else 'a finite float'}"
+                                              f" value for {name!r}", owner="check_mask") from None
     return values
 
 

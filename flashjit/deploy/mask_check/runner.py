@@ -168,15 +168,7 @@ def _check_variant(name: str, *, archs, overrides, engine, seed: int, cases, dev
     from ...jit.engine import Engine
 
     variant = variants.get(name)
-    if isinstance(overrides, dict):
-        overrides = [f"{k}={v}" for k, v in overrides.items()]
-    fixed = {}
-    for item in overrides or ():
-        key, sep, text = str(item).partition("=")
-        kinds = {p.name: p.kind for p in variant.params if p.kind in ("int", "float")}
-        if not sep or key.strip() not in kinds:
-            raise SpecError("--params", item, f"NAME=VALUE with NAME one of {list(kinds)} (variant {name!r})")
-        fixed[key.strip()] = int(text) if kinds[key.strip()] == "int" else float(text)
+    fixed = parse_overrides(variant, overrides, "variant")
     if isinstance(archs, str):
         archs = [a.strip() for a in archs.split(",") if a.strip()]
     engine = engine or Engine()

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from ... import validation
 from ...jit.spec import MAX_Q_LEN
 from . import gathered
 from .features import UnsupportedAttention, refuse_unsupported
@@ -75,6 +76,9 @@ class PagedAttention:
             raise ValueError(f"max_decode_q_len: expected an int in 1..{MAX_Q_LEN}, got {max_decode_q_len!r}")
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs: expected True or False, got {cuda_graphs!r}")
+        if backend_factory is None:  # here, not in generate_batch's thread, which logs errors and returns empty lists
+            validation.require_cuda(torch, torch.device("cuda"), "flashjit's paged attention",
+                                    "register(backend_factory=ReferenceDecode) serves the float32 reference instead")
         self.cuda_graphs = cuda_graphs
         self._graph_decoders: dict = {}  # (layer group, query rows, requests) -> GraphDecoder
         self._backend_factory = backend_factory or flashjit_backend
