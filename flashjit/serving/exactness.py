@@ -152,9 +152,13 @@ def check_rows(out, lse, ref, ref_lse, tol: Tolerance) -> RowCheck:
     return RowCheck(tol, worst_out, worst_out_row, worst_lse, worst_lse_row, tuple(failures))
 
 
-def key_counts(ref_lse):
-    """[tokens, heads] int64 number of visible keys from a zero-query reference LSE (ln of the count)."""
-    return ref_lse.double().exp().round().long()
+def key_counts(ref_lse, sink=None):
+    """[tokens, heads] int64 number of visible keys from a zero-query reference LSE: ln of the count
+    (plus e^sink, sink [heads] of a variant's sink logits)."""
+    total = ref_lse.double().exp()
+    if sink is not None:
+        total = total - sink.double().exp()[None, :]
+    return total.round().long()
 
 
 def check_key_counts(lse, counts, sink=None) -> tuple[str, ...]:

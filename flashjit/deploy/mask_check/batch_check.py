@@ -1,15 +1,17 @@
-"""One paged batch through BatchDecode, compared with the torch reference.
+"""One paged batch through BatchDecode, compared with the torch reference row by row.
 
 check_batch(engine, batch, mask, params) plans and runs BatchDecode on one paged batch under
 every split policy (SPLITS), with outputs poisoned with NaN first, twice: with the batch's random
-queries, and with zero queries. Zero queries give every visible key the same weight, so a row's
-LSE is ln(number of visible keys): an exact count that a missed or an extra key fails
-(COUNT_LSE_ATOL), however long the row. Each run is compared with
-flashjit.serving.reference.decode_reference, which applies the mask's torch predicate. A mask
-without a predicate (a template folder's mask) is compared with its own unsplit run instead: that
-checks the span, the kv_position mapping and split/merge consistency, not the predicate.
-With a variant, the reference applies its torch hooks too; a zero query then gives each row the
-lse ln(N e^logits(0) + e^sink), as exact a count as without one.
+queries, and with zero queries. Each run is compared with
+flashjit.serving.reference.decode_reference, which applies the mask's torch predicate, one row
+(query token x query head) at a time (flashjit.serving.exactness: tolerances from the dtypes).
+Zero queries give every visible key the same weight, so a row's LSE is ln(number of visible keys):
+an exact count that a missed or an extra key fails, however long the row
+(exactness.check_key_counts). A mask without a predicate (a template folder's mask) is compared
+with its own unsplit run instead: that checks the span, the kv_position mapping and split/merge
+consistency, not the predicate. With a variant, the reference applies its torch hooks too; a zero
+query then gives each row the lse ln(N e^logits(0) + e^sink): still a count where the variant has
+no logits hook (the sink is added), else compared with the reference's LSE.
 """
 
 from __future__ import annotations
@@ -17,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 
 from ...masks.registry import masks
+from ...masks.variants import variants
+from ...serving import exactness
 
 SPLITS = ("auto", "one", "two", "many")  # planner's choice, no split, two chunks, 16-token chunks
 PROBES = ("random q", "zero q")
-TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}  # relative (Frobenius) error of out
-LSE_ATOL, LSE_RTOL = 2e-2, 1e-3
-COUNT_LSE_ATOL = 5e-5  # zero q: ln(N + 1) - ln(N) > 1.9e-4 for the N <= 5000 keys of random_lengths
 
 
 def split_options(split: str, kv_lens) -> dict:
@@ -52,32 +53,31 @@ def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *,
     return out, lse, decoder
 
 
-def compare(out, lse, ref, ref_lse, *, tolerance: float, lse_atol: float = LSE_ATOL,
-            lse_rtol: float = LSE_RTOL) -> tuple[float, float, list[str]]:
-    """(relative error of out, max lse error, failures) of one run against a reference."""
-    from ..random_batches import rel_error
+def compare(out, lse, ref, ref_lse, tolerance: exactness.Tolerance) -> tuple[float, float, list[str]]:
+    """(worst row's relative error of out, worst row's lse error, failures) of one run against a
+    reference (exactness.check_rows)."""
+    result = exactness.check_rows(out, lse, ref, ref_lse, tolerance)
+    return result.worst_out, result.worst_lse, list(result.failures)
 
-    failures = []
-    nan_rows = int(out.isnan().any(-1).sum())
-    if nan_rows:
-        failures.append(f"NaN in {nan_rows} output rows (never written?)")
-    if lse.isnan().any():
-        failures.append(f"NaN in {int(lse.isnan().sum())} lse entries")
-    err = rel_error(out, ref)
-    if not err <= tolerance:
-        failures.append(f"out: relative error {err:.2e} > {tolerance:.0e}")
-    finite = ref_lse.isfinite()
-    disagree = lse.isfinite() != finite
-    if disagree.any():
-        failures.append(f"{int(disagree.sum())} (token, head) rows disagree with the reference on being fully masked")
-    both = finite & lse.isfinite()
-    diff = (lse[both] - ref_lse[both]).abs()
-    lse_err = float(diff.max()) if diff.numel() else 0.0
-    if diff.numel() and (diff > lse_atol + lse_rtol * ref_lse[both].abs()).any():
-        failures.append(f"lse: max error {lse_err:.2e} (atol {lse_atol:.0e})")
-    if (~finite).any() and not (out[~finite] == 0).all():
-        failures.append("fully masked rows are not 0")
-    return err, lse_err, failures
+
+def run_tolerance(q_dtype, kv_dtype=None, variant: str = "none") -> exactness.Tolerance:
+    """exactness.tolerance of a decode run: the variant's logits hook, if any, runs on the hardware's tanh."""
+    return exactness.tolerance(q_dtype, kv_dtype, approx_logits=variants.get(variant).logits is not None)
+
+
+def count_failures(lse, ref_lse, variant: str = "none", variant_params: dict | None = None) -> list[str]:
+    """A zero-query run's key counts (exactness.check_key_counts) against the reference's, for a
+    variant without a logits hook (its sink, if any, added); [] for one with a logits hook, whose
+    zero-query LSE is no count (check_rows compares it)."""
+    variant_def = variants.get(variant)
+    if variant_def.logits is not None:
+        return []
+    sink = None
+    if variant_def.sink is not None:
+        import torch
+
+        sink = variant_def.sink(torch.arange(lse.shape[1], device=lse.device), dict(variant_params or {})).float()
+    return list(exactness.check_key_counts(lse, exactness.key_counts(ref_lse, sink), sink=sink))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +87,8 @@ class RunResult:
     spec: str       # the kernel that ran (DecodeSpec.name)
     split: str      # one of SPLITS
     probe: str      # one of PROBES
-    rel_err: float
-    lse_err: float
+    rel_err: float  # the worst row's relative error of out
+    lse_err: float  # the worst row's lse error
     failures: tuple[str, ...]
 
     @property
@@ -103,10 +103,9 @@ def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes
     import torch
 
     from ...serving.reference import decode_reference
-    from ...jit.spec import normalize_dtype
 
     has_reference = masks.get(mask).reference is not None
-    tolerance = TOLERANCE[normalize_dtype(batch.q.dtype)]
+    tolerance = run_tolerance(batch.q.dtype, batch.k_cache.dtype, variant)
     order = sorted(splits, key=lambda s: s != "one")  # without a reference the unsplit run is the baseline
     results = []
     for probe in probes:
@@ -122,8 +121,8 @@ def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes
                                              variant=variant, variant_params=variant_params)
             if ref is None:
                 ref, ref_lse = out.float(), lse.clone()
-            err, lse_err, failures = compare(out, lse, ref, ref_lse, tolerance=tolerance,
-                                             **({"lse_atol": COUNT_LSE_ATOL, "lse_rtol": 0.0}
-                                                if probe == "zero q" else {}))
+            err, lse_err, failures = compare(out, lse, ref, ref_lse, tolerance)
+            if probe == "zero q":
+                failures += count_failures(lse, ref_lse, variant, variant_params)
             results.append(RunResult(decoder.spec.name, split, probe, err, lse_err, tuple(failures)))
     return results
