@@ -9,7 +9,8 @@ Zero queries give every visible key the same weight, so a row's LSE is ln(number
 an exact count that a missed or an extra key fails, however long the row
 (exactness.check_key_counts). A mask without a predicate (a template folder's mask) is compared
 with its own unsplit run instead: that checks the span, the kv_position mapping and split/merge
-consistency, not the predicate. With a variant, the reference applies its torch hooks too; a zero
+consistency, not the predicate (the built-in "none" has no predicate and is judged by the
+reference). With a variant, the reference applies its torch hooks too; a zero
 query then gives each row the lse ln(N e^logits(0) + e^sink): still a count where the variant has
 no logits hook (the sink is added), else compared with the reference's LSE.
 """
@@ -17,20 +18,28 @@ no logits hook (the sink is added), else compared with the reference's LSE.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from ...masks.registry import masks
 from ...masks.variants import variants
 from ...serving import exactness
 
-SPLITS = ("auto", "one", "two", "many")  # planner's choice, no split, two chunks, 16-token chunks
+# planner's choice, no split, two chunks, 16-token chunks, fixed 48-token items (each read by its CTAs alone)
+SPLITS = ("auto", "one", "two", "many", "fixed")
 PROBES = ("random q", "zero q")
+
+
+def has_reference(mask_def) -> bool:
+    """Whether decode_reference judges the mask: it has a torch predicate, or it is a built-in
+    without one ("none": every key visible). A template folder's mask has neither."""
+    return mask_def.reference is not None or not os.path.isabs(mask_def.template)
 
 
 def split_options(split: str, kv_lens) -> dict:
     """plan() keywords of a split policy."""
     return {"auto": {}, "one": {"disable_split_kv": True},
             "two": {"chunk_tokens": max(1, -(-max(kv_lens, default=1) // 2))},
-            "many": {"chunk_tokens": 16}}[split]
+            "many": {"chunk_tokens": 16}, "fixed": {"fixed_split_tokens": 48}}[split]
 
 
 def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *, q=None, tensor_cores=None,
@@ -104,14 +113,14 @@ def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes
 
     from ...serving.reference import decode_reference
 
-    has_reference = masks.get(mask).reference is not None
+    judged = has_reference(masks.get(mask))
     tolerance = run_tolerance(batch.q.dtype, batch.k_cache.dtype, variant)
     order = sorted(splits, key=lambda s: s != "one")  # without a reference the unsplit run is the baseline
     results = []
     for probe in probes:
         q = batch.q if probe == "random q" else torch.zeros_like(batch.q)
         ref = ref_lse = None
-        if has_reference:
+        if judged:
             ref, ref_lse = decode_reference(q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
                                             batch.last_page_len, qo_indptr=batch.qo_indptr, mask=mask,
                                             mask_params=params, kv_layout=batch.kv_layout, variant=variant,
