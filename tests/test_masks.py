@@ -505,7 +505,7 @@ class _ReferenceDecoder:
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, qo_indptr,
              mask, mask_params, q_dtype, kv_layout, tensor_cores, chunk_tokens=None, disable_split_kv=False,
-             fixed_split_tokens=None):
+             fixed_split_tokens=None, kv_dtype=None):
         self.args = (indptr, indices, last_page_len, qo_indptr, mask, mask_params, kv_layout)
         mask_def = masks.get(mask)
         if mask_def.kv_span:  # plan() validates the parameters through kv_span

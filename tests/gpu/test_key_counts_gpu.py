@@ -23,7 +23,7 @@ from flashjit.serving.quantize import dequantize_kv, quantize_kv
 from flashjit.serving.reference import decode_reference
 
 from .batches import assert_exact, check_key_counts, key_counts, make_batch, tolerance
-from .test_mla_gpu import SM_SCALE, latent_caches
+from .test_mla_gpu import SM_SCALE, latent_caches, mla_tolerance, rounded_pe
 from .test_mla_gpu import make_batch as latent_batch
 
 BUILT_IN_MASKS = sorted(name for name in masks.names() if not os.path.isabs(masks.get(name).template))
@@ -194,19 +194,11 @@ def test_mla_counts_every_key(engine, kv, split, seed):
     for probe, factor in (("random q", 1.0), ("zero q", 0.0)):
         q_nope, q_pe = batch["q_nope"] * factor, batch["q_pe"] * factor
         out, lse = decoder.run(q_nope, q_pe, *caches, return_lse=True, ckv_scale=scales[0], kpe_scale=scales[1])
-        q_pe_ref = q_pe if kv == "bf16" else rounded_pe(q_pe, scales)
-        ref, ref_lse = mla_reference(q_nope, q_pe_ref, *reference_caches, batch["indptr"], batch["indices"],
-                                     batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
+        ref, ref_lse = mla_reference(q_nope, rounded_pe(q_pe, scales), *reference_caches, batch["indptr"],
+                                     batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
         where = f"{decoder.spec.name} split={split} probe={probe} items={decoder.work.num_work}"
         counts = key_counts(ref_lse) if probe == "zero q" else None
-        check_run(out, lse, ref, ref_lse, counts, tolerance(q_nope.dtype, mma_dtype=q_nope.dtype), probe, where)
-
-
-def rounded_pe(q_pe, scales):
-    """Q's RoPE part as the fp8 MLA kernel multiplies it: by kpe_scale / ckv_scale, rounded to the
-    query's type, then (for the reference, over dequantized latents) divided back."""
-    ratio = scales[1] / scales[0]
-    return (q_pe.float() * ratio).to(q_pe.dtype).float() / ratio
+        check_run(out, lse, ref, ref_lse, counts, mla_tolerance(q_nope), probe, where)
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])

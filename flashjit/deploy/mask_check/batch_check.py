@@ -42,23 +42,41 @@ def split_options(split: str, kv_lens) -> dict:
             "many": {"chunk_tokens": 16}, "fixed": {"fixed_split_tokens": 48}}[split]
 
 
+def quantized_cache(batch, kv_dtype: str | None):
+    """(cache the kernel reads, (k_scale, v_scale), (k, v) the reference reads) of a batch: its own
+    16-bit cache, or for an fp8 kv_dtype the cache quantized with one scale per tensor, which the
+    reference reads dequantized in float32."""
+    if kv_dtype is None or not str(kv_dtype).startswith(("float8", "e4m3", "e5m2")):
+        return (batch.k_cache, batch.v_cache), (None, None), (batch.k_cache, batch.v_cache)
+    from ...serving.quantize import dequantize_kv, quantize_kv
+
+    (k8, k_scale), (v8, v_scale) = (quantize_kv(c, kv_dtype, kv_layout=batch.kv_layout)
+                                    for c in (batch.k_cache, batch.v_cache))
+    return ((k8, v8), (k_scale.item(), v_scale.item()),
+            (dequantize_kv(k8, k_scale, kv_layout=batch.kv_layout), dequantize_kv(v8, v_scale, kv_layout=batch.kv_layout)))
+
+
 def plan_and_run(engine, batch, mask: str, params: dict, split: str = "auto", *, q=None, tensor_cores=None,
-                 variant: str = "none", variant_params: dict | None = None):
-    """BatchDecode on a flashjit.deploy.random_batches.PagedBatch; out and lse start as NaN. Returns (out, lse, decoder)."""
+                 variant: str = "none", variant_params: dict | None = None, kv_dtype: str | None = None,
+                 cache=None):
+    """BatchDecode on a flashjit.deploy.random_batches.PagedBatch; out and lse start as NaN. Returns
+    (out, lse, decoder). kv_dtype, cache: an fp8 cache and its scales (quantized_cache) instead of the batch's."""
     import torch
 
     from ...serving.batch_decode import BatchDecode
 
     q = batch.q if q is None else q
+    (k, v), (k_scale, v_scale), _ = cache or quantized_cache(batch, kv_dtype)
     num_kv_heads = batch.k_cache.shape[2 if batch.kv_layout == "NHD" else 1]
     decoder = BatchDecode(engine, device=q.device)
     decoder.plan(batch.indptr, batch.indices, batch.last_page_len, q.shape[1], num_kv_heads, q.shape[2],
                  batch.page_size, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, q_dtype=q.dtype,
-                 kv_layout=batch.kv_layout, tensor_cores=tensor_cores, **split_options(split, batch.kv_lens),
+                 kv_dtype=kv_dtype, kv_layout=batch.kv_layout, tensor_cores=tensor_cores,
+                 **split_options(split, batch.kv_lens),
                  **({} if variant == "none" else {"variant": variant, "variant_params": variant_params}))
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), dtype=torch.float32, device=q.device)
-    decoder.run(q, (batch.k_cache, batch.v_cache), out=out, lse=lse)
+    decoder.run(q, (k, v), out=out, lse=lse, **({} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}))
     return out, lse, decoder
 
 
@@ -106,28 +124,33 @@ class RunResult:
 
 
 def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes=PROBES,
-                tensor_cores=None, variant: str = "none", variant_params: dict | None = None) -> list[RunResult]:
+                tensor_cores=None, variant: str = "none", variant_params: dict | None = None,
+                kv_dtype: str | None = None) -> list[RunResult]:
     """Every split policy x probe of one batch against decode_reference (see the module docstring),
-    under an attention variant (flashjit.masks.variants) when one is named."""
+    under an attention variant (flashjit.masks.variants) when one is named, over the batch's cache
+    quantized to kv_dtype when that is an fp8 type (the reference reads it dequantized)."""
     import torch
 
     from ...serving.reference import decode_reference
 
     judged = has_reference(masks.get(mask))
-    tolerance = run_tolerance(batch.q.dtype, batch.k_cache.dtype, variant)
+    cache = quantized_cache(batch, kv_dtype)
+    k_ref, v_ref = cache[2]
+    tolerance = run_tolerance(batch.q.dtype, kv_dtype or batch.k_cache.dtype, variant)
     order = sorted(splits, key=lambda s: s != "one")  # without a reference the unsplit run is the baseline
     results = []
     for probe in probes:
         q = batch.q if probe == "random q" else torch.zeros_like(batch.q)
         ref = ref_lse = None
         if judged:
-            ref, ref_lse = decode_reference(q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
+            ref, ref_lse = decode_reference(q, k_ref, v_ref, batch.indptr, batch.indices,
                                             batch.last_page_len, qo_indptr=batch.qo_indptr, mask=mask,
                                             mask_params=params, kv_layout=batch.kv_layout, variant=variant,
                                             variant_params=variant_params)
         for split in order:
             out, lse, decoder = plan_and_run(engine, batch, mask, params, split, q=q, tensor_cores=tensor_cores,
-                                             variant=variant, variant_params=variant_params)
+                                             variant=variant, variant_params=variant_params, kv_dtype=kv_dtype,
+                                             cache=cache)
             if ref is None:
                 ref, ref_lse = out.float(), lse.clone()
             err, lse_err, failures = compare(out, lse, ref, ref_lse, tolerance)
