@@ -94,3 +94,24 @@ def test_a_faulted_kernel_has_keys_of_its_own_and_a_clean_engine_never_gets_it(c
         again = Engine(cache_dir=cache_dir).get_kernel(spec)  # its own index entry, from disk
     assert again.key == faulted.key and len(fake_nvrtc) == 2
     assert Engine(cache_dir=cache_dir).get_kernel(spec).key == clean.key
+
+
+def test_the_fault_matrix_reads_failures_and_fails_a_fault_no_test_saw(tmp_path, monkeypatch):
+    from gpu import fault_matrix
+
+    report = tmp_path / "r.xml"
+    report.write_text('<testsuites><testsuite><testcase classname="gpu.test_a" name="t1"><failure/></testcase>'
+                      '<testcase classname="gpu.test_a" name="t2"/><testcase classname="gpu.test_b" name="t3">'
+                      '<error/></testcase><testcase classname="gpu.test_b" name="t4"><skipped/></testcase>'
+                      '</testsuite></testsuites>')
+    assert fault_matrix.outcomes(report) == {"failed": ["gpu.test_a::t1"], "errors": ["gpu.test_b::t3"], "passed": 1}
+    assert fault_matrix.outcomes(tmp_path / "missing.xml") == {"failed": [], "errors": [], "passed": 0}
+    assert set(fault_matrix.SUITES) == set(PATHS)
+    caught = {"failed": ["gpu.test_a::t1"], "errors": [], "passed": 3}
+    seen = {}
+    monkeypatch.setattr(fault_matrix, "run", lambda fault, path, *a: seen.setdefault((fault, path), {
+        "rc": 1, "seconds": 1.0, **(caught if (fault, path) != ("skip_item", "mla") else {**caught, "failed": []})}))
+    assert fault_matrix.main(["--out", str(tmp_path / "out")]) == 1  # skip_item on mla was caught by nothing
+    assert len(seen) == len(FAULTS) * len(PATHS)
+    assert "| skip_item | mla | 0:  | 0 |" in (tmp_path / "out" / "faults.md").read_text()
+    assert fault_matrix.main(["--out", str(tmp_path / "out"), "--faults", "drop_partial"]) == 0
