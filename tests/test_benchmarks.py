@@ -643,3 +643,21 @@ def test_run_rows_times_only_the_peers_asked_for(stand_ins, monkeypatch, tmp_pat
                                      plot=None)
         result = decode.run_rows(bench, [Case("tiny", 2, 40)], args, {"device": "cpu"})
         assert set(result["rows"][0]["impls"]) == expected
+
+
+def test_a_timed_call_starts_after_the_flush_and_a_gpu_hold_so_its_host_work_is_not_timed(monkeypatch):
+    """The order the GPU sees each timed call in: flush, hold (a spin), start event, the call's
+    kernels, end event; the warm-up calls before are not timed."""
+    from benchmarks import timing
+
+    order = []
+    event = types.SimpleNamespace(record=lambda: order.append("event"), synchronize=lambda: None,
+                                  elapsed_time=lambda other: 0.001)
+    cuda = types.SimpleNamespace(Event=lambda enable_timing: event, synchronize=lambda: None,
+                                 _sleep=lambda cycles: order.append(f"hold {cycles}"))
+    scratch = types.SimpleNamespace(fill_=lambda value: order.append("flush"))
+    timer = timing.Timer(types.SimpleNamespace(cuda=cuda, empty=lambda *a, **k: scratch, uint8=None), iters=2)
+    monkeypatch.setattr(timing, "WARMUP_S", 0.0)
+    timer.median_us(lambda: order.append("call"))
+    hold = f"hold {timing.HOLD_CYCLES}"
+    assert order == ["flush", "call"] * timing.WARMUP_CALLS + ["flush", hold, "event", "call", "event"] * 2
