@@ -5,9 +5,9 @@ layers, forked requests).
 
 Why an oracle and not token equality with paged|sdpa: a random model's sequences fall into loops
 alternating between two tokens whose logits nearly tie, and there fp16 rounding alone picks either
-(two correct fp16 paths part at tokens 11-21 of 40). tests/greedy_oracle.py checks every token of
-each implementation's own sequence: it must be an argmax of the float32 model fed the same
-tokens, within 4x the logit error the plain fp16 forward makes at that position. Where the float32
+(two correct fp16 paths part at tokens 11-21 of 40). flashjit.integrations.transformers.greedy_oracle
+checks every token of each implementation's own sequence: it must be an argmax of the float32 model
+fed the same tokens, within 4x the logit error the plain fp16 forward makes at that position. Where the float32
 margin exceeds that tolerance (most positions: the tests require at least half) only the float32
 argmax passes, so an attention that reads a wrong page, mask or scale fails; a sabotaged backend
 (pages of the neighbouring request) shows that it does. paged|sdpa must pass the same check.
@@ -23,7 +23,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from greedy_oracle import check_sequences  # noqa: E402
+from flashjit.integrations.transformers.greedy_oracle import check_sequences  # noqa: E402
 
 from flashjit.integrations.transformers import PagedAttention, ReferenceDecode, register  # noqa: E402
 from flashjit.integrations.transformers import check_transformers_api  # noqa: E402
