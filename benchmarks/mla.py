@@ -6,7 +6,7 @@
 
 Method as benchmarks/decode.py: random inputs, shuffled pages (page size 64, the size FlashMLA
 requires), the L2 flushed before every timed call, CUDA events around the call alone, the median of
---iters calls; every implementation's output is checked against flashjit.serving.mla_reference
+--iters calls; every implementation's output is checked row by row (benchmarks.measure.row_problem) against flashjit.serving.mla_reference
 before it is timed (a wrong one is reported, not timed). Each row reports its time, GB/s over the
 latent bytes attended plus q and out, the read floor (a streaming read of those bytes, timed the same
 way: benchmarks/read_floor.py) and TFLOP/s (2 x 1088 flops per query row and key: the 576-wide score
@@ -124,6 +124,7 @@ IMPLEMENTATIONS = {"flashjit": flashjit_call, "flashinfer": flashinfer_call, "fl
 
 
 def measure(torch, rows, iters: int) -> list[dict]:
+    from benchmarks.measure import row_problem
     from benchmarks.read_floor import ReadFloor
     from benchmarks.timing import Timer
 
@@ -139,13 +140,13 @@ def measure(torch, rows, iters: int) -> list[dict]:
                 call = make(torch, row, x)
                 out = call()
                 torch.cuda.synchronize()
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                if not err < 3e-2:
-                    entry["impls"][name] = {"error": f"wrong output: relative error {err:.3g}"}
+                err, problem = row_problem(out, ref)
+                if problem:
+                    entry["impls"][name] = {"error": f"wrong output: {problem}"}
                     continue
                 us = timer.median_us(call)
                 entry["impls"][name] = {"us": us, "gbs": row.attended_bytes / us / 1e3,
-                                        "tflops": row.flops / us / 1e6, "rel_err": err}
+                                        "tflops": row.flops / us / 1e6, "row_error": err}
             except Exception as exc:  # a peer that does not import or refuses the row is a note, not a failure
                 entry["impls"][name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"}
         results.append(entry)
@@ -190,6 +191,7 @@ def tuned_engine(table):
 
 
 def sweep(torch, rows, iters: int):
+    from benchmarks.measure import row_problem
     from benchmarks.timing import Timer
     from flashjit.jit.mla_spec import MLASpec
     from flashjit.jit.mla_tiling import MLA_TUNING, cta_rows, mla_tiling, uses_wgmma
@@ -213,8 +215,8 @@ def sweep(torch, rows, iters: int):
                 continue
             try:
                 call = flashjit_call(torch, row, x, tuned_engine(table))
-                err = ((call().float() - ref).norm() / ref.norm()).item()
-                cells.append(f"{label} {timer.median_us(call):7.1f}" if err < 3e-2 else f"{label} wrong ({err:.2g})")
+                _, problem = row_problem(call(), ref)
+                cells.append(f"{label} {timer.median_us(call):7.1f}" if problem is None else f"{label} wrong ({problem})")
             except Exception as exc:  # a variant the kernel refuses (static_assert) is a note
                 cells.append(f"{label} {type(exc).__name__}")
         print(f"{row.name:22s} " + "  ".join(cells), flush=True)

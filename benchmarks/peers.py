@@ -1,7 +1,8 @@
 """The implementations a row times, each as a server would call it: flashjit (BatchDecode, eager
 and in CUDA-graph mode), cuDNN through torch SDPA, FlashInfer's paged decode wrapper (CUDA-core and
 tensor-core paths, eager and in its CUDA-graph mode) and FlashAttention-3's paged
-flash_attn_with_kvcache when `flash_attn_interface` imports.
+flash_attn_with_kvcache when `flash_attn_interface` imports, its scheduler metadata precomputed per
+step as vLLM does (PLAN_COSTS says how every implementation pays for planning).
 
 Each is an Impl: an eager Step and, where it can be captured, a factory of the Step a graph
 captures (a graph-mode decoder planned before the capture; a later plan() and then replays, as a
@@ -26,6 +27,13 @@ FLASHINFER_WORKSPACE = 256 * 2**20
 # on the GPU up to this many.
 FA3_SERVER_SPLITS = 32
 PEERS = ("sdpa-cudnn", "flashinfer", "flashinfer-tc", "fa3", f"fa3-splits{FA3_SERVER_SPLITS}")
+# How the timed calls pay for planning (printed by benchmarks.decode, in its JSON header).
+PLAN_COSTS = ("plans outside every timed call, once per step as a server plans: flashjit's plan() (CUDA-graph mode: "
+              "its GPU planner queued before each replay, device time reported apart), FlashInfer's plan(), and "
+              "FA3's scheduler_metadata from get_scheduler_metadata (as vLLM precomputes it; written into the "
+              "captured buffer before each replay)")
+FA3_SCHEDULES_INSIDE = ("FA3's flash_attn_interface has no get_scheduler_metadata: its scheduler runs inside every "
+                        "timed FA3 call (the other implementations plan outside theirs)")
 
 
 @dataclasses.dataclass
@@ -228,7 +236,17 @@ def page_table(torch, indptr, indices):
     return table
 
 
+def fa3_scheduler(fa3, num_splits: int | None):
+    """FA3's get_scheduler_metadata where it has one and the call takes num_splits (they must agree),
+    else None: FA3 then schedules inside every call."""
+    scheduler = getattr(fa3, "get_scheduler_metadata", None)
+    return scheduler if num_splits is not None else None
+
+
 def fa3_step(torch, fa3, batch, case: Case, num_splits: int | None) -> Step:
+    """flash_attn_with_kvcache over the row's page table. Its scheduler metadata is computed before
+    the call, once per step as vLLM does, not inside the timed call; before_replay computes the
+    step's again into the buffer a captured graph reads."""
     q = batch.q.view(case.batch, 1, case.heads_qo, case.head_dim)
     table = page_table(torch, batch.indptr, batch.indices)
     seqlens = torch.tensor(batch.kv_lens, dtype=torch.int32, device=q.device)
@@ -237,13 +255,29 @@ def fa3_step(torch, fa3, batch, case: Case, num_splits: int | None) -> Step:
         options["window_size"] = (case.window, 0)
     if case.variant == "soft_cap":
         options["softcap"] = case.logits_soft_cap
+    scheduler = fa3_scheduler(fa3, num_splits)
+    metadata = {}
+
+    def schedule():
+        fresh = scheduler(case.batch, 1, max(batch.kv_lens), case.heads_qo, case.heads_kv, case.head_dim, seqlens,
+                          qkv_dtype=batch.q.dtype, page_size=case.page_size, causal=True,
+                          window_size=options.get("window_size", (-1, -1)), has_softcap=case.variant == "soft_cap",
+                          num_splits=num_splits)
+        if "buffer" in metadata:
+            metadata["buffer"].copy_(fresh)
+        else:
+            metadata["buffer"] = fresh
+
+    if scheduler is not None:
+        schedule()
 
     def call():
         out = fa3.flash_attn_with_kvcache(q, batch.k_cache, batch.v_cache, cache_seqlens=seqlens, page_table=table,
-                                          softmax_scale=case.head_dim ** -0.5, causal=True, **options)
+                                          softmax_scale=case.head_dim ** -0.5, causal=True,
+                                          **({"scheduler_metadata": metadata["buffer"]} if metadata else {}), **options)
         return out[:, 0]
 
-    return Step(call)
+    return Step(call, before_replay=schedule if scheduler is not None else None)
 
 
 def fa3_impl(torch, fa3, batch, case, num_splits) -> Impl:
@@ -282,6 +316,8 @@ def candidates(torch, batch, case: Case, engine, fp8: Fp8Cache | None, cuda_core
         variants = fa3_variants(fa3_module)
         if len(variants) == 1:
             notes.append("FA3's flash_attn_with_kvcache takes no num_splits: only its default split is timed")
+        if fa3_scheduler(fa3_module, next(iter(variants.values()))) is None:
+            notes.append(FA3_SCHEDULES_INSIDE)
         for name, splits in variants.items():
             found[name] = lambda splits=splits: fa3_impl(torch, fa3_module, batch, case, splits)
     return found, notes

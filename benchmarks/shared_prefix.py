@@ -15,8 +15,8 @@ Columns: flashjit (share_prefixes=True; in CUDA-graph mode too), flashjit per re
 with 2 levels (prompt, own pages) when FlashInfer imports and the row has a prompt, and the
 read-once floor: every shared page once plus each request's own pages,
 streamed under the same flush and timing (benchmarks/read_floor.py). Each implementation's output
-is checked against flashjit.serving.reference before it is timed. The graph columns replay a CUDA
-graph of the step (flashjit in its CUDA-graph mode, planned before capture and again before the
+is checked against flashjit.serving.reference row by row before it is timed. The graph columns
+replay a CUDA graph of the step (flashjit in its CUDA-graph mode, planned before capture and again before the
 replays). --peers selects the peers by name (a regular expression; '^$' times flashjit alone,
 without importing FlashInfer); the flashjit columns and the floor always run. Each cell is printed
 as it lands, then the row's summary; "plan host us" is the median host time of plan() (sharing and
@@ -168,6 +168,7 @@ def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed
     """One row's cells (result["impls"], in us or a problem) and plan() host times; report(name,
     value) is called as each lands."""
     import flashjit
+    from benchmarks.measure import row_problem
     from benchmarks.timing import host_us
     from flashjit.serving.reference import decode_reference
 
@@ -182,10 +183,8 @@ def bench_row(torch, row: Row, engine, timer, floor, capture, graphs: bool, seed
             out.fill_(float("nan"))
         got = fn() if out is None else (fn(), out)[1]
         torch.cuda.synchronize()
-        error = ((got.float() - ref).norm() / ref.norm()).item()
-        if not error < 2e-2 or got.isnan().any():
-            return f"wrong output (relative error {error:.3g})"
-        return None
+        problem = row_problem(got, ref)[1]
+        return f"wrong output ({problem})" if problem else None
 
     result = {"row": row.name, "batch": batch, "impls": {}, "plan_us": {}, "notes": []}
 

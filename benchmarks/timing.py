@@ -2,6 +2,11 @@
 each timed call (outside any captured graph), the median of many calls; and how it measures the
 host time of a launch.
 
+Device time alone: after the flush the GPU spins for HOLD_CYCLES (about 250 µs) before the start
+event, so the call's host work (run()'s checks and launches, tens of µs at most) is done while the
+GPU is still busy, and its kernels are queued before the start event fires. Without the hold an
+eager call whose host work outlasted the flush would be timed with that host time in it.
+
 Warm-up runs the timed loop for WARMUP_S of wall time, not a count of calls: an H200 idles at a
 fraction of its SM clock and climbs back over milliseconds, so a cell timed right after the host
 was busy (building and capturing a CUDA graph, checking an output) would otherwise be timed at a
@@ -14,6 +19,7 @@ import statistics
 import time
 
 FLUSH_BYTES = 256 * 2**20  # over four times the H100/H200 L2
+HOLD_CYCLES = 500_000  # of GPU spin after the flush: ~250 µs at the H100/H200's 1.98 GHz
 WARMUP_S = 0.05  # of flushes and calls, synchronized: the clocks settle under load in less
 WARMUP_CALLS = 3  # at least
 
@@ -42,6 +48,7 @@ class Timer:
             if flush:
                 self.flush(i)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(HOLD_CYCLES)  # the call's host work happens while the GPU spins
             start.record()
             fn()
             end.record()

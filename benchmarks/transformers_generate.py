@@ -8,19 +8,28 @@ transformers' own paths, on a random-initialized Llama-3-8B-shaped model (bf16, 
 Each row generates --new-tokens greedy tokens (default 64, --quick too) for R random prompts of C
 tokens. Per implementation it reports the whole call's tokens/s (prefill included) and the steady
 decode rate: the tokens produced after the last request's first token, over the time from that
-token to the end, when every request is decoding. Before a row is timed, each implementation runs
-a short warm-up call (compiles flashjit's kernels into the disk cache, loads cuBLAS and SDPA
-kernels). The KV cache is sized for the row (num_blocks, max_batch_tokens given), so no
-implementation is limited by transformers' memory estimate; rows whose cache would not fit are
-skipped with a note. --quick runs the issue's target row, 64 x 4096, alone.
+token to the end, when every request is decoding. The KV cache is sized for the row (num_blocks,
+max_batch_tokens given), so no implementation is limited by transformers' memory estimate; rows
+whose cache would not fit are skipped with a note. --quick runs the issue's target row, 64 x 4096,
+alone.
+
+Checked before timed: each implementation first generates CHECK_TOKENS tokens for CHECK_REQUESTS
+of the row's prompts (which also compiles flashjit's kernels and loads cuBLAS and SDPA kernels),
+and every one of those tokens must pass the greedy oracle
+(flashjit.integrations.transformers.greedy_oracle): be an argmax of the same model in float32 fed
+the same tokens, within 4x the logit error the plain bf16 forward makes there. An implementation
+whose tokens fail is reported, not timed; the table gives the positions the oracle decided.
 
 Implementations: flashjit_graph ("paged|fjit_graph", register(cuda_graphs=True) with
 use_cuda_graph=True: transformers captures every padded step size, prefill included, and
 replays it), flashjit ("paged|fjit", eager), sdpa ("paged|sdpa", eager: transformers' default
-for it), sdpa_graph ("paged|sdpa" with use_cuda_graph=True), flash ("paged|flash_attention_2" or
-_3, when the flash-attn package is installed; kernels from the hub are never fetched: HF_HUB_OFFLINE
-is set), and best: flash where installed, else sdpa_graph. A CUDA-graph call captures its graphs
-inside the timed generate_batch (transformers makes them per manager), as a server would at start.
+for it), sdpa_graph ("paged|sdpa" with use_cuda_graph=True: the fastest configuration transformers
+5.17 offers sdpa, its decode and prefill steps captured and replayed), flash
+("paged|flash_attention_2" or _3, when the flash-attn package is installed; kernels from the hub
+are never fetched: HF_HUB_OFFLINE is set), and best: flash where installed, else sdpa_graph. A
+CUDA-graph call captures its graphs inside the timed generate_batch (transformers makes them per
+manager), as a server would at start. Each flashjit column is compared with every peer run and
+with the fastest of them in the row.
 --budget-s: an implementation is not started when the time spent so far plus the longest one yet
 would pass the budget (the table says so); the order of --impls is the order of priority.
 All share transformers' per-step host work (it builds each step's key index in Python), so the
@@ -40,6 +49,7 @@ ROWS = ((32, 2048), (64, 4096), (128, 2048), (32, 8192), (64, 8192))
 KV_BYTES_BUDGET = 96e9  # of the H200's 141 GB: 16 GB of weights, activations, sdpa's mask and gathers
 BLOCK_SIZE = 256
 MAX_BATCH_TOKENS = 4096
+CHECK_REQUESTS, CHECK_TOKENS = 2, 16  # the greedy-oracle check before each implementation is timed
 
 
 def llama3_8b_config(transformers):
@@ -60,6 +70,7 @@ def build_model(transformers, torch):
 
 
 KNOWN_IMPLS = ("flashjit_graph", "flashjit", "sdpa", "sdpa_graph", "flash", "best")
+DEFAULT_IMPLS = "flashjit_graph,sdpa_graph,flash,sdpa,flashjit"
 
 
 def installed_flash():
@@ -104,6 +115,8 @@ def implementations(names, torch):
 
 
 def generate(model, transformers, torch, implementation, use_graph, prompts, new_tokens, num_blocks):
+    """One timed generate_batch: tokens/s of the call and of its steady decode, and each request's
+    (prompt, generated tokens) under "outputs"."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model.set_attn_implementation(implementation)
@@ -126,10 +139,42 @@ def generate(model, transformers, torch, implementation, use_graph, prompts, new
     steady = sum(sum(t > steady_from for t in r.timestamps) for r in results)
     return {"seconds": wall, "tokens_per_s": tokens / wall,
             "decode_tokens_per_s": steady / (end - steady_from) if end > steady_from else None,
-            "tokens": [r.generated_tokens for r in results]}
+            "tokens": [r.generated_tokens for r in results],
+            "outputs": {key: (list(r.prompt_ids), list(r.generated_tokens)) for key, r in out.items()}}
+
+
+def float32_copy(model, transformers, torch):
+    """The model in float32 on its device, with plain (not paged) sdpa attention: the oracle's reference."""
+    with torch.device(model.device):
+        exact = type(model)._from_config(model.config, dtype=torch.float32)
+    exact.load_state_dict(model.state_dict())
+    exact.set_attn_implementation("sdpa")
+    return exact.eval()
+
+
+def oracle_verdicts(model, transformers, torch, checks: dict) -> dict:
+    """name -> None (every checked token is a float32 argmax) or what failed, for each implementation's
+    check outputs; and "decided" of each: 'decisive/positions'. One float32 copy for them all."""
+    from flashjit.integrations.transformers.greedy_oracle import check_sequences
+
+    exact = float32_copy(model, transformers, torch)
+    model.set_attn_implementation("sdpa")  # the plain bf16 forward whose error sets the tolerance
+    verdicts = {}
+    try:
+        for name, outputs in checks.items():
+            decisive, positions, failures = check_sequences(exact, model, outputs)
+            verdicts[name] = {"decided": f"{decisive}/{positions}",
+                              "problem": (f"greedy oracle: {len(failures)} of {positions} checked tokens are no "
+                                          f"float32 argmax ({failures[0]})") if failures else None}
+    finally:
+        del exact
+        torch.cuda.empty_cache()
+    return verdicts
 
 
 def run_row(model, transformers, torch, impls, requests, context, new_tokens, clock, seed=0):
+    """Each implementation's check (CHECK_REQUESTS prompts, CHECK_TOKENS tokens, judged by the greedy
+    oracle), then the timed call of the row for those whose tokens passed."""
     config = model.config
     blocks_per_request = math.ceil((context + new_tokens) / BLOCK_SIZE) + 1
     num_blocks = requests * blocks_per_request + 4
@@ -138,22 +183,38 @@ def run_row(model, transformers, torch, impls, requests, context, new_tokens, cl
                            f"the {KV_BYTES_BUDGET / 1e9:.0f} GB budget"}
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, config.vocab_size, (context,), generator=g).tolist() for _ in range(requests)]
-    row = {}
+    row, checks, started = {}, {}, {}
+    check_blocks = CHECK_REQUESTS * (math.ceil((context + CHECK_TOKENS) / BLOCK_SIZE) + 1) + 4
     for name, (implementation, use_graph) in impls.items():
         if not clock.allows():
             row[name] = {"error": f"not run: the {clock.budget_s:.0f} s budget would pass (--budget-s)"}
-            print(f"  {requests}x{context} {name}: {fmt(row[name])}", flush=True)
             continue
-        started = time.perf_counter()
+        started[name] = time.perf_counter()
         try:
-            generate(model, transformers, torch, implementation, use_graph, prompts[:2], 4, num_blocks)  # warm-up
-            row[name] = generate(model, transformers, torch, implementation, use_graph, prompts, new_tokens, num_blocks)
+            checks[name] = generate(model, transformers, torch, implementation, use_graph, prompts[:CHECK_REQUESTS],
+                                    CHECK_TOKENS, check_blocks)["outputs"]
         except Exception as e:  # reported in the table, the other implementations still run
             row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
         torch.cuda.empty_cache()
-        clock.took(time.perf_counter() - started)
-        print(f"  {requests}x{context} {name}: {fmt(row[name])} ({time.perf_counter() - started:.0f} s with "
-              f"warm-up)", flush=True)
+    verdicts = oracle_verdicts(model, transformers, torch, checks) if checks else {}
+    for name in started.keys() - verdicts.keys():  # failed in its check run
+        clock.took(time.perf_counter() - started[name])
+    for name, verdict in verdicts.items():
+        implementation, use_graph = impls[name]
+        if verdict["problem"] is not None:
+            row[name] = {"error": verdict["problem"], "oracle": verdict["decided"]}
+        else:
+            try:
+                row[name] = generate(model, transformers, torch, implementation, use_graph, prompts, new_tokens,
+                                     num_blocks)
+                row[name]["oracle"] = verdict["decided"]
+            except Exception as e:  # reported in the table, the other implementations still run
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:200]}
+            torch.cuda.empty_cache()
+        clock.took(time.perf_counter() - started[name])
+    for name in impls:
+        print(f"  {requests}x{context} {name}: {fmt(row[name])}"
+              + (f" (oracle decided {row[name]['oracle']} checked tokens)" if "oracle" in row[name] else ""), flush=True)
     return row
 
 
@@ -196,13 +257,22 @@ def ratio(row, name, base="sdpa") -> str:
     return f"{f['tokens_per_s'] / s['tokens_per_s']:.2f}x / {decode}"
 
 
+def fastest_peer(row, names) -> str | None:
+    """The peer (not flashjit) with the most tokens/s over the whole call in the row, None if none ran."""
+    ran = [n for n in names if not n.startswith("flashjit") and "tokens_per_s" in row.get(n, {})]
+    return max(ran, key=lambda n: row[n]["tokens_per_s"], default=None)
+
+
 def markdown(rows: dict, names) -> str:
-    """The docs' table: tokens/s per implementation, and each flashjit one against sdpa (and best)."""
+    """The docs' table: tokens/s per implementation, each flashjit one against every peer and the
+    fastest peer of the row, and the positions the greedy oracle decided per implementation."""
     header = ["requests x context"] + [f"{n} tok/s (all / decode)" for n in names]
     mine = [n for n in names if n.startswith("flashjit")]
-    bases = [b for b in ("sdpa", "best") if b in names]
-    pairs = [(n, b) for n in mine for b in bases]
+    peers = [n for n in names if not n.startswith("flashjit")]
+    pairs = [(n, b) for n in mine for b in peers]
     header += [f"{n} ÷ {b} (all / decode)" for n, b in pairs]
+    header += [f"{n} ÷ fastest peer" for n in mine if peers]
+    header += ["oracle decided (per implementation)"]
     if mine and "sdpa" in names:
         header += [f"{n}: same tokens as sdpa" for n in mine]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -216,6 +286,9 @@ def markdown(rows: dict, names) -> str:
             cells.append(("not run" if e["error"].startswith("not run") else "ERR") if "error" in e else
                          f"{e['tokens_per_s']:.0f} / {e['decode_tokens_per_s'] or float('nan'):.0f}")
         cells += [ratio(row, n, b) for n, b in pairs]
+        fastest = fastest_peer(row, names)
+        cells += [f"{ratio(row, n, fastest)} ({fastest})" if fastest else "n/a" for n in mine if peers]
+        cells.append(", ".join(f"{n} {row[n]['oracle']}" for n in names if "oracle" in row.get(n, {})) or "n/a")
         if mine and "sdpa" in names:
             cells += [agreement(row, n) for n in mine]
         lines.append("| " + " | ".join(cells) + " |")
@@ -235,8 +308,9 @@ def main(argv=None):
                         help=f"the target row alone ({QUICK_ROWS[0][0]}x{QUICK_ROWS[0][1]}), same tokens and layers")
     parser.add_argument("--rows", type=parse_rows, default=None, help="REQUESTSxCONTEXT[,...]")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request (default 64)")
-    parser.add_argument("--impls", default="flashjit_graph,sdpa,best,flashjit",
-                        help=f"comma-separated, in order of priority; known: {', '.join(KNOWN_IMPLS)}")
+    parser.add_argument("--impls", default=DEFAULT_IMPLS,
+                        help=f"comma-separated, in order of priority (default {DEFAULT_IMPLS}); known: "
+                             f"{', '.join(KNOWN_IMPLS)}")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no implementation that would pass this many seconds (default: quick 230, else none)")
     parser.add_argument("--json", default=None)
@@ -266,8 +340,8 @@ def main(argv=None):
     print(markdown(results, list(impls)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({k: {n: {m: v for m, v in e.items() if m != "tokens"} if isinstance(e, dict) else e
-                           for n, e in row.items()} for k, row in results.items()}, f, indent=1)
+            json.dump({k: {n: {m: v for m, v in e.items() if m not in ("tokens", "outputs")} if isinstance(e, dict)
+                               else e for n, e in row.items()} for k, row in results.items()}, f, indent=1)
 
 
 if __name__ == "__main__":

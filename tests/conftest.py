@@ -174,3 +174,23 @@ def shared_tmp():
     folder.chmod(0o755)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--inject-fault", metavar="FAULT:PATH", default=None,
+                     help="run the session with a deliberately broken kernel (tests/fault_injection.py): every "
+                          "kernel of PATH is compiled with FAULT, under keys of its own; GPU tests then fail")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def injected_fault(request):
+    """The --inject-fault of this session (fault, path), active for all of it; None without one."""
+    text = request.config.getoption("--inject-fault")
+    if not text:
+        yield None
+        return
+    from fault_injection import faulted_engine, parse
+
+    fault, path = parse(text)
+    with faulted_engine(fault, path):
+        yield fault, path

@@ -2,39 +2,28 @@
 by lane on the CPU: which bytes each lane loads, how prmt and the pairwise conversion turn them into
 MMA fragments, and what mma.m16n8k16 and movmatrix do with those fragments (PTX ISA fragment
 layouts). The products must equal K Q^T and P V, with O^T's rows landing on o_dim's head dims; the
-loads must be bank-conflict free at the pitches tiling.py gives. A wrong index in the kernel's
-layout shows up here before it reaches a GPU."""
+loads must be bank-conflict free at the pitches tiling.py gives. k_byte, o_dim and the ring's
+swizzle are flashjit.jit.layouts' functions, which every fp8 kernel's source asserts its own
+constexpr functions equal (tests/test_layouts.py): a wrong index in the kernel's layout fails the
+compile or shows up here before it reaches a GPU."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from flashjit.jit.layouts import fp8_block as block
+from flashjit.jit.layouts import fp8_k_byte as k_byte
+from flashjit.jit.layouts import fp8_o_dim as o_dim
+from flashjit.jit.layouts import swizzled_chunk
 from flashjit.jit.tiling import tc_row_pitches
 
 LANES = [(lane // 4, lane % 4) for lane in range(32)]  # (g, t) of each lane
 
 
-def block(head_dim: int) -> int:
-    """decode_tc_fp8.cuh BLOCK: three blocks of 32 at head_dim 96, else one of 64 or blocks of 128."""
-    return 32 if head_dim == 96 else min(head_dim, 128)
-
-
 def k_width(head_dim: int) -> int:
     """Bytes of one K load of `scores` per lane: 16, or the 8 bytes of a 32-dim block."""
     return min(16, block(head_dim) // 4)
-
-
-def k_byte(head_dim: int, ks: int, t: int) -> int:
-    """decode_tc_fp8.cuh k_byte: the 4 bytes of k-step ks that lane column t reads from a key row."""
-    b = block(head_dim)
-    return b * (ks // (b // 16)) + (b // 4) * t + 4 * (ks % (b // 16))
-
-
-def o_dim(head_dim: int, mt: int, r: int) -> int:
-    """decode_tc_fp8.cuh o_dim: the head dim of row r of O^T's m-tile mt."""
-    b = block(head_dim)
-    return b * (mt // (b // 16)) + (b // 8) * (r % 8) + 2 * (mt % (b // 16)) + r // 8
 
 
 def prmt(a: bytes, b: bytes, select: int) -> bytes:
@@ -148,8 +137,9 @@ def conflicts(addresses, width: int) -> int:
 
 
 def at(row: int, byte: int, pitch: int, swizzle: bool) -> int:
-    """Shared-memory address of a row's byte; swizzled: its 16-byte chunk XORed with row % 8."""
-    return row * pitch + ((byte // 16 ^ row % 8) * 16 + byte % 16 if swizzle else byte)
+    """Shared-memory address of a row's byte; swizzled: its 16-byte chunk moved as the ring's
+    swizzle moves it (rows of pitch bytes, fp8: a byte a value)."""
+    return row * pitch + (swizzled_chunk(row, byte // 16, pitch // 16) * 16 + byte % 16 if swizzle else byte)
 
 
 def k_loads(head_dim: int, pitch: int, swizzle: bool = False):

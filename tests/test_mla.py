@@ -7,7 +7,6 @@ from __future__ import annotations
 import ctypes
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -142,13 +141,11 @@ COMPILED = [MLASpec(num_heads=16, arch="sm_90"), MLASpec(num_heads=128, kv_dtype
 
 @pytest.mark.parametrize("spec", COMPILED, ids=lambda s: s.name)
 def test_nvrtc_compiles_without_spills(spec):
-    start = time.perf_counter()
+    """(Compile times are benchmarks.decode compile's.)"""
     compiled = compile_source(render(spec), spec.arch, spec.name, extra_options=("--ptxas-options=-v",))
-    seconds = time.perf_counter() - start
     assert compiled.cubin[:4] == b"\x7fELF" and b"flashjit_mla" in compiled.cubin
     assert b"flashjit_plan" in compiled.cubin  # every module carries the GPU planner (kernel.Kernel loads it)
     assert "0 bytes spill stores" in compiled.log
-    assert seconds < 6  # ~1 s on two cores; generous for loaded CI hosts (the target is <= 2 s)
 
 
 def test_abi_struct_mismatch_fails_the_compile(monkeypatch):

@@ -5,7 +5,9 @@ from swizzled shared memory. This test replays the same lane arithmetic (each fo
 kernel's, term for term) over PTX's definitions of ldmatrix (.x4, with and without .trans) and of
 the MMA's A, B and C fragments, for every CTA shape the tiling makes, and checks the products
 against numpy, that every key, row and column is covered once, and that every ldmatrix phase hits
-eight different 16-byte bank groups (conflict-free).
+eight different 16-byte bank groups (conflict-free). The swizzle, the warps' partition and the
+loader's constants are flashjit.jit.layouts' functions, which every MLA kernel's source asserts its
+own equal (tests/test_layouts.py).
 """
 
 from __future__ import annotations
@@ -13,14 +15,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flashjit.jit.layouts import mla_loader, mla_loader_threads, mla_warps
+from flashjit.jit.layouts import mla_swizzled as swizzled
 from flashjit.jit.mla_spec import MLASpec
 from flashjit.jit.mla_tiling import MLA_TUNING, mla_tiling
 
 QK, LATENT, ROW_ELEMS = 576, 512, 576  # a 16-bit row: 576 values, 72 chunks of 8
-
-
-def swizzled(row: int, chunk: int) -> int:  # mla.cuh: swizzled()
-    return chunk ^ (row & 7)
 
 
 class Smem:
@@ -87,9 +87,7 @@ TILINGS = [mla_tiling(spec) for spec in SHAPES] + [mla_tiling(SHAPES[0], WIDE), 
 @pytest.mark.parametrize("t", TILINGS, ids=lambda t: f"rows{t.rows}_w{t.warps}_t{t.tile_tokens}")
 def test_scores_and_outputs_match_numpy(t):
     M, MT, W, TILE = t.rows, t.m_tiles, t.warps, t.tile_tokens
-    KS, KW = W // MT, TILE // (W // MT)
-    NTQ, CW = KW // 8, LATENT // W
-    NTV = CW // 8
+    KW, NTQ, CW, NTV = (mla_warps(t)[name] for name in ("KW", "NTQ", "CW", "NTV"))
     rng = np.random.default_rng(M * 7 + W)
     q = rng.integers(-4, 5, (M, QK)).astype(float)      # small integers: products are exact
     kv = rng.integers(-4, 5, (TILE, QK)).astype(float)
@@ -171,11 +169,10 @@ def test_loader_covers_every_chunk_of_a_stage_once(kv):
     threads copy, or in the wgmma kernel (128 heads over 16-bit latents on sm_90) warpgroup 1's."""
     for heads in (16, 128):
         t = mla_tiling(MLASpec(num_heads=heads, kv_dtype=kv, arch="sm_90"))
-        nt, tile = 128 if t.wgmma else 32 * t.warps, t.tile_tokens
+        nt, tile = mla_loader_threads(t), t.tile_tokens
         stored_chunks = QK * (1 if kv == "e4m3" else 2) // 16
-        tpk = 4 if kv == "e4m3" else 8
-        kpp, cpt = nt // tpk, stored_chunks // tpk
-        passes = -(-tile // kpp)
+        tpk, kpp, cpt, passes = (mla_loader(nt, tile, 1 if kv == "e4m3" else 2)[name]
+                                 for name in ("TPK", "KPP", "CPT", "PASSES"))
         seen = np.zeros((tile, stored_chunks), dtype=int)
         for tid in range(nt):
             for pass_ in range(passes):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flashjit.jit import layouts
 from flashjit.jit.spec import DecodeSpec
 from flashjit.jit.tiling import SWIZZLE_ATOM, decode_tiling
 
@@ -25,10 +26,10 @@ def test_the_engine_compiles_the_wgmma_shared_kernels_for_sm90a(engine, fake_nvr
 
 def block_major_offset(stage: int, key: int, column: int, tile: int, pitch: int) -> int:
     """Byte offset of 16-byte chunk `column` of a stage's key row (PagedKVStage::copy, cfg::SHARED_WGMMA):
-    the chunk swizzled by its ring row (swizzled_chunk), its 128-byte block a column of the stage."""
-    row = stage * tile + key
-    column_bytes = ((column % 8) ^ (row % 8) | column // 8 * 8) * 16
-    return stage * tile * pitch + column_bytes // 128 * tile * 128 + key * 128 + column_bytes % 128
+    the chunk swizzled by its ring row, its 128-byte block a column of the stage (flashjit.jit.layouts,
+    whose values the kernel's source asserts its own functions give)."""
+    column_bytes = layouts.swizzled_chunk(stage * tile + key, column, pitch // 16) * 16
+    return layouts.block_major_offset(tile, pitch, stage, key, column_bytes)
 
 
 def stage_memory(values: np.ndarray, stage: int, tile: int, pitch: int, at: int) -> np.ndarray:

@@ -321,7 +321,7 @@ def test_forked_requests_give_paged_sdpa_tokens():
 def test_the_greedy_oracle_accepts_paged_sdpas_tokens_and_rejects_changed_ones():
     import copy
 
-    from greedy_oracle import check_sequences
+    from flashjit.integrations.transformers.greedy_oracle import check_sequences
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     exact = tiny_model("llama")
@@ -338,7 +338,7 @@ def test_the_greedy_oracle_accepts_paged_sdpas_tokens_and_rejects_changed_ones()
     decisive, positions, failures = check_sequences(exact, plain, outputs)
     assert positions == 48 and failures == [] and decisive >= positions // 2
     # The float32 runner-up fails exactly at the decisive positions (the logits at t see tokens before t only).
-    from greedy_oracle import check_sequence
+    from flashjit.integrations.transformers.greedy_oracle import check_sequence
 
     prompt, generated = outputs[next(iter(outputs))]
     logits = exact(input_ids=torch.tensor([prompt + generated])).logits[0, len(prompt) - 1:-1]

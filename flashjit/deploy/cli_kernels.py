@@ -193,8 +193,10 @@ def cmd_run_example(args) -> int:
         return 0
     check = smoke_test.decode_check(engine)
     verdict = "PASS" if check.passed else "FAIL"
-    print(f"GPU decode step: {check.spec_name}, kv_lens {list(check.kv_lens)}: "
-          f"max abs error {check.max_abs_err:.3e} vs float32 reference: {verdict}")
+    print(f"GPU decode step: {check.spec_name}, kv_lens {list(check.kv_lens)}: worst row error "
+          f"{check.worst_row_err:.2e} (bound {check.tolerance:.1e}) vs float32 reference, keys counted: {verdict}")
+    for failure in check.failures:
+        print(f"  {failure}")
     return 0 if check.passed else 1
 
 

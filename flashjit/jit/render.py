@@ -26,6 +26,7 @@ from ..errors import TemplateError
 from ..masks.registry import MaskDef, masks
 from ..masks.variants import VariantDef, variants
 from . import abi
+from .layouts import layout_checks
 from .merge_spec import MAX_LANES, MergeSpec
 from .mla_spec import MLASpec
 from .mla_tiling import MLATiling, mla_tiling
@@ -123,8 +124,9 @@ def templates_digest(mask: MaskDef | None, variant: VariantDef | None = None) ->
 
 def render(spec: DecodeSpec | MLASpec, mask: MaskDef | None = None,
            tiling: DecodeTiling | MLATiling | None = None, variant: VariantDef | None = None) -> str:
-    """The CUDA source of one specialization, with its ABI checks (abi.source_checks), under
-    decode_tiling(spec) (mla_tiling for an MLASpec) unless a tiling is given."""
+    """The CUDA source of one specialization, with its ABI checks (abi.source_checks) and its layout
+    checks (layouts.layout_checks), under decode_tiling(spec) (mla_tiling for an MLASpec) unless a
+    tiling is given."""
     mask = mask or masks.get(spec.mask)
     variant = variant or variants.get(spec.variant)
     if isinstance(spec, MLASpec):  # always causal, no variant: its ABI is mla::Args and plan::Args
@@ -133,6 +135,8 @@ def render(spec: DecodeSpec | MLASpec, mask: MaskDef | None = None,
     else:
         entry, tiling = ENTRY_TEMPLATE, tiling or decode_tiling(spec)
         checks = abi.source_checks(mask.params, merge=not tiling.fused_merge, variant_params=variant.params)
+    layouts = layout_checks(spec, tiling)
+    checks += "\n" + layouts if layouts else ""
     context = dict(spec=spec, tiling=tiling, mask=mask, variant=variant, ctype=STORAGE_TYPES, version=__version__,
                    item_ints=abi.ITEM_INTS, merge_counts=abi.MERGE_COUNTS, merge_waits=abi.MERGE_WAITS,
                    split_candidates=abi.SPLIT_CANDIDATES, plan_smem_ints=abi.PLAN_SMEM_INTS, abi_checks=checks)

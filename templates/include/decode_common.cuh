@@ -370,12 +370,20 @@ FJ_INLINE void merge_when_written(const Args& a, const WorkItem& item, int reque
 // (16-bit head_dim 96: 192 bytes) starts 64 bytes into a block on odd rows; its last half block
 // (4 chunks) is XORed with (row / 2) % 4 instead: the even rows then spread over one half of the
 // banks and the odd rows over the other. Either XOR keeps chunks 2m and 2m + 1 in one aligned 32 bytes.
-FJ_INLINE u32 swizzled_chunk(u32 row, u32 chunk) {
+// (flashjit.jit.layouts.swizzled_chunk: the render asserts it value by value.)
+FJ_INLINE constexpr u32 swizzled_chunk(u32 row, u32 chunk) {
   constexpr u32 ROW_CHUNKS = cfg::HEAD_DIM * sizeof(kv_t) / 16;
   if constexpr (ROW_CHUNKS % 8 == 4) {
     if (chunk >= ROW_CHUNKS - 4) return chunk ^ (row / 2 % 4);
   }
   return chunk ^ (row % 8);
+}
+
+// Byte offset of byte column_bytes of a stage's key in a block-major ring of TILE keys a stage and
+// PITCH bytes a key (cfg::SHARED_WGMMA): block b of every key a TILE x 128-byte column of the stage,
+// as Hopper's warpgroup MMAs read an operand (flashjit.jit.layouts.block_major_offset).
+FJ_INLINE constexpr u32 block_major_offset(int tile, int pitch, int stage, int key, u32 column_bytes) {
+  return stage * tile * pitch + column_bytes / 128 * tile * 128 + key * 128 + column_bytes % 128;
 }
 
 // The dynamic shared memory from its first RING_ALIGN-aligned byte: the static shared memory before
@@ -510,7 +518,7 @@ struct PagedKVStage {
   FJ_INLINE void copy(int stage, int i, const kv_t* k_src, const kv_t* v_src, bool pred) {
     const u32 row = stage * TILE + key(i), column_bytes = (SWIZZLE ? swizzled_chunk(row, column(i)) : column(i)) * 16;
     if constexpr (cfg::SHARED_WGMMA) {  // block-major: the chunk's block, then its row's 128 bytes in it
-      const u32 at = stage * TILE * K_PITCH + column_bytes / 128 * TILE * 128 + key(i) * 128 + column_bytes % 128;
+      const u32 at = block_major_offset(TILE, K_PITCH, stage, key(i), column_bytes);
       cp_async_16<cfg::L2_PREFETCH>(k_ring + at, k_src, pred);
       cp_async_16<cfg::L2_PREFETCH>(v_ring + at, v_src, pred);
       return;

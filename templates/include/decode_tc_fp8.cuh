@@ -66,8 +66,9 @@ FJ_INLINE int swizzled_offset(int byte, int row) {
   return SWIZZLE ? (int)swizzled_chunk(row, byte / 16) * 16 + byte % 16 : byte;
 }
 
-FJ_INLINE int k_byte(int ks, int t) { return BLOCK * (ks / BLOCK_STEPS) + K_BYTES * t + 4 * (ks % BLOCK_STEPS); }
-FJ_INLINE int o_dim(int mt, int r) {
+// k_byte and o_dim are flashjit.jit.layouts' fp8_k_byte and fp8_o_dim: the render asserts it value by value.
+FJ_INLINE constexpr int k_byte(int ks, int t) { return BLOCK * (ks / BLOCK_STEPS) + K_BYTES * t + 4 * (ks % BLOCK_STEPS); }
+FJ_INLINE constexpr int o_dim(int mt, int r) {
   return BLOCK * (mt / BLOCK_STEPS) + V_BYTES * (r % 8) + 2 * (mt % BLOCK_STEPS) + r / 8;
 }
 

@@ -84,14 +84,16 @@ template <> struct IsBf16<bfloat16_t> { static constexpr bool value = true; };
 
 // Chunk (16 bytes) `chunk` of 16-bit row `row`: XOR-swizzled by the row's low 3 bits within its
 // 128 bytes (rows are 1152 bytes, 9 x 128), so the 8 rows of one ldmatrix matrix hit 8 bank groups.
-FJ_INLINE int swizzled(int row, int chunk) { return chunk ^ (row & 7); }
+FJ_INLINE constexpr int swizzled(int row, int chunk) { return chunk ^ (row & 7); }
 
 // Where chunk `chunk` of 16-bit row `row` lies in a buffer of ROWS_IN rows (Q's, or a stage's):
 // rows of 1152 bytes, swizzled; or, for the wgmma kernel (cfg::WGMMA), nine blocks of 64 columns,
 // each ROWS_IN rows of 128 bytes with the same swizzle, which is wgmma's 128-byte-swizzled layout
 // of a K-major operand (Q, K and P) and of an N-major one (V: its rows are keys) alike.
+// (Both are flashjit.jit.layouts' mla_swizzled and mla_operand_offset: the render asserts it value
+// by value, and the loader's and the warps' constants below.)
 template <int ROWS_IN>
-FJ_INLINE int operand_offset(int row, int chunk) {
+FJ_INLINE constexpr int operand_offset(int row, int chunk) {
   if constexpr (cfg::WGMMA) return (chunk / 8) * (ROWS_IN * 128) + row * 128 + swizzled(row, chunk % 8) * 16;
   return row * ROW_BYTES + swizzled(row, chunk) * 16;
 }

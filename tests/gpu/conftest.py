@@ -1,6 +1,8 @@
 """GPU tests: skipped cleanly on machines without CUDA."""
 
 import os
+import random
+import zlib
 
 import pytest
 
@@ -23,3 +25,14 @@ def run_kernel_cache(tmp_path_factory):
         if not os.environ.get("FLASHJIT_CACHE_DIR"):
             patch.setenv("FLASHJIT_CACHE_DIR", str(tmp_path_factory.mktemp("default-engine")))
         yield
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A seed from the test's id: stable across processes and runs, so a failure replays from its id."""
+    return zlib.crc32(request.node.nodeid.encode())
+
+
+@pytest.fixture
+def rng(seed) -> random.Random:
+    return random.Random(seed)

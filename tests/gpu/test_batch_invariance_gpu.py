@@ -25,7 +25,7 @@ import flashjit
 from flashjit.jit.abi import WORK_ITEM_FIELDS
 from flashjit.serving.reference import decode_reference
 
-from .batches import rel_error
+from .batches import assert_exact, tolerance
 
 PAGE = 16
 NUM_KV_HEADS = 2
@@ -135,7 +135,7 @@ def assert_matches_reference(out, batch: Batch, kv_dtype, mask):
     params = {"window_left": WINDOW} if mask == "sliding_window" else {}
     ref, _ = decode_reference(batch.q, k, v, batch.indptr, batch.indices, batch.last_page_len,
                               qo_indptr=batch.qo_indptr, mask=mask, mask_params=params)
-    assert rel_error(out, ref) <= 2e-2
+    assert_exact(out, None, ref, None, tolerance(torch.bfloat16, kv_dtype), f"{kv_dtype} {mask}")
 
 
 @pytest.mark.parametrize("head_dim, kv_dtype, mask, q_len, group", CASES)

@@ -10,8 +10,8 @@
   (cases), their parameters (params), collected in a Report (report).
 """
 
-from .batch_check import (COUNT_LSE_ATOL, LSE_ATOL, LSE_RTOL, PROBES, SPLITS, TOLERANCE, RunResult, check_batch,
-                          compare, plan_and_run, split_options)
+from .batch_check import (PROBES, SPLITS, RunResult, check_batch, compare, count_failures, plan_and_run,
+                          run_tolerance, split_options)
 from .cases import (CPU_SPEC, DTYPES, GROUPS, HEAD_DIMS, NUM_KV_HEADS, PAGE_SIZES, Q_LENS, Case, random_cases,
                     random_lengths)
 from .host_build import build_host_library, host_compiler
@@ -21,10 +21,11 @@ from .report import CaseResult, CompileResult, Report
 from .runner import check_case, check_mask, compile_all, compile_specs, gpu_available
 
 __all__ = [
-    "COUNT_LSE_ATOL", "CPU_SPEC", "DEFAULT_FLOATS", "DEFAULT_INTS", "DTYPES", "GROUPS", "HEAD_DIMS", "HOST_SHIM",
-    "HOST_WALK", "LSE_ATOL", "LSE_RTOL", "NUM_KV_HEADS", "PAGE_SIZES", "PROBES", "Q_LENS", "SPLITS", "TOLERANCE",
+    "CPU_SPEC", "DEFAULT_FLOATS", "DEFAULT_INTS", "DTYPES", "GROUPS", "HEAD_DIMS", "HOST_SHIM",
+    "HOST_WALK", "NUM_KV_HEADS", "PAGE_SIZES", "PROBES", "Q_LENS", "SPLITS",
     "Case", "CaseResult", "CompileResult", "HostResult", "Report", "RunResult", "build_host_library", "check_batch",
-    "check_case", "check_mask", "check_on_host", "compare", "compile_all", "compile_specs", "describe_params",
+    "check_case", "check_mask", "check_on_host", "compare", "compile_all", "compile_specs", "count_failures",
+    "describe_params",
     "gpu_available", "host_compiler", "parse_overrides", "plan_and_run", "random_cases", "random_lengths",
-    "render_mask_hooks", "sample_params", "split_options",
+    "render_mask_hooks", "run_tolerance", "sample_params", "split_options",
 ]

@@ -62,7 +62,7 @@ class Report:
                              f"{max((r.lse_err for r in c.runs if r.probe == 'zero q'), default=0.0):.1e}",
                              "PASS" if c.passed else "FAIL"))
             tables.append((f"GPU check on {self.gpu}: {len(SPLITS)} split policies x {len(PROBES)} probes "
-                           f"per kernel", ("kernel", "runs ok", "max rel err", "max count-lse err", "result"), rows))
+                           f"per kernel", ("kernel", "runs ok", "worst row err", "worst row zero-q lse err", "result"), rows))
         return tables
 
     def failures(self) -> list[str]:

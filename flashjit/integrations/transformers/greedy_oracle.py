@@ -1,4 +1,5 @@
-"""A float32 teacher-forced check of greedy tokens, for tests of attention inside generation.
+"""A float32 teacher-forced check of greedy tokens, for the tests and the benchmark of attention
+inside generation (tests/gpu/test_transformers_gpu.py, benchmarks/transformers_generate.py).
 
 Comparing two fp16 implementations token for token fails on near-ties: where a random model's two
 best logits differ by less than fp16 rounding, either implementation may pick either token, and
@@ -33,11 +34,14 @@ class SequenceCheck:
     failures: list  # (position, token, float32 logit of the token, float32 max, tolerance)
 
 
-def teacher_forced_logits(model, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab] float32 logits of a plain forward (no paged cache) over `tokens`."""
+def teacher_forced_logits(model, tokens: list[int], keep: int | None = None) -> torch.Tensor:
+    """[len(tokens), vocab] float32 logits of a plain forward (no paged cache) over `tokens`; with
+    keep, those of the last `keep` positions only (the model computes no others: a long prompt's
+    logits over a large vocabulary would not fit)."""
     ids = torch.tensor([tokens], device=model.device)
     with torch.no_grad():
-        return model(input_ids=ids, use_cache=False).logits[0].float()
+        options = {} if keep is None else {"logits_to_keep": keep}
+        return model(input_ids=ids, use_cache=False, **options).logits[0].float()
 
 
 def check_sequence(model32, model16, prompt: list[int], generated: list[int],
@@ -46,9 +50,9 @@ def check_sequence(model32, model16, prompt: list[int], generated: list[int],
     if not generated:
         return SequenceCheck(0, 0, [])
     sequence = list(prompt) + list(generated)
-    predicting = slice(len(prompt) - 1, len(sequence) - 1)  # logits at t predict token t + 1
-    exact = teacher_forced_logits(model32, sequence)[predicting]
-    rounded = teacher_forced_logits(model16, sequence)[predicting]
+    keep = len(generated) + 1  # from the prompt's last position: logits at t predict token t + 1
+    exact = teacher_forced_logits(model32, sequence, keep)[:-1]
+    rounded = teacher_forced_logits(model16, sequence, keep)[:-1]
     tolerance = noise_factor * (rounded - exact).abs().amax(dim=-1)
     top2 = exact.topk(2, dim=-1).values
     chosen = exact.gather(1, torch.tensor(generated, device=exact.device)[:, None])[:, 0]
