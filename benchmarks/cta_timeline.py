@@ -36,7 +36,7 @@ def stamped_engine(cache_dir, define: str = "FJ_TIMELINE"):
     timeline stamps, or another diagnostic the templates compile in on request."""
     import flashjit
     from flashjit.jit.compile import compile_source
-    from flashjit.jit.kernel import Kernel
+    from flashjit.kernels.worklist_kernel import Kernel
 
     class TimelineEngine(flashjit.Engine):
         def __init__(self, *args, **kwargs):

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit import host_library
-from flashjit.jit.abi import WORK_ITEM_FIELDS
+from flashjit.serving.host_plan import load_host_plan
+from flashjit.worklist.record import WORK_ITEM_FIELDS
 from flashjit.jit.cache import KernelCache
-from flashjit.jit.kernel import LoadedKernel
-from flashjit.jit.tiling import TUNING, decode_tiling
+from flashjit.kernels.worklist_kernel import LoadedKernel
+from flashjit.kernels.decode.tiling import TUNING, decode_tiling
 from flashjit.serving.batch_decode import BatchDecode
 from flashjit.serving.host_planner import HostPlanner, item_records
 
@@ -43,7 +43,7 @@ def fake_loaded(kernel, device_index) -> LoadedKernel:
 
 @functools.cache
 def native_library():
-    return host_library.load("host_plan", KernelCache(tempfile.mkdtemp(prefix="flashjit-test-host-")))
+    return load_host_plan(KernelCache(tempfile.mkdtemp(prefix="flashjit-test-host-")))
 
 
 def decoder_of(engine, native: bool, **options) -> BatchDecode:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.jit.tiling import tc_row_pitches
+from flashjit.kernels.decode.tiling import tc_row_pitches
 
 LANES = [(lane // 4, lane % 4) for lane in range(32)]  # (g, t) of each lane
 

@@ -1,5 +1,5 @@
-"""The package's layers import downward only: foundation < masks < jit < serving < parallel, compat
-< integrations < deploy.
+"""The package's layers import downward only: foundation < masks, worklist < jit < kernels < serving
+< parallel, compat < integrations < deploy.
 
 Read from each module's source (ast), so a function-local import counts as much as a top-level one.
 """
@@ -13,8 +13,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "flashjit"
 # Rank of each layer; a module may import its own layer and any of lower rank.
-LAYERS = {"foundation": 0, "masks": 1, "jit": 2, "serving": 3, "parallel": 4, "compat": 4, "integrations": 5,
-          "deploy": 6, "top": 7}
+LAYERS = {"foundation": 0, "masks": 1, "worklist": 1, "jit": 2, "kernels": 3, "serving": 4, "parallel": 5, "compat": 5,
+          "integrations": 6, "deploy": 7, "top": 8}
 TOP_MODULES = {"__init__", "__main__"}
 
 

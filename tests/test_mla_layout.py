@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.jit.mla_spec import MLASpec
-from flashjit.jit.mla_tiling import MLA_TUNING, mla_tiling
+from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.mla.tiling import MLA_TUNING, mla_tiling
 
 QK, LATENT, ROW_ELEMS = 576, 512, 576  # a 16-bit row: 576 values, 72 chunks of 8
 

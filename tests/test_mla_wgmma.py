@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from flashjit.jit.compile import compile_source
-from flashjit.jit.mla_spec import MLASpec
-from flashjit.jit.mla_tiling import SWIZZLE_ATOM, WGMMA_ROWS, mla_tiling, uses_wgmma
+from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.mla.tiling import SWIZZLE_ATOM, WGMMA_ROWS, mla_tiling, uses_wgmma
 from flashjit.jit.render import render
-from flashjit.jit.spec import dynamic_shared_limit
+from flashjit.jit.arch import dynamic_shared_limit
 
 
 QK, LATENT = 576, 512

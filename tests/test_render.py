@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from flashjit import DecodeSpec, TemplateError, register_mask
-from flashjit.jit.render import ENTRY_TEMPLATE, render, template_root
-from flashjit.jit.tiling import decode_tiling
+from flashjit.kernels.decode.family import ENTRY_TEMPLATE
+from flashjit.jit.render import render, template_root
+from flashjit.kernels.decode.tiling import decode_tiling
 
 
 def user_mask(tmp_path, name: str, text: str):
@@ -161,14 +162,13 @@ def test_every_entry_point_waits_for_the_previous_kernel_before_anything_else(fa
     CTAs may start before the previous kernel's writes land, so each entry point's first statement
     (after the timeline's stamp) is the wait. flashjit_merge reads the plan's arrays first, which the
     decode kernel it waits for does not write: merge::locate reads those and nothing else."""
-    from flashjit.jit.merge_spec import MergeSpec
-    from flashjit.jit.mla_spec import MLASpec
-    from flashjit.jit.render import render_merge_states
+    from flashjit.kernels.merge_states.spec import MergeSpec
+    from flashjit.kernels.mla.spec import MLASpec
 
     if family == "mla":
         source = render(MLASpec(16, arch="sm_90"))
     elif family == "merge states":
-        source = render_merge_states(MergeSpec("bf16", "sm_90"))
+        source = render(MergeSpec("bf16", "sm_90"))
     else:
         source = render(DecodeSpec(128, group_size=4, arch="sm_90", shared_prefix=family == "shared prefix",
                                    tensor_cores=family != "cuda cores"))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit.abi import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
+from flashjit.worklist.record import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
 from flashjit.serving.host_planner import HostPlanner, NativeSharedTables
 from flashjit.serving.shared_plan import SharedTables, plan_shared_work
 from flashjit.serving.shared_prefix import find_shared_spans

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit.abi import MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
+from flashjit.worklist.record import MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
 from flashjit.serving import graph_mode
 from flashjit.serving.host_planner import HostPlanner, item_records
 from flashjit.serving.shared_plan import (HEAD_PACK_MAX_TILES, members_per_record, plan_shared_work, record_tiles,

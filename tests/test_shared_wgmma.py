@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.jit.spec import DecodeSpec
-from flashjit.jit.tiling import SWIZZLE_ATOM, decode_tiling
+from flashjit.kernels.decode.spec import DecodeSpec
+from flashjit.kernels.decode.tiling import SWIZZLE_ATOM, decode_tiling
 
 from test_mla_wgmma import read_k_major, read_n_major, smem_operand
 

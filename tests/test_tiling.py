@@ -14,8 +14,8 @@ import itertools
 
 import pytest
 
-from flashjit.jit.spec import CUDA_CORE_HEAD_DIMS, HEAD_DIMS, TENSOR_CORE_HEAD_DIMS, DecodeSpec
-from flashjit.jit.tiling import TUNING, DecodeTiling, decode_tiling
+from flashjit.kernels.decode.spec import CUDA_CORE_HEAD_DIMS, DecodeSpec, HEAD_DIMS, TENSOR_CORE_HEAD_DIMS
+from flashjit.kernels.decode.tiling import DecodeTiling, TUNING, decode_tiling
 
 # Each family's tiling at group 16 (both kernels' row tiles), as a tuple of DecodeTiling's fields:
 # (tensor cores, K/V dtype, head_dim) -> tiling.
@@ -122,8 +122,8 @@ def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all
 
 def test_the_table_has_one_row_per_tensor_core_kernel_and_is_frozen():
     keys = [row.key for row in TUNING.tensor_cores]
-    assert sorted(keys) == sorted(itertools.product((False, True), TENSOR_CORE_HEAD_DIMS))
-    assert TUNING.row(True, 128).key == (True, 128)
+    assert sorted(keys) == sorted(itertools.product((None,), (False, True), TENSOR_CORE_HEAD_DIMS))
+    assert TUNING.row(True, 128).key == (None, True, 128) and TUNING.row(True, 128, "sm_90").key == (None, True, 128)
     with pytest.raises(KeyError, match="head_dim 32"):
         TUNING.row(False, 32)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -145,9 +145,19 @@ def test_a_passed_table_changes_the_tiling_and_leaves_the_default_alone():
     assert default == decode_tiling(spec, TUNING)
     assert (default.bdx, default.stages, default.l2_prefetch) == (128, 2, 128)
     # only the named row changes
-    assert [row for row in table.tensor_cores if row.key != (True, 128)] == [
-        row for row in TUNING.tensor_cores if row.key != (True, 128)]
+    assert [row for row in table.tensor_cores if row.key != (None, True, 128)] == [
+        row for row in TUNING.tensor_cores if row.key != (None, True, 128)]
     assert all(row.static_share == 50 for row in TUNING.with_rows(static_share=50).tensor_cores)
+
+
+def test_a_row_tuned_for_one_arch_serves_that_arch_only():
+    """A new GPU's constants are data: a row keyed by its arch, which its specs take and no other arch does."""
+    tuned = dataclasses.replace(TUNING.row(False, 128), arch="sm_100", stages=3)
+    table = dataclasses.replace(TUNING, tensor_cores=TUNING.tensor_cores + (tuned,))
+    assert table.row(False, 128, "sm_100") is tuned and table.row(False, 128, "sm_90") is TUNING.row(False, 128)
+    spec = DecodeSpec(128, group_size=4, arch="sm_100")
+    assert decode_tiling(spec, table).stages == 3 and decode_tiling(spec).stages == 2
+    assert decode_tiling(spec.replace(arch="sm_90"), table) == decode_tiling(spec.replace(arch="sm_90"))
     assert [row.stages for row in TUNING.with_rows(fp8=False, stages=5).tensor_cores] == [5, 5, 5, 5, 5, 4, 2, 2, 3, 3]
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from ..errors import SpecError
 from .manifest import Manifest, ManifestError, ModelEntry
-from ..jit.spec import HEAD_DIMS, QUERY_DTYPES, normalize_dtype
+from ..kernels.decode.spec import HEAD_DIMS
+from ..jit.dtypes import QUERY_DTYPES, normalize_dtype
 
 
 # Defaults of transformers' config classes that the attention shape depends on: Hub configs leave

@@ -20,7 +20,7 @@ import json
 import math
 
 from ..errors import SpecError
-from ..jit.mla_spec import LATENT_DIMS, MAX_HEADS, ROPE_DIMS, MLASpec
+from ..kernels.mla.spec import LATENT_DIMS, MAX_HEADS, MLASpec, ROPE_DIMS
 from .hf_config import _config_dtype, _model_name, _positive_int, config_path
 from .manifest import ManifestError, resolve_archs
 

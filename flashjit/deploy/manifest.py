@@ -28,7 +28,8 @@ import sys
 from pathlib import Path
 
 from ..errors import SpecError
-from ..jit.spec import HEAD_DIMS, DecodeSpec, current_arch
+from ..kernels.decode.spec import DecodeSpec, HEAD_DIMS
+from ..jit.arch import current_arch
 
 if sys.version_info >= (3, 11):
     import tomllib

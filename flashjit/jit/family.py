@@ -1,75 +1,116 @@
-"""Kernel families: the spec types the engine builds kernels for, and what each one's kernel needs.
+"""Kernel families: what the engine needs of each kind of kernel it builds, and the registry of them.
 
-A family is a spec class with its tiling, its source and its kernel object: decode kernels
-(DecodeSpec: tiling.decode_tiling, templates/decode/paged.cu.j2, Kernel), MLA decode (MLASpec:
-mla_tiling.mla_tiling, templates/mla/decode.cu.j2, Kernel) and merge_states (MergeSpec:
-templates/merge/merge_states.cu.j2, MergeStatesKernel; no mask, variant or tiling). Every spec
-type has the surface the engine and the cache use (name, arch, replace, to_dict, from_name), so
-the engine stays one code path; this module is the one place that tells the families apart.
+A family (decode, MLA, merge_states: flashjit/kernels/<family>/) is a spec type with its tiling,
+its source and its kernel object. The engine, the renderer and the CLI go through this protocol and
+never name a family, so a new family is its own folders plus one registration line
+(flashjit/kernels/__init__.py).
 """
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from ..errors import SpecError
-from ..masks.registry import masks
-from ..masks.variants import variants
-from .kernel import Kernel
-from .merge_kernel import MergeStatesKernel
-from .merge_spec import MergeSpec
-from .mla_spec import MLASpec
-from .mla_tiling import mla_tiling
-from .render import render, render_merge_states
-from .spec import DecodeSpec
-from .tiling import decode_tiling
-
-SPEC_TYPES = (DecodeSpec, MLASpec, MergeSpec)
-MERGE_PREFIX = "merge_states_"
 
 
-def _check(spec):
-    if not isinstance(spec, SPEC_TYPES):
-        raise TypeError(f"not a kernel spec: {spec!r} (expected one of {', '.join(t.__name__ for t in SPEC_TYPES)})")
+@runtime_checkable
+class KernelFamily(Protocol):
+    """A kind of kernel: its spec type and what a spec of it renders, compiles and loads as."""
+
+    name: str           # "decode", "mla", "merge_states"
+    spec_type: type     # the frozen dataclass of its specs (name, arch, compile_arch, replace, to_dict)
+    name_prefix: str    # every spec name of the family starts with it ("decode_")
+    example_name: str   # a spec name, for messages
+
+    def from_name(self, name: str):
+        """The spec a name (spec.name) stands for."""
+
+    def tiling(self, spec, table=None):
+        """The tiling a spec's kernel is rendered and launched with (under a tuning table; None:
+        the family's own), or None for a family without one."""
+
+    def mask(self, spec):
+        """The MaskDef the spec renders with, or None for a family without masks."""
+
+    def variant(self, spec):
+        """The VariantDef the spec renders with, or None for a family without variants."""
+
+    def render(self, spec, mask=None, variant=None, tiling=None) -> str:
+        """The spec's CUDA source (mask, variant and tiling: the spec's own where None)."""
+
+    def kernel(self, spec, mask, variant, cubin: bytes, key: str):
+        """The kernel object of a compiled spec, which loads its entry points per device."""
 
 
-def tiling_of(spec):
-    """The tiling a spec's kernel is rendered and launched with; None for a MergeSpec."""
-    _check(spec)
-    if isinstance(spec, MLASpec):
-        return mla_tiling(spec)
-    return decode_tiling(spec) if isinstance(spec, DecodeSpec) else None
+_families: list[KernelFamily] = []
+_by_type: dict[type, KernelFamily] = {}
 
 
-def mask_of(spec):
-    """The MaskDef a spec renders with; None for a MergeSpec, which has none."""
-    _check(spec)
-    return None if isinstance(spec, MergeSpec) else masks.get(spec.mask)
+def register_family(family: KernelFamily) -> KernelFamily:
+    """Add a family; its spec type, name and name prefix must be new."""
+    if not isinstance(family, KernelFamily):
+        raise TypeError(f"not a KernelFamily: {family!r} (it needs {', '.join(_protocol_members())})")
+    for other in _families:
+        if family.spec_type is other.spec_type or family.name == other.name or (
+                family.name_prefix.startswith(other.name_prefix) or other.name_prefix.startswith(family.name_prefix)):
+            raise ValueError(f"kernel family {family.name!r} clashes with {other.name!r} (spec type, name or name prefix)")
+    _families.append(family)
+    _by_type[family.spec_type] = family
+    return family
 
 
-def variant_of(spec):
-    """The VariantDef a spec renders with (MLASpec: always "none"); None for a MergeSpec."""
-    _check(spec)
-    return None if isinstance(spec, MergeSpec) else variants.get(spec.variant)
+def _protocol_members() -> list[str]:
+    return sorted(name for name in vars(KernelFamily) if not name.startswith("_"))
 
 
-def source_of(spec, mask, variant) -> str:
-    """The rendered CUDA source of a spec, with the mask and variant mask_of/variant_of gave."""
-    _check(spec)
-    return render_merge_states(spec) if isinstance(spec, MergeSpec) else render(spec, mask, variant=variant)
+def families() -> tuple[KernelFamily, ...]:
+    return tuple(_families)
 
 
-def make_kernel(spec, mask, variant, cubin: bytes, key: str):
-    """The kernel object of a compiled spec: a Kernel, or the MergeStatesKernel of a MergeSpec."""
-    _check(spec)
-    if isinstance(spec, MergeSpec):
-        return MergeStatesKernel(spec, cubin, key)
-    return Kernel(spec, tiling_of(spec), mask, cubin, key, variant)
+def family_of(spec) -> KernelFamily:
+    """The family of a spec; TypeError for anything that is not a registered family's spec."""
+    family = _by_type.get(type(spec))
+    if family is None:
+        raise TypeError(f"not a kernel spec: {spec!r} "
+                        f"(expected one of {', '.join(f.spec_type.__name__ for f in _families)})")
+    return family
+
+
+def _examples() -> str:
+    names = [f.example_name for f in _families]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def spec_from_name(name: str):
     """The spec a name (spec.name) stands for, of whichever family the name's prefix says."""
     if not isinstance(name, str):
-        raise SpecError("name", name, "a spec name such as decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc, "
-                                      "mla_c512_r64_h128_bf16_kvbf16_p64_q1_sm90 or merge_states_bf16_sm90")
-    if name.strip().startswith(MERGE_PREFIX):
-        return MergeSpec.from_name(name)
-    return MLASpec.from_name(name) if MLASpec.looks_like(name) else DecodeSpec.from_name(name)
+        raise SpecError("name", name, f"a spec name such as {_examples()}")
+    for family in _families:
+        if name.strip().startswith(family.name_prefix):
+            return family.from_name(name)
+    raise SpecError("name", name, f"names like {_examples()}")
+
+
+def tiling_of(spec):
+    """The tiling a spec's kernel is rendered and launched with; None for a family without one."""
+    return family_of(spec).tiling(spec)
+
+
+def mask_of(spec):
+    """The MaskDef a spec renders with; None for a family without masks (merge_states)."""
+    return family_of(spec).mask(spec)
+
+
+def variant_of(spec):
+    """The VariantDef a spec renders with; None for a family without variants (merge_states)."""
+    return family_of(spec).variant(spec)
+
+
+def source_of(spec, mask, variant) -> str:
+    """The rendered CUDA source of a spec, with the mask and variant mask_of/variant_of gave."""
+    return family_of(spec).render(spec, mask, variant)
+
+
+def make_kernel(spec, mask, variant, cubin: bytes, key: str):
+    """The kernel object of a compiled spec."""
+    return family_of(spec).kernel(spec, mask, variant, cubin, key)

@@ -1,34 +1,24 @@
-"""A compiled decode specialization: its cubin, lazy per-device loading, and a lean launcher.
+"""Loading a cubin on a device and launching its functions: the half of a kernel no family owns.
 
-Three types, one step each: Kernel is one spec's cubin (what Engine.get_kernel returns, made by
-the engine from compile.py's CompiledKernel, NVRTC's cubin and log); LoadedKernel is its driver
-handles on one device; PreparedLaunch is one launch of such a handle, its arguments built once.
-
-Modules are loaded with CuPy on first use, on the tensor's device, and pinned for the process
-lifetime, so CUDA-graph replays never see an unloaded module. Launches go straight to the driver's
-cuLaunchKernelEx through ctypes with a launch configuration and argument structs (abi.DecodeArgs,
-abi.MergeArgs) built once and patched per call: the cheapest host path from Python, and captured
-correctly by torch.cuda.graph. On sm_90 and later they allow programmatic dependent launch: the
-kernel's CTAs may start while the stream's previous kernel finishes, and wait for its writes in
-the kernel (wait_for_previous_kernel in templates/include/prelude.cuh).
+load_functions is the one per-device load (capture and arch checks, CuPy's module load) and
+PerDevice keeps what it made for the process lifetime, so CUDA-graph replays never see an unloaded
+module; each family's kernel object names the entry points it loads (kernels/<family>/).
+PreparedLaunch is one launch of such a function, its configuration and argument structs built once
+and patched per call, going straight to the driver's cuLaunchKernelEx through ctypes: the cheapest
+host path from Python, and captured correctly by torch.cuda.graph. On sm_90 and later launches
+allow programmatic dependent launch (arch.waits_for_previous_kernel): the kernel's CTAs may start
+while the stream's previous kernel finishes, and wait for its writes in the kernel
+(wait_for_previous_kernel in the templates' prelude).
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import threading
 
 from ..errors import KernelNotPrewarmed
-from ..masks.registry import MaskDef
-from .abi import PLAN_MAX_BATCH, plan_batch_limit, plan_smem_bytes
-from ..masks.variants import VariantDef, variants
-from .spec import DecodeSpec, arch_number
-from .tiling import DecodeTiling
+from .arch import DEFAULT_DYNAMIC_SHARED_BYTES, device_arch, runs_on
 
-DECODE_ENTRY = "flashjit_decode"
-MERGE_ENTRY = "flashjit_merge"
-PLAN_ENTRY = "flashjit_plan"
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 _driver = None
@@ -51,7 +41,6 @@ def driver():
 
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-PROGRAMMATIC_LAUNCH_MIN_ARCH = 90  # griddepcontrol: sm_90 and later
 
 
 class LaunchAttribute(ctypes.Structure):
@@ -64,12 +53,6 @@ class LaunchConfig(ctypes.Structure):
     """CUlaunchConfig."""
     _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
-
-
-def waits_for_previous_kernel(arch: str) -> bool:
-    """Whether kernels compiled for arch wait for the previous kernel themselves, so that they may
-    be launched with programmatic stream serialization (every template's entry points do from sm_90)."""
-    return arch_number(arch) >= PROGRAMMATIC_LAUNCH_MIN_ARCH
 
 
 def _launcher():
@@ -90,94 +73,78 @@ def check(status: int, what: str):
         raise RuntimeError(f"{what} failed: CUDA error {status} ({(text.value or b'?').decode()})")
 
 
-def planner_batch_limit(plan: int, device_index: int) -> int:
-    """The most requests the loaded GPU planner `plan` takes on the device: what the device's opt-in
-    shared memory per block holds beside the planner's static arrays (abi.plan_batch_limit)."""
-    from cupy.cuda import driver as cuda_driver, runtime
+def load_functions(cubin: bytes, device_index: int, entries, spec_name: str, arch: str, before_capture: str):
+    """(the CuPy Module, the handle of each entry point named) of a cubin loaded on one device: the
+    one per-device load every family's kernel does. Refuses (KernelNotPrewarmed) during CUDA-graph
+    capture, where modules cannot be loaded (before_capture: what to run first), and on a device of
+    another arch than the cubin's."""
+    import cupy
+    import torch
 
-    block_bytes = runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_index)
-    static_bytes = cuda_driver.funcGetAttribute(cuda_driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, plan)
-    return plan_batch_limit(block_bytes, static_bytes)
-
-
-@dataclasses.dataclass
-class LoadedKernel:
-    """Driver handles of one spec's entry points on one device."""
-
-    module: object  # the CuPy Module, kept alive for the process lifetime
-    decode: int
-    merge: int | None  # None where the decode kernel merges split requests itself (tiling.fused_merge)
-    ctas_per_sm: int
-    num_sms: int
-    plan: int | None = None  # the GPU planner (CUDA-graph mode), in every module since the same render
-    plan_max_batch: int = PLAN_MAX_BATCH  # the most requests its shared memory holds on this device
-    decode_packed: int | None = None  # tiling.packed_entry: the decode kernel of plans with packed own items
+    if torch.cuda.is_current_stream_capturing():
+        raise KernelNotPrewarmed(f"{spec_name} is not loaded on cuda:{device_index} and modules cannot be loaded during "
+                                 f"CUDA-graph capture; {before_capture}")
+    found = device_arch(device_index)
+    if not runs_on(arch, found):
+        raise KernelNotPrewarmed(f"{spec_name} was compiled for {arch} but cuda:{device_index} "
+                                 f"is {found}; build the spec with arch={found!r}")
+    with cupy.cuda.Device(device_index):
+        module = cupy.cuda.function.Module()
+        module.load(cubin)
+        return module, [module.get_function(entry).ptr for entry in entries]
 
 
-class Kernel:
-    """One compiled specialization. Cheap to create; loads on first use per device."""
+def set_dynamic_shared_memory(functions, smem: int, what: str):
+    """Let each function launch with smem bytes of dynamic shared memory, where that is more than
+    the default (an opt-in per function)."""
+    if smem > DEFAULT_DYNAMIC_SHARED_BYTES:
+        for function in functions:
+            check(driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem), what)
 
-    def __init__(self, spec: DecodeSpec, tiling: DecodeTiling, mask: MaskDef, cubin: bytes, key: str,
-                 variant: VariantDef | None = None):
-        self.spec, self.tiling, self.mask, self.cubin, self.key = spec, tiling, mask, cubin, key
-        self.variant = variants.get(spec.variant) if variant is None else variant
-        self.programmatic_launch = waits_for_previous_kernel(spec.arch)  # PreparedLaunch's programmatic
-        self._loaded: dict[int, LoadedKernel] = {}
-        self._lock = threading.Lock()
 
-    def __repr__(self):
-        return f"Kernel({self.spec.name}, key={self.key[:12]})"
+def occupancy(function: int, threads: int, smem: int) -> int:
+    """CTAs of function (threads a block, smem bytes of dynamic shared memory) one SM holds at once."""
+    ctas = ctypes.c_int(0)
+    check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(ctas), function, threads, smem),
+          "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    return ctas.value
 
-    def loaded(self, device_index: int) -> LoadedKernel:
-        found = self._loaded.get(device_index)
-        return found if found is not None else self._load(device_index)
 
-    def _load(self, device_index: int) -> LoadedKernel:
-        import cupy
-        import torch
+def multiprocessor_count(device_index: int) -> int:
+    import torch
 
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def block_shared_optin(device_index: int) -> int:
+    """The most shared memory one block may opt in to on the device."""
+    from cupy.cuda import runtime
+
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_index)
+
+
+def static_shared_bytes(function: int) -> int:
+    """The static shared memory of a loaded function (its __shared__ arrays)."""
+    from cupy.cuda import driver as cuda_driver
+
+    return cuda_driver.funcGetAttribute(cuda_driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, function)
+
+
+class PerDevice:
+    """What make(device_index) returns, made once per device under a lock (a kernel's loaded module
+    and handles, pinned for the process so CUDA-graph replays never meet an unloaded module)."""
+
+    def __init__(self, make):
+        self._make, self._made, self._lock = make, {}, threading.Lock()
+
+    def get(self, device_index: int):
+        found = self._made.get(device_index)
+        if found is not None:
+            return found
         with self._lock:
-            if device_index in self._loaded:
-                return self._loaded[device_index]
-            if torch.cuda.is_current_stream_capturing():
-                raise KernelNotPrewarmed(
-                    f"{self.spec.name} is not loaded on cuda:{device_index} and modules cannot be loaded during "
-                    "CUDA-graph capture; run one plan()/run() (or engine.get_kernel(spec).loaded(device)) before capturing")
-            major, minor = torch.cuda.get_device_capability(device_index)
-            device_arch = f"sm_{major}{minor}"
-            if self.spec.arch.rstrip("a") != device_arch:
-                raise KernelNotPrewarmed(f"{self.spec.name} was compiled for {self.spec.arch} but cuda:{device_index} "
-                                         f"is {device_arch}; build the spec with arch={device_arch!r}")
-            with cupy.cuda.Device(device_index):
-                module = cupy.cuda.function.Module()
-                module.load(self.cubin)
-                decode = module.get_function(self.tiling.entry).ptr
-                merge = None if self.tiling.fused_merge else module.get_function(MERGE_ENTRY).ptr
-                plan = module.get_function(PLAN_ENTRY).ptr
-                plan_max_batch = planner_batch_limit(plan, device_index)
-                check(driver().cuFuncSetAttribute(plan, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                  plan_smem_bytes(plan_max_batch)), "cuFuncSetAttribute")
-                packed = None if self.tiling.packed_entry is None else module.get_function(self.tiling.packed_entry).ptr
-                smem = self.tiling.smem_bytes
-                entries = (decode,) if packed is None else (decode, packed)
-                if smem > 48 * 1024:  # opt in to more than the default dynamic shared memory
-                    for function in entries:
-                        check(driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                          smem),
-                              f"cuFuncSetAttribute ({self.spec.name}'s {smem} bytes of shared memory on "
-                              f"cuda:{device_index})")
-            ctas_per_sm = []  # the planner's waves: the fewer of the entry points'
-            for function in entries:
-                occupancy = ctypes.c_int(0)
-                check(driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    ctypes.byref(occupancy), function, self.tiling.threads, smem),
-                    "cuOccupancyMaxActiveBlocksPerMultiprocessor")
-                ctas_per_sm.append(occupancy.value)
-            num_sms = torch.cuda.get_device_properties(device_index).multi_processor_count
-            loaded = LoadedKernel(module, decode, merge, max(1, min(ctas_per_sm)), num_sms, plan, plan_max_batch,
-                                  packed)
-            self._loaded[device_index] = loaded
-            return loaded
+            if device_index not in self._made:
+                self._made[device_index] = self._make(device_index)
+            return self._made[device_index]
 
 
 class PreparedLaunch:

@@ -17,17 +17,17 @@ import operator
 import weakref
 
 from .. import validation
-from ..jit.abi import PLAN_MAX_BATCH
-from ..jit.engine import Engine
-from ..jit.host_library import load as load_host_library
-from ..jit.kernel import Kernel
-from ..jit.spec import KV_DTYPES, normalize_dtype
+from ..worklist.record import PLAN_MAX_BATCH
+from ..jit.engine import Engine, default_engine
+from ..kernels.worklist_kernel import Kernel
+from ..jit.dtypes import KV_DTYPES, normalize_dtype
 from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
 from . import run_checks, variant_args
 from .device_choice import decoder_device
 from .buffers import PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
+from .host_plan import load_host_plan
 from .host_planner import HostPlanner
 from .plan_setup import MAX_SETUPS, Setup, make_setup, on_tensor_cores
 from .device_planner import DeviceTables
@@ -37,16 +37,6 @@ from .run_checks import NO_CACHE, scale_key
 from .shared_decode import host_page_ids, kernel_may_share, may_share, plan_graph_sharing, shared_spans, shared_work
 from .split_plan import WorkPlan
 from .streams import stream_getter
-
-_default_engine: Engine | None = None
-
-
-def default_engine() -> Engine:
-    global _default_engine
-    if _default_engine is None:
-        _default_engine = Engine()
-    return _default_engine
-
 
 def _of_plan(path: str, doc: str) -> property:
     """A read-only attribute of the current plan (path: dotted, in Plan); AttributeError before the first."""
@@ -104,7 +94,7 @@ class BatchDecode:
                                    page_ids_buffer)
         self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
         if host_planner is None:
-            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
+            host_planner = HostPlanner(load_host_plan(self.engine.cache))
         self._host_planner = host_planner
         self._lse_dtype = torch.float32
         self._plan: Plan | None = None  # the current plan; each successful plan() replaces it whole

@@ -20,16 +20,16 @@ import typing
 import weakref
 
 from .. import validation
-from ..jit.abi import MLAArgs
-from ..jit.engine import Engine
-from ..jit.host_library import load as load_host_library
-from ..jit.kernel import Kernel, LoadedKernel, PreparedLaunch
-from ..jit.mla_spec import MLASpec
+from ..kernels.mla.args import MLAArgs
+from ..jit.engine import Engine, default_engine
+from ..kernels.worklist_kernel import Kernel, LoadedKernel
+from ..jit.launch import PreparedLaunch
+from ..kernels.mla.spec import MLASpec
 from ..small_arrays import largest
-from .batch_decode import default_engine
 from .device_choice import decoder_device
 from .buffers import Capacity, PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
+from .host_plan import load_host_plan
 from .host_planner import HostPlanner
 from .plan_setup import LOG2E
 from . import run_checks
@@ -103,7 +103,7 @@ class BatchDecodeMLA:
                                    page_ids_buffer)
         self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
         if host_planner is None:
-            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
+            host_planner = HostPlanner(load_host_plan(self.engine.cache))
         self._host_planner = host_planner
         self._device_index = self.device.index
         self._lse_dtype = torch.float32

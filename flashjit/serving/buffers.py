@@ -8,7 +8,8 @@ import typing
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, DecodeArgs, MergeArgs
+from ..worklist.record import ITEM_INTS
+from ..kernels.decode.args import DecodeArgs, MergeArgs
 from ..masks.params import MASK_PARAM_CTYPES
 from .streams import DEVICE_TO_HOST, HOST_TO_DEVICE, StreamCopies
 

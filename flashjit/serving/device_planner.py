@@ -16,8 +16,8 @@ import typing
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, PlanArgs, plan_smem_bytes
-from ..jit.kernel import PreparedLaunch
+from ..worklist.record import ITEM_INTS, PlanArgs, plan_smem_bytes
+from ..jit.launch import PreparedLaunch
 from .buffers import PlanBuffers
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, WorkPlan
 from .streams import HOST_TO_DEVICE, StreamCopies

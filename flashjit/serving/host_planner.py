@@ -20,7 +20,7 @@ import functools
 import numpy as np
 
 from .. import validation
-from ..jit.abi import ITEM_INTS  # int32 per work-item record
+from ..worklist.record import ITEM_INTS  # int32 per work-item record
 from .shared_prefix import SharedSpans
 from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
 from ..small_arrays import largest, smallest

@@ -8,8 +8,8 @@ import math
 import typing
 
 from .. import validation
-from ..jit.kernel import Kernel, LoadedKernel
-from ..jit.spec import DecodeSpec
+from ..kernels.worklist_kernel import Kernel, LoadedKernel
+from ..kernels.decode.spec import DecodeSpec
 from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
 

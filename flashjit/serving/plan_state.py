@@ -14,8 +14,8 @@ import typing
 import numpy as np
 
 from .. import validation
-from ..jit.abi import DecodeArgs, MergeArgs
-from ..jit.kernel import PreparedLaunch
+from ..kernels.decode.args import DecodeArgs, MergeArgs
+from ..jit.launch import PreparedLaunch
 from ..small_arrays import largest
 from .buffers import Capacity, PlanBuffers
 from .plan_setup import Setup

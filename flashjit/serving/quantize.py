@@ -8,7 +8,7 @@ Works on one K or V cache of 4 dimensions, NHD or HND; quantize K and V separate
 from __future__ import annotations
 
 from .. import validation
-from ..jit.spec import FP8_DTYPES, normalize_dtype
+from ..jit.dtypes import FP8_DTYPES, normalize_dtype
 
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 _PAGES_PER_STEP = 4096  # bounds the float32 temporaries of a large cache

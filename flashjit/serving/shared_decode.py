@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit.spec import TENSOR_CORE_HEAD_DIMS
+from ..kernels.decode.spec import TENSOR_CORE_HEAD_DIMS
 from .buffers import Capacity
 from .shared_plan import SharedTables, plan_shared_work
 from .shared_prefix import MAX_LEVELS, SharedSpans, find_shared_spans

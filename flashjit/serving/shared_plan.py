@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS
+from ..worklist.record import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS
 from .shared_prefix import SharedSpans
 from .split_plan import WorkPlan, choose_chunk, plan_work
 

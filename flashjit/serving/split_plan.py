@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ..jit import abi
+from ..worklist import record as abi
 from ..small_arrays import largest
 
 MIN_CHUNK_TOKENS = 128  # below this a split costs more in merging than it gains in parallelism

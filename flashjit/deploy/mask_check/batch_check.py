@@ -103,7 +103,7 @@ def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes
     import torch
 
     from ...serving.reference import decode_reference
-    from ...jit.spec import normalize_dtype
+    from ...jit.dtypes import normalize_dtype
 
     has_reference = masks.get(mask).reference is not None
     tolerance = TOLERANCE[normalize_dtype(batch.q.dtype)]

@@ -10,21 +10,15 @@ import dataclasses
 import hashlib
 import re
 
-from ..errors import SpecError
+from ...errors import SpecError
+from ...jit.arch import WGMMA_COMPILE_ARCH, check_shared_memory, normalize_arch
+from ...jit.dtypes import KV_DTYPES, QUERY_DTYPES, SHORT_NAMES, normalize_dtype
+from ...jit.spec_fields import CacheAndArch, check_int
+from .tiling import decode_tiling
 
 HEAD_DIMS = (64, 96, 128, 256, 512)
 CUDA_CORE_HEAD_DIMS = (64, 96, 128, 256)  # head_dim 512 runs on tensor cores only
-QUERY_DTYPES = ("float16", "bfloat16")
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")  # OCP fp8, as torch names them
-KV_DTYPES = QUERY_DTYPES + FP8_DTYPES
 KV_LAYOUTS = ("NHD", "HND")
-ARCHS = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
-# The most shared memory one block may have on each arch (CUDA's opt-in limit per block). A tensor-core
-# or MLA kernel's dynamic shared memory (its tiling's smem_bytes) and its static arrays (softmax
-# states, sinks, merge words: at most 1552 bytes, the MLA kernel's at 64 rows, per ptxas) must fit.
-BLOCK_SHARED_BYTES = {"sm_80": 166_912, "sm_86": 101_376, "sm_87": 166_912, "sm_89": 101_376,
-                      "sm_90": 232_448, "sm_90a": 232_448, "sm_100": 232_448, "sm_120": 101_376}
-KERNEL_STATIC_SHARED_BYTES = 1664
 MAX_PAGE_SIZE = 256
 MAX_GROUP_SIZE = 64
 MAX_Q_LEN = 16
@@ -33,76 +27,8 @@ TENSOR_CORE_HEAD_DIMS = (64, 96, 128, 256, 512)
 # MMA's 16 rows idle a step still reads at the memory's speed; the CUDA-core kernel does not.
 TENSOR_CORE_MIN_ROWS = 1
 
-_DTYPE_ALIASES = {
-    "float16": "float16", "fp16": "float16", "half": "float16", "f16": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float8_e4m3fn": "float8_e4m3fn", "e4m3": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8": "float8_e4m3fn",
-    "float8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2", "fp8_e5m2": "float8_e5m2",
-    "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",  # merge_states states only
-}
-_SHORT = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32"}
 _NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)(?:-(?P<variant>\w+?))?"
                            r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?(?P<sp>_sp)?")
-
-
-def normalize_dtype(value, field: str = "dtype", accepted=QUERY_DTYPES) -> str:
-    """Map 'bf16', 'torch.bfloat16' or a torch dtype to its canonical name."""
-    text = str(value).lower().removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(text)
-    if name not in accepted:
-        note = (" (fp8 is supported for the KV cache only: pass it as kv_dtype)" if name in FP8_DTYPES
-                else " (or short names such as 'bf16', 'e4m3', or torch dtypes)")
-        raise SpecError(field, value, ", ".join(accepted) + note)
-    return name
-
-
-def current_arch() -> str | None:
-    """The arch of torch's current GPU, or None on a machine without one."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return f"sm_{major}{minor}"
-
-
-def _check_int(field: str, value, low: int, high: int, allowed=None) -> int:
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if ok and allowed is not None:
-        ok = value in allowed
-    elif ok:
-        ok = low <= value <= high
-    if not ok:
-        raise SpecError(field, value, ", ".join(map(str, allowed)) if allowed else f"integers {low}..{high}")
-    return value
-
-
-class CacheAndArch:
-    """What a kernel spec's kv_dtype and arch fields imply: the kernel families' specs (DecodeSpec,
-    MLASpec) share these."""
-
-    kv_dtype: str
-    arch: str
-
-    @property
-    def kv_is_fp8(self) -> bool:
-        return self.kv_dtype in FP8_DTYPES
-
-    @property
-    def kv_bytes(self) -> int:
-        return 1 if self.kv_is_fp8 else 2
-
-    @property
-    def arch_number(self) -> int:
-        return arch_number(self.arch)
-
-    @property
-    def compile_arch(self) -> str:
-        """The arch NVRTC compiles for: the spec's, or its arch-specific form where the kernel uses
-        instructions only that form has (MLASpec's wgmma kernels: sm_90a)."""
-        return self.arch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,17 +52,17 @@ class DecodeSpec(CacheAndArch):
 
     def __post_init__(self):
         set_ = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen dataclass)
-        _check_int("head_dim", self.head_dim, 0, 0, HEAD_DIMS)
+        check_int("head_dim", self.head_dim, 0, 0, HEAD_DIMS)
         set_("dtype", normalize_dtype(self.dtype, "dtype", QUERY_DTYPES))
         set_("kv_dtype", normalize_dtype(self.dtype if self.kv_dtype is None else self.kv_dtype, "kv_dtype", KV_DTYPES))
-        _check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
-        _check_int("group_size", self.group_size, 1, MAX_GROUP_SIZE)
-        _check_int("max_q_len", self.max_q_len, 1, MAX_Q_LEN)
+        check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        check_int("group_size", self.group_size, 1, MAX_GROUP_SIZE)
+        check_int("max_q_len", self.max_q_len, 1, MAX_Q_LEN)
         layout = str(self.kv_layout).upper()
         if layout not in KV_LAYOUTS:
             raise SpecError("kv_layout", self.kv_layout, ", ".join(KV_LAYOUTS))
         set_("kv_layout", layout)
-        set_("arch", _normalize_arch(self.arch))
+        set_("arch", normalize_arch(self.arch))
         tc_ok = self.head_dim in TENSOR_CORE_HEAD_DIMS
         cc_ok = self.head_dim in CUDA_CORE_HEAD_DIMS
         if self.tensor_cores is None:
@@ -150,11 +76,11 @@ class DecodeSpec(CacheAndArch):
                             f"{CUDA_CORE_HEAD_DIMS})")
         if self.shared_prefix not in (True, False) or (self.shared_prefix and (not self.tensor_cores or self.kv_is_fp8)):
             raise SpecError("shared_prefix", self.shared_prefix, "False, or True for tensor cores over a 16-bit cache")
-        from ..masks.registry import masks  # late import: the registry imports nothing from here
+        from ...masks.registry import masks  # late import: the registry imports nothing from here
 
         if self.mask not in masks:
             raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)")
-        from ..masks.variants import variants
+        from ...masks.variants import variants
 
         if self.variant not in variants:
             raise SpecError("variant", self.variant,
@@ -163,8 +89,6 @@ class DecodeSpec(CacheAndArch):
             raise SpecError("shared_prefix", self.shared_prefix, f"False with variant {self.variant!r} "
                             "(shared-prefix kernels take variant 'none')")
         if self.tensor_cores:  # the CUDA-core kernel's arrays are static, within 48 KB on every arch
-            from .tiling import decode_tiling  # late import: the tiling reads the spec
-
             check_shared_memory(self, decode_tiling(self).smem_bytes, "a smaller head_dim or an fp8 cache takes less")
 
     @classmethod
@@ -198,8 +122,7 @@ class DecodeSpec(CacheAndArch):
         (tiling.uses_shared_wgmma), whose instructions only that form of the arch has."""
         if not self.shared_prefix:
             return self.arch
-        from .tiling import decode_tiling  # late import: the tiling reads the spec
-        return "sm_90a" if decode_tiling(self).shared_wgmma else self.arch
+        return WGMMA_COMPILE_ARCH if decode_tiling(self).shared_wgmma else self.arch
 
     @property
     def name(self) -> str:
@@ -209,7 +132,7 @@ class DecodeSpec(CacheAndArch):
         (decode_d64_bf16_kvbf16_sliding_window-sinks_p16_g8_q1_nhd_sm90_tc), and "none" is left out."""
         variant = "" if self.variant == "none" else f"-{self.variant}"
         return (
-            f"decode_d{self.head_dim}_{_SHORT[self.dtype]}_kv{_SHORT[self.kv_dtype]}_{self.mask}{variant}"
+            f"decode_d{self.head_dim}_{SHORT_NAMES[self.dtype]}_kv{SHORT_NAMES[self.kv_dtype]}_{self.mask}{variant}"
             f"_p{self.page_size}_g{self.group_size}_q{self.max_q_len}_{self.kv_layout.lower()}"
             f"_{self.arch.replace('_', '')}{'_tc' if self.tensor_cores else ''}{'_sp' if self.shared_prefix else ''}"
         )
@@ -248,37 +171,3 @@ class DecodeSpec(CacheAndArch):
 
 _CACHED_SPECS: dict = {}
 _CACHED_SPECS_MAX = 1024  # distinct plan() argument sets kept; a serving process uses a handful
-
-
-def arch_number(arch: str) -> int:
-    """90 for sm_90 and sm_90a: what the templates compare against (e.g. fp8 conversions from 89)."""
-    return int(arch.removeprefix("sm_").rstrip("a"))
-
-
-def dynamic_shared_limit(arch: str) -> int:
-    """The dynamic shared memory a tensor-core or MLA kernel's tiling may take on arch."""
-    return BLOCK_SHARED_BYTES[arch] - KERNEL_STATIC_SHARED_BYTES
-
-
-def check_shared_memory(spec, dynamic_bytes: int, hint: str, owner: str = "DecodeSpec"):
-    """Refuses a spec whose kernel needs more shared memory a block than its arch has (it would
-    compile, then fail to launch), naming the archs where it fits."""
-    if dynamic_bytes > dynamic_shared_limit(spec.arch):
-        fits = [arch for arch in ARCHS if dynamic_shared_limit(arch) >= dynamic_bytes]
-        raise SpecError("arch", spec.arch, f"{', '.join(fits)} for {spec.name}, whose kernel takes "
-                        f"{dynamic_bytes} bytes of shared memory a block beside its static arrays, where "
-                        f"{spec.arch} blocks have {BLOCK_SHARED_BYTES[spec.arch]} in all ({hint})", owner)
-
-
-def _normalize_arch(arch) -> str:
-    if arch is None:
-        arch = current_arch()
-        if arch is None:
-            raise SpecError("arch", None, "one of " + ", ".join(ARCHS) + " (required on a machine with no GPU)")
-    text = str(arch).lower()
-    if re.fullmatch(r"\d{2,3}a?", text):  # "90" or "90a"
-        text = "sm_" + text
-    text = text.replace("sm", "sm_", 1).replace("sm__", "sm_") if not text.startswith("sm_") else text
-    if text not in ARCHS:
-        raise SpecError("arch", arch, ", ".join(ARCHS))
-    return text

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
-from .abi import SWIZZLE_ATOM
-from .spec import DecodeSpec
+from ...jit.arch import HOPPER, SWIZZLE_ATOM
+from ..worklist_kernel import MERGE_ENTRY, Entries
+
+if TYPE_CHECKING:
+    from .spec import DecodeSpec
 
 VEC = 8  # 16-bit elements per 16-byte load
 MMA_M = 16  # query rows per 16-bit tensor-core CTA: the MMA's M
@@ -69,8 +73,13 @@ class DecodeTiling:
 
     @property
     def entry(self) -> str:
-        """The decode kernel's entry point, which kernel.Kernel loads (the MLA family has its own)."""
+        """The decode kernel's entry point."""
         return "flashjit_decode"
+
+    @property
+    def entries(self) -> Entries:
+        """The entry points a module of this tiling has, which Kernel loads."""
+        return Entries(self.entry, self.packed_entry, None if self.fused_merge else MERGE_ENTRY)
 
     @property
     def packed_entry(self) -> str | None:
@@ -124,10 +133,11 @@ class TensorCoreRow:
     # Shared-prefix records (rows by warp): slices of a stage a warp attends in one softmax step, its
     # S chains side by side (more registers, the same CTAs per SM where the row sets it above 1)
     shared_step: int = 1
+    arch: str | None = None  # the arch this row is tuned for (jit/arch.py); None: every arch without a row of its own
 
     @property
-    def key(self) -> tuple[bool, int]:
-        return (self.fp8, self.head_dim)
+    def key(self) -> tuple[str | None, bool, int]:
+        return (self.arch, self.fp8, self.head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +156,7 @@ class CudaCoreTuning:
 class Tuning:
     """Every tuned constant of the decode kernels, each keyed by what it depends on."""
 
-    tensor_cores: tuple[TensorCoreRow, ...]  # one row per (fp8, head_dim)
+    tensor_cores: tuple[TensorCoreRow, ...]  # one row per (arch, fp8, head_dim); arch None: the default
     cuda_cores: CudaCoreTuning
     fp8_rows: int        # query rows per fp8 tensor-core CTA (16-bit: MMA_M)
     ring_align: int      # the tensor-core ring starts at a multiple of this many bytes
@@ -156,10 +166,12 @@ class Tuning:
     heads_first: bool    # grid x runs the KV heads of a work item side by side, both kernels
     merge_threads: int   # threads of one merge block (flashjit_merge, and the fused merge's lanes)
 
-    def row(self, fp8: bool, head_dim: int) -> TensorCoreRow:
-        for row in self.tensor_cores:
-            if row.key == (fp8, head_dim):
-                return row
+    def row(self, fp8: bool, head_dim: int, arch: str | None = None) -> TensorCoreRow:
+        """The row tuned for arch, else the row for every arch (arch None)."""
+        for key in ((arch, fp8, head_dim), (None, fp8, head_dim)):
+            for row in self.tensor_cores:
+                if row.key == key:
+                    return row
         raise KeyError(f"no tensor-core row for {'fp8' if fp8 else '16-bit'} K/V at head_dim {head_dim}")
 
     def replace(self, **changes) -> Tuning:
@@ -227,7 +239,8 @@ def _pow2_ceil(x: int) -> int:
     return 1 << max(0, math.ceil(math.log2(x)))
 
 
-def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False, table: Tuning | None = None) -> tuple[int, int]:
+def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False, table: Tuning | None = None,
+                   arch: str | None = None) -> tuple[int, int]:
     """Shared-memory bytes per K and V row: head_dim elements, and the table's padding unless swizzled.
 
     fp8 (decode_tc_fp8.cuh): the lanes of one quarter-warp read two K rows (16 bytes each, 32 apart,
@@ -240,7 +253,7 @@ def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False, table: T
     row_bytes = head_dim * kv_bytes
     if swizzle:  # PagedKVStage
         return row_bytes, row_bytes
-    row = (TUNING if table is None else table).row(kv_bytes == 1, head_dim)
+    row = (TUNING if table is None else table).row(kv_bytes == 1, head_dim, arch)
     return row_bytes + row.k_pad, row_bytes + row.v_pad
 
 
@@ -257,7 +270,7 @@ def uses_shared_wgmma(spec: DecodeSpec, row: TensorCoreRow) -> bool:
     """Whether a shared-prefix kernel runs its shared records on warpgroup MMAs: Hopper (compiled
     for sm_90a), 16-bit K/V in swizzled rows of whole 128-byte blocks, and one warpgroup a CTA with
     a warp per 16 rows."""
-    return (spec.shared_prefix and spec.arch == "sm_90" and not spec.kv_is_fp8 and spec.head_dim in SHARED_WGMMA_HEAD_DIMS
+    return (spec.shared_prefix and spec.arch == HOPPER and not spec.kv_is_fp8 and spec.head_dim in SHARED_WGMMA_HEAD_DIMS
             and row.warps == 4 and row.col_split == 1 and row.swizzle and not row.q_in_smem)
 
 
@@ -281,10 +294,10 @@ def decode_tiling(spec: DecodeSpec, table: Tuning | None = None) -> DecodeTiling
     if spec.tensor_cores:
         # Block (32 x warps): each slice of col_split warps takes 16 keys of every stage; rows ride in
         # the MMA's M (16-bit) or N (fp8).
-        row = table.row(spec.kv_is_fp8, spec.head_dim)
+        row = table.row(spec.kv_is_fp8, spec.head_dim, spec.arch)
         slices = row.warps // row.col_split
         tile = 16 * slices
-        k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes, row.swizzle, table)
+        k_pitch, v_pitch = tc_row_pitches(spec.head_dim, spec.kv_bytes, row.swizzle, table, spec.arch)
         rows = tc_rows(spec, table)
         reduction = slices * rows * spec.head_dim * 4  # the slices' fp32 states, in the same memory
         q_smem = MMA_M * spec.head_dim * 2 if row.q_in_smem and not spec.kv_is_fp8 else 0  # 16 rows of 16-bit Q

@@ -2,16 +2,14 @@
 
 What Engine.get_kernel returns for a MergeSpec. Like Kernel, its module is loaded with CuPy on first
 use per device and pinned for the process, so CUDA-graph replays never meet an unloaded module;
-launches go through kernel.PreparedLaunch.
+launches go through launch.PreparedLaunch.
 """
 
 from __future__ import annotations
 
-import threading
-
-from ..errors import KernelNotPrewarmed
-from .kernel import waits_for_previous_kernel
-from .merge_spec import MAX_LANES, MergeSpec
+from ...jit.arch import waits_for_previous_kernel
+from ...jit.launch import PerDevice, load_functions
+from .spec import MAX_LANES, MergeSpec
 
 MERGE_STATES_ENTRY = "flashjit_merge_states"
 ROW_THREADS = 128  # threads of a block where rows are narrower: a block holds whole rows
@@ -25,8 +23,7 @@ class MergeStatesKernel:
     def __init__(self, spec: MergeSpec, cubin: bytes, key: str):
         self.spec, self.cubin, self.key = spec, cubin, key
         self.programmatic_launch = waits_for_previous_kernel(spec.arch)  # PreparedLaunch's programmatic
-        self._functions: dict[int, tuple[object, int]] = {}  # device -> (CuPy Module, function handle)
-        self._lock = threading.Lock()
+        self._devices = PerDevice(self._load)  # device -> (CuPy Module, function handle)
 
     def __repr__(self):
         return f"MergeStatesKernel({self.spec.name}, key={self.key[:12]})"
@@ -39,28 +36,9 @@ class MergeStatesKernel:
         return rows * lanes, rows
 
     def function(self, device_index: int) -> int:
-        found = self._functions.get(device_index)
-        return found[1] if found is not None else self._load(device_index)
+        return self._devices.get(device_index)[1]
 
-    def _load(self, device_index: int) -> int:
-        import cupy
-        import torch
-
-        with self._lock:
-            if device_index in self._functions:
-                return self._functions[device_index][1]
-            if torch.cuda.is_current_stream_capturing():
-                raise KernelNotPrewarmed(
-                    f"{self.spec.name} is not loaded on cuda:{device_index} and modules cannot be loaded during "
-                    "CUDA-graph capture; call merge_states once before capturing")
-            major, minor = torch.cuda.get_device_capability(device_index)
-            device_arch = f"sm_{major}{minor}"
-            if self.spec.arch.rstrip("a") != device_arch:
-                raise KernelNotPrewarmed(f"{self.spec.name} was compiled for {self.spec.arch} but cuda:{device_index} "
-                                         f"is {device_arch}; build the spec with arch={device_arch!r}")
-            with cupy.cuda.Device(device_index):
-                module = cupy.cuda.function.Module()
-                module.load(self.cubin)
-                handle = module.get_function(MERGE_STATES_ENTRY).ptr
-            self._functions[device_index] = (module, handle)
-            return handle
+    def _load(self, device_index: int) -> tuple[object, int]:
+        module, (handle,) = load_functions(self.cubin, device_index, [MERGE_STATES_ENTRY], self.spec.name,
+                                           self.spec.arch, "call merge_states once before capturing")
+        return module, handle

@@ -9,15 +9,15 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from ..errors import SpecError
-from .spec import _SHORT, _normalize_arch, arch_number, normalize_dtype
+from ...errors import SpecError
+from ...jit.arch import arch_number, normalize_arch
+from ...jit.dtypes import LONG_NAMES, SHORT_NAMES, normalize_dtype
 
 MERGE_DTYPES = ("float16", "bfloat16", "float32")
 VECTOR_BYTES = 16  # each thread moves one 16-byte vector of a row per state
 MAX_HEAD_DIM = 1024
 MAX_LANES = MAX_HEAD_DIM // 4  # fp32 at MAX_HEAD_DIM: the threads of one row (the kernel's launch bound)
 _NAME_PATTERN = re.compile(r"merge_states_(?P<dtype>f16|bf16|f32)_sm(?P<arch>\d+a?)")
-_LONG = {short: name for name, short in _SHORT.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ class MergeSpec:
     def __post_init__(self):
         try:
             object.__setattr__(self, "dtype", normalize_dtype(self.dtype, "dtype", MERGE_DTYPES))
-            object.__setattr__(self, "arch", _normalize_arch(self.arch))
+            object.__setattr__(self, "arch", normalize_arch(self.arch))
         except SpecError as exc:
             raise SpecError(exc.field, exc.value, exc.accepted, owner="MergeSpec") from None
 
@@ -54,14 +54,14 @@ class MergeSpec:
     @property
     def name(self) -> str:
         """e.g. merge_states_bf16_sm90."""
-        return f"merge_states_{_SHORT[self.dtype]}_{self.arch.replace('_', '')}"
+        return f"merge_states_{SHORT_NAMES[self.dtype]}_{self.arch.replace('_', '')}"
 
     @classmethod
     def from_name(cls, name: str) -> "MergeSpec":
         match = _NAME_PATTERN.fullmatch(name.strip())
         if not match:
             raise SpecError("name", name, "names like merge_states_bf16_sm90 (dtypes f16, bf16, f32)", owner="MergeSpec")
-        return cls(dtype=_LONG[match["dtype"]], arch="sm_" + match["arch"])
+        return cls(dtype=LONG_NAMES[match["dtype"]], arch="sm_" + match["arch"])
 
     def replace(self, **changes) -> "MergeSpec":
         return dataclasses.replace(self, **changes)

@@ -17,9 +17,11 @@ import dataclasses
 import hashlib
 import re
 
-from ..errors import SpecError
-from .spec import (FP8_DTYPES, QUERY_DTYPES, _SHORT, CacheAndArch, _check_int, _normalize_arch, check_shared_memory,
-                   normalize_dtype)
+from ...errors import SpecError
+from ...jit.arch import WGMMA_COMPILE_ARCH, check_shared_memory, normalize_arch
+from ...jit.dtypes import FP8_DTYPES, QUERY_DTYPES, SHORT_NAMES, normalize_dtype
+from ...jit.spec_fields import CacheAndArch, check_int
+from .tiling import mla_tiling, uses_wgmma
 
 LATENT_DIMS = (512,)  # kv_lora_rank of DeepSeek-V2/V3/R1 and Kimi-K2
 ROPE_DIMS = (64,)     # qk_rope_head_dim of the same models
@@ -53,19 +55,17 @@ class MLASpec(CacheAndArch):
     def __post_init__(self):
         set_ = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen dataclass)
         try:
-            _check_int("num_heads", self.num_heads, 1, MAX_HEADS)
+            check_int("num_heads", self.num_heads, 1, MAX_HEADS)
             set_("dtype", normalize_dtype(self.dtype, "dtype", QUERY_DTYPES))
             kv = self.dtype if self.kv_dtype is None else self.kv_dtype
             set_("kv_dtype", normalize_dtype(kv, "kv_dtype", (self.dtype,) + FP8_DTYPES))
-            _check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
-            _check_int("max_q_len", self.max_q_len, 1, MAX_Q_LEN)
-            _check_int("kv_lora_rank", self.kv_lora_rank, 0, 0, LATENT_DIMS)
-            _check_int("rope_dim", self.rope_dim, 0, 0, ROPE_DIMS)
-            set_("arch", _normalize_arch(self.arch))
+            check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+            check_int("max_q_len", self.max_q_len, 1, MAX_Q_LEN)
+            check_int("kv_lora_rank", self.kv_lora_rank, 0, 0, LATENT_DIMS)
+            check_int("rope_dim", self.rope_dim, 0, 0, ROPE_DIMS)
+            set_("arch", normalize_arch(self.arch))
         except SpecError as exc:  # the shared checks name DecodeSpec: name this class instead
             raise _error(exc.field, exc.value, exc.accepted) from None
-        from .mla_tiling import mla_tiling  # late import: the tiling reads the spec
-
         check_shared_memory(self, mla_tiling(self).smem_bytes, "a 16-bit cache takes less", owner="MLASpec")
 
     # What the shared parts of the engine and the decode headers ask of a spec.
@@ -87,9 +87,7 @@ class MLASpec(CacheAndArch):
     def compile_arch(self) -> str:
         """sm_90a for the wgmma kernel (mla_tiling.uses_wgmma), whose instructions only that form of
         sm_90 has; the spec's arch otherwise."""
-        from .mla_tiling import uses_wgmma  # late import: the tiling reads the spec
-
-        return "sm_90a" if uses_wgmma(self) else self.arch
+        return WGMMA_COMPILE_ARCH if uses_wgmma(self) else self.arch
 
     @property
     def qk_dim(self) -> int:
@@ -98,8 +96,8 @@ class MLASpec(CacheAndArch):
     @property
     def name(self) -> str:
         """A readable, unique name, e.g. mla_c512_r64_h128_bf16_kvbf16_p64_q1_sm90."""
-        return (f"mla_c{self.kv_lora_rank}_r{self.rope_dim}_h{self.num_heads}_{_SHORT[self.dtype]}"
-                f"_kv{_SHORT[self.kv_dtype]}_p{self.page_size}_q{self.max_q_len}_{self.arch.replace('_', '')}")
+        return (f"mla_c{self.kv_lora_rank}_r{self.rope_dim}_h{self.num_heads}_{SHORT_NAMES[self.dtype]}"
+                f"_kv{SHORT_NAMES[self.kv_dtype]}_p{self.page_size}_q{self.max_q_len}_{self.arch.replace('_', '')}")
 
     @property
     def digest(self) -> str:

@@ -16,23 +16,25 @@ launcher takes grid, block and shared memory from here.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from .abi import SWIZZLE_ATOM
-from .mla_spec import MLASpec
-from .spec import dynamic_shared_limit
+from ...jit.arch import SWIZZLE_ATOM, dynamic_shared_limit, has_wgmma
+from ..worklist_kernel import Entries
+
+if TYPE_CHECKING:
+    from .spec import MLASpec
 
 MMA_M = 16
 ENTRY = "flashjit_mla"
 P_PAD = 16  # bytes after each row of P in shared memory: rows 16 bytes apart keep ldmatrix conflict-free
 RING_ALIGN = 128
-WGMMA_ARCHS = ("sm_90", "sm_90a")
 WGMMA_ROWS = 64        # a warpgroup MMA's M
 
 
 def uses_wgmma(spec: MLASpec) -> bool:
     """The warpgroup kernel: Hopper, 16-bit latents, and a request whose heads x query tokens fill
     64-row tiles (128 heads, or 64; 32 with two query tokens)."""
-    return spec.arch in WGMMA_ARCHS and not spec.kv_is_fp8 and spec.num_heads * spec.max_q_len >= WGMMA_ROWS
+    return has_wgmma(spec.arch) and not spec.kv_is_fp8 and spec.num_heads * spec.max_q_len >= WGMMA_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,11 @@ class MLATiling:
         return 32 * self.warps
 
     @property
+    def entries(self) -> Entries:
+        """The entry points of an MLA module, which Kernel loads: the attend kernel merges split requests."""
+        return Entries(self.entry)
+
+    @property
     def block(self) -> tuple[int, int, int]:
         return (self.threads, 1, 1)
 
@@ -86,10 +93,11 @@ class MLATuningRow:
     stages: int
     min_ctas: int
     wgmma: bool = False
+    arch: str | None = None  # the arch this row is tuned for (jit/arch.py); None: every arch without a row of its own
 
     @property
-    def key(self) -> tuple[bool, int, bool]:
-        return (self.fp8, self.rows, self.wgmma)
+    def key(self) -> tuple[str | None, bool, int, bool]:
+        return (self.arch, self.fp8, self.rows, self.wgmma)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +106,12 @@ class MLATuning:
     merge_chunk: int = 8
     l2_prefetch: int = 128
 
-    def row(self, fp8: bool, rows: int, wgmma: bool = False) -> MLATuningRow:
-        for row in self.rows:
-            if row.key == (fp8, rows, wgmma):
-                return row
+    def row(self, fp8: bool, rows: int, wgmma: bool = False, arch: str | None = None) -> MLATuningRow:
+        """The row tuned for arch, else the row for every arch (arch None)."""
+        for key in ((arch, fp8, rows, wgmma), (None, fp8, rows, wgmma)):
+            for row in self.rows:
+                if row.key == key:
+                    return row
         raise KeyError(f"no MLA tuning row for {'fp8' if fp8 else '16-bit'} latents at {rows} rows per CTA"
                        f"{' (wgmma)' if wgmma else ''}")
 
@@ -156,7 +166,7 @@ def mla_tiling(spec: MLASpec, table: MLATuning | None = None) -> MLATiling:
 
 def _tiling(spec: MLASpec, table: MLATuning, rows: int) -> MLATiling:
     total = spec.num_heads * spec.max_q_len
-    row = table.row(spec.kv_is_fp8, rows)
+    row = table.row(spec.kv_is_fp8, rows, arch=spec.arch)
     qk_row_bytes = spec.qk_dim * 2  # 16-bit Q and converted latent rows
     q_bytes = rows * qk_row_bytes
     ring_bytes = row.stages * row.tile_tokens * spec.qk_dim * spec.kv_bytes
@@ -170,7 +180,7 @@ def _tiling(spec: MLASpec, table: MLATuning, rows: int) -> MLATiling:
 
 
 def _wgmma_tiling(spec: MLASpec, table: MLATuning) -> MLATiling:
-    row = table.row(False, WGMMA_ROWS, wgmma=True)
+    row = table.row(False, WGMMA_ROWS, wgmma=True, arch=spec.arch)
     qk_row_bytes = spec.qk_dim * 2
     q_bytes = WGMMA_ROWS * qk_row_bytes
     ring_bytes = row.stages * row.tile_tokens * qk_row_bytes
