@@ -10,7 +10,8 @@ import subprocess
 import pytest
 
 from flashjit import CompileError, DecodeSpec
-from flashjit.serving import buffers, host_planner, plan_state
+from flashjit.serving import buffers, plan_state
+from flashjit.worklist import host as host_planner
 from flashjit.deploy.mask_check import host_replay
 from flashjit.jit import host_library
 from flashjit.kernels.decode import args as decode_args

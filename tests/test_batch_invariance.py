@@ -24,7 +24,7 @@ from flashjit.jit.cache import KernelCache
 from flashjit.kernels.worklist_kernel import LoadedKernel
 from flashjit.kernels.decode.tiling import TUNING, decode_tiling
 from flashjit.serving.batch_decode import BatchDecode
-from flashjit.serving.host_planner import HostPlanner, item_records
+from flashjit.worklist.host import HostPlanner, item_records
 
 CPU = torch.device("cpu")
 FIELD = {name: i for i, name in enumerate(WORK_ITEM_FIELDS)}

@@ -27,7 +27,7 @@ from flashjit.serving.buffers import Capacity, PageIdRange, PlanBuffers
 from flashjit.serving.graph_mode import SPLIT_WAVES
 from flashjit.serving.plan_setup import LOG2E
 from flashjit.jit.cache import KernelCache
-from flashjit.serving.host_planner import HostPlanner, item_records
+from flashjit.worklist.host import HostPlanner, item_records
 from flashjit.kernels.worklist_kernel import LoadedKernel
 from flashjit.masks.registry import masks, register_mask
 from flashjit.kernels.decode import tiling as tiling_module

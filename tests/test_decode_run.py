@@ -15,7 +15,7 @@ import torch
 from flashjit.jit import launch as launcher
 from flashjit.kernels.decode import tiling
 from flashjit.serving.batch_decode import BatchDecode
-from flashjit.serving.host_planner import HostPlanner
+from flashjit.worklist.host import HostPlanner
 from test_decode_plan import (cpu_decoder, fake_loaded, launch_of, native_library,  # noqa: F401  (planner: a fixture)
                               planner, tables)
 

@@ -13,8 +13,8 @@ import torch
 
 from flashjit.serving.host_plan import load_host_plan
 from flashjit.serving.buffers import Capacity, PlanBuffers
-from flashjit.serving.host_planner import HostPlanner, NativeTables, NumpyTables
-from flashjit.serving.split_plan import WorkPlan
+from flashjit.worklist.host import HostPlanner, NativeTables, NumpyTables
+from flashjit.worklist.split import WorkPlan
 
 CPU = torch.device("cpu")
 

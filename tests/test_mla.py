@@ -29,10 +29,10 @@ from flashjit.kernels.mla.tiling import MLA_TUNING, cta_rows, mla_tiling
 from flashjit.jit.arch import dynamic_shared_limit
 from flashjit.jit.render import render
 from flashjit.serving.batch_mla import BatchDecodeMLA
-from flashjit.serving.host_planner import HostPlanner, item_records
+from flashjit.worklist.host import HostPlanner, item_records
 from flashjit.serving.mla_reference import mla_reference
 from flashjit.serving.quantize import quantize_latent
-from flashjit.serving.split_plan import plan_work
+from flashjit.worklist.split import plan_work
 
 from test_cli import run
 

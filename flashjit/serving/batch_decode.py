@@ -28,14 +28,14 @@ from .device_choice import decoder_device
 from .buffers import PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_plan import load_host_plan
-from .host_planner import HostPlanner
+from ..worklist.host import HostPlanner
 from .plan_setup import MAX_SETUPS, Setup, make_setup, on_tensor_cores
 from .device_planner import DeviceTables
 from .plan_state import (Plan, check_forced_chunk_fits, graph_capacity, prepare_launches, split_rule,
                          split_work)
 from .run_checks import NO_CACHE, scale_key
 from .shared_decode import host_page_ids, kernel_may_share, may_share, plan_graph_sharing, shared_spans, shared_work
-from .split_plan import WorkPlan
+from ..worklist.split import WorkPlan
 from .streams import stream_getter
 
 def _of_plan(path: str, doc: str) -> property:

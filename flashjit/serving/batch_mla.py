@@ -10,7 +10,7 @@ q_pe [tokens, heads, 64]; the output is [tokens, heads, 512]. Several query toke
 
 The planning is BatchDecode's: the same host planner (page-table checks, split-KV chunk search,
 work records), work-list buffers, CUDA-graph limits and fused split merge; only the kernel family
-(MLASpec) and its arguments (abi.MLAArgs) differ.
+(MLASpec) and its arguments (kernels/mla/args.MLAArgs) differ.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .device_choice import decoder_device
 from .buffers import Capacity, PageIdRange, PlanBuffers
 from .graph_mode import graph_limits
 from .host_plan import load_host_plan
-from .host_planner import HostPlanner
+from ..worklist.host import HostPlanner
 from .plan_setup import LOG2E
 from . import run_checks
 from .run_checks import MAX_VALIDATED_CACHES, scale_key

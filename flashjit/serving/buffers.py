@@ -102,7 +102,7 @@ class PlanBuffers:
                 and partial_elems <= self.tmp_o.numel() and merge_groups <= self.merge_counters.numel())
 
     def write(self, tables, synced_stream=None):
-        """A plan's work list (tables: host_planner's NumpyTables or NativeTables) to the GPU.
+        """A plan's work list (tables: worklist/host.py's NumpyTables or NativeTables) to the GPU.
         synced_stream: a stream on which the host has just waited for a copy queued after this
         buffer's last copy (None: none)."""
         if synced_stream is None or synced_stream != self.copies.marked_stream:

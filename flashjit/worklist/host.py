@@ -2,9 +2,9 @@
 
 Two implementations of the same steps, giving the same values:
   * NumpyTables, the reference: validation.page_table, validation.query_indptr and
-    split_plan.plan_work over numpy arrays. It takes any input form (tensors, numpy arrays,
+    split.plan_work over numpy arrays. It takes any input form (tensors, numpy arrays,
     lists; any integer dtype) and says what is wrong with a bad one.
-  * NativeTables: the same in one C file (native/host_plan.c, built by host_library) over the
+  * NativeTables: the same in one C file (native/host_plan.c, built by jit/host_library.py: serving/host_plan.py) over the
     tensors' memory, written straight into the staging buffer. For 64 requests the numpy steps
     cost ~90 us (about 60 numpy calls on short arrays), the C ones ~2 us.
 HostPlanner.read() picks the native one for the common form (int32 CPU tensors, FlashInfer's
@@ -20,9 +20,9 @@ import functools
 import numpy as np
 
 from .. import validation
-from ..worklist.record import ITEM_INTS  # int32 per work-item record
-from .shared_prefix import SharedSpans
-from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
+from .record import ITEM_INTS  # int32 per work-item record
+from .spans import SharedSpans
+from .split import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan, plan_work
 from ..small_arrays import largest, smallest
 
 
@@ -48,7 +48,7 @@ class NumpyTables:
         return self.qo_h
 
     def plan(self, span_begin, span_end, **options) -> WorkPlan:
-        """split_plan.plan_work over the spans (span_end None: the kv_lens); options as plan_work's."""
+        """split.plan_work over the spans (span_end None: the kv_lens); options as plan_work's."""
         self.work = plan_work(span_begin, self.kv_lens if span_end is None else span_end, self.qo_h, **options)
         return self.work
 
@@ -79,14 +79,15 @@ class NumpyTables:
 
 def item_records(host: np.ndarray, starts: tuple) -> np.ndarray:
     """The staging buffer's work-item records, [capacity, ITEM_INTS]: the fields of
-    abi.WORK_ITEM_FIELDS, as decode_common.cuh's WorkItem reads them."""
+    record.WORK_ITEM_FIELDS, as decode_common.cuh's WorkItem reads them."""
     first, end = starts[0], starts[1]
     return host[first:end].reshape(-1, ITEM_INTS)
 
 
-class _Params(ctypes.Structure):
-    """Mirror of fj_plan_t in native/host_plan.c."""
+class PlanParams(ctypes.Structure):
+    """Mirror of fj_plan_t in native/host_plan.c (tests/test_worklist_abi.py checks the layout)."""
 
+    _c_name_ = "fj_plan_t"
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "indptr", "last_page_len", "qo_indptr", "span_begin", "span_end", "parts", "kv_lens")] + [
         (name, ctypes.c_int64) for name in (
@@ -95,9 +96,10 @@ class _Params(ctypes.Structure):
             "num_work")]
 
 
-class _Shared(ctypes.Structure):
+class SharedParams(ctypes.Structure):
     """Mirror of fj_shared_t: a batch's shared spans, and what fj_shared_plan derives for fj_shared_fill."""
 
+    _c_name_ = "fj_shared_t"
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "first", "count", "begin_page", "end_page", "shared_pages", "slots", "offsets")] + [
         (name, ctypes.c_int64) for name in ("groups", "group_size", "row_tiles", "row_warps", "head_pack",
@@ -105,10 +107,11 @@ class _Shared(ctypes.Structure):
                                             "merges_in_kernel")]
 
 
-class _Layout(ctypes.Structure):
+class StagingLayout(ctypes.Structure):
     """Mirror of fj_layout_t: the staging buffer's field offsets (in buffers.PlanBuffers.FIELDS'
     order) and how many item records it holds."""
 
+    _c_name_ = "fj_layout_t"
     _fields_ = [(name, ctypes.c_int64) for name in (
         "work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request", "work_capacity")]
 
@@ -173,7 +176,7 @@ class NativeTables:
     def plan(self, span_begin, span_end, *, ctas_per_item: int, max_ctas: int, granularity: int,
              chunk_tokens: int | None = None, max_items: int | None = None,
              fixed_split: bool = False) -> "NativeTables":
-        """split_plan.plan_work's sizes (chunk_tokens, num_work); the arrays come with write()."""
+        """split.plan_work's sizes (chunk_tokens, num_work); the arrays come with write()."""
         p = self._planner.params
         if span_end is None:
             p.span_begin = p.span_end = None
@@ -209,11 +212,11 @@ class NativeTables:
 
 
 class NativeSharedTables:
-    """NativeTables of a batch that shares prefixes, with shared_plan's work list (SharedTables' in
+    """NativeTables of a batch that shares prefixes, with shared.py's work list (SharedTables' in
     numpy, its reference) computed by native/host_plan.c: fj_shared_plan sizes it, write() puts it
     straight into the staging buffer. Built by HostPlanner.shared_tables()."""
 
-    def __init__(self, planner: "HostPlanner", tables: NativeTables, shared: _Shared):
+    def __init__(self, planner: "HostPlanner", tables: NativeTables, shared: SharedParams):
         self._planner, self._shared, self.base = planner, shared, tables
         self.batch, self.num_tokens, self.max_q_len = tables.batch, tables.num_tokens, tables.max_q_len
         self.num_page_ids, self.kv_scratch = tables.num_page_ids, tables.kv_scratch
@@ -261,16 +264,16 @@ class HostPlanner:
         self._shared_scratch, self._shared_pointer = np.empty(0, dtype=np.int64), 0
         self._spans = None  # the SharedSpans of the last shared_spans(), whose arrays _shared points at
         self._searched = None  # the tables that search read
-        self._shared = _Shared()
+        self._shared = SharedParams()
         library.fj_id_range.restype = None
-        self.params = p = _Params()
+        self.params = p = PlanParams()
         self._parts = SPLIT_CANDIDATES.astype(np.int64)
         p.parts, p.num_parts = self._parts.ctypes.data, len(self._parts)
         p.min_chunk, p.item_overhead, p.merge_cost = MIN_CHUNK_TOKENS, ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS
         # Two scratch arrays for the C code's kv_lens: a read writes the one the tables it keeps do not use.
         self._kv_scratch = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]
         self._kv_pointers = [0, 0]
-        self._layouts: dict[tuple, _Layout] = {}
+        self._layouts: dict[tuple, StagingLayout] = {}
         self._range = (ctypes.c_int64 * 2)()
 
     def read(self, indptr, last_page_len, page_size: int, qo_indptr=None, q_len=None, keep=None):
@@ -298,7 +301,7 @@ class HostPlanner:
         return NumpyTables(indptr, last_page_len, page_size, qo_indptr, q_len)
 
     def shared_spans(self, tables, ids, page_size: int, causal: bool, max_levels: int):
-        """shared_prefix.find_shared_spans over the NativeTables of the last read() and ids (a
+        """spans.find_shared_spans over the NativeTables of the last read() and ids (a
         contiguous int32 CPU tensor), in C (views of a scratch array, valid until the next call);
         NotImplemented for other tables or without the library."""
         if self.library is None or tables is not self._last_read:
@@ -325,7 +328,7 @@ class HostPlanner:
                       head_pack: int = 1, merge_waits: bool = False, chunk_tokens: int | None = None):
         """NativeSharedTables of the last read()'s NativeTables and the spans the last shared_spans()
         found over them (None: it found none, and every request is planned alone in the shared
-        kernel's format): the work list of shared_plan.plan_shared_work (its arguments);
+        kernel's format): the work list of shared.plan_shared_work (its arguments);
         NotImplemented for other tables or spans."""
         if (self.library is None or tables is not self._last_read or tables is not self._searched
                 or spans is not self._spans):
@@ -347,8 +350,8 @@ class HostPlanner:
         self.library.fj_id_range(ctypes.c_void_p(ids.data_ptr()), ctypes.c_int64(count), self._range)
         return self._range[0], self._range[1]
 
-    def layout(self, starts: tuple) -> _Layout:
+    def layout(self, starts: tuple) -> StagingLayout:
         found = self._layouts.get(starts)
         if found is None:
-            found = self._layouts[starts] = _Layout(*starts, (starts[1] - starts[0]) // ITEM_INTS)
+            found = self._layouts[starts] = StagingLayout(*starts, (starts[1] - starts[0]) // ITEM_INTS)
         return found

@@ -1,4 +1,4 @@
-"""The work list of a batch with shared prefixes (shared_prefix.SharedSpans): shared records, member slots, own items.
+"""The work list of a batch with shared prefixes (spans.SharedSpans): shared records, member slots, own items.
 
 In numpy: the reference of native/host_plan.c's fj_shared_plan and fj_shared_fill, which plan()
 uses with the native host tables (tests/test_shared_plan_native.py holds them to the same bytes).
@@ -13,12 +13,12 @@ The grid runs the records; the merge reads partial slots, which here are not gri
     most HEAD_PACK_MAX_TILES tiles, else 1. The packed items come last (from the kernel's
     Args::packed_from), where the packed entry point's grid gives them a CTA for each head_pack
     heads. In a plan the kernel merges (merges_in_kernel), the last field of each request's last
-    own item also carries abi.MERGE_WAITS, every other record's abi.MERGE_COUNTS.
+    own item also carries record.MERGE_WAITS, every other record's record.MERGE_COUNTS.
   * Request b's slots [req_work_indptr[b], req_work_indptr[b+1]), which the merge reads: one per
     chunk of every group b belongs to (outermost level first), then one per own item. The shared
     record of a chunk writes each member's partial into that member's slot of the chunk.
 
-A shared record reuses the 12 fields of abi.WORK_ITEM_FIELDS: request = its first member, the
+A shared record reuses the 12 fields of record.WORK_ITEM_FIELDS: request = its first member, the
 chunk's [v_begin, v_end), kv_len = the span's end, page_begin = the first member's page offset (the
 members' first pages are the same ids), q_begin = the slot offset k (member m's partial goes to
 position req_work_indptr[m] + k), q_len = the members' query tokens, splits = -(members); the
@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..worklist.record import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS
-from .shared_prefix import SharedSpans
-from .split_plan import WorkPlan, choose_chunk, plan_work
+from .record import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS
+from .spans import SharedSpans
+from .split import WorkPlan, choose_chunk, plan_work
 
 
 class SharedWork:
@@ -186,7 +186,7 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
 
 
 class SharedTables:
-    """A plan's tables (host_planner's) with a shared-prefix work list: what plan() writes instead."""
+    """A plan's tables (worklist/host.py's) with a shared-prefix work list: what plan() writes instead."""
 
     def __init__(self, tables, shared: SharedWork):
         self.base, self.shared = tables, shared

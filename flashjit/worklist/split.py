@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ..worklist import record as abi
+from . import record
 from ..small_arrays import largest
 
 MIN_CHUNK_TOKENS = 128  # below this a split costs more in merging than it gains in parallelism
@@ -29,11 +29,11 @@ class WorkPlan:
     req_qo_indptr: np.ndarray    # [B+1] query tokens of request b
     token_request: np.ndarray    # [T] request of each query token
     chunk_tokens: int            # span positions per work item (the last of a request may be shorter)
-    # Each item reads exactly its own span (a tile-sharing group of one, abi.WORK_ITEM_FIELDS): the
+    # Each item reads exactly its own span (a tile-sharing group of one, record.WORK_ITEM_FIELDS): the
     # items, so the output's rounding, depend on the request alone. Else a request's items may share
     # its tiles at run time (where the tiling's static_share is below 100).
     fixed_split: bool = False
-    # Shared-prefix plans: own items whose CTA attends several KV heads (shared_plan.HEAD_PACK_MAX_TILES),
+    # Shared-prefix plans: own items whose CTA attends several KV heads (shared.HEAD_PACK_MAX_TILES),
     # which only the kernel's packed entry point reads.
     packed_items: int = 0
     # Shared-prefix plans of one wave: the decode kernel merges the partials (no merge launch).
@@ -58,8 +58,8 @@ class WorkPlan:
         return int(np.diff(self.req_work_indptr).max(initial=0))
 
 
-SPLIT_CANDIDATES = np.array(abi.SPLIT_CANDIDATES)  # the GPU planner prices the same ones
-_PARTS = abi.SPLIT_CANDIDATES
+SPLIT_CANDIDATES = np.array(record.SPLIT_CANDIDATES)  # the GPU planner prices the same ones
+_PARTS = record.SPLIT_CANDIDATES
 
 
 def item_counts(span_lens: np.ndarray, chunks: list[int]) -> tuple[list[float], list[float], float]:

@@ -13,7 +13,7 @@ import torch
 import flashjit
 from flashjit.worklist.record import RECORD_HEADS
 from flashjit.serving import shared_decode
-from flashjit.serving.host_planner import HostPlanner, item_records
+from flashjit.worklist.host import HostPlanner, item_records
 from flashjit.serving.reference import decode_reference
 
 from .batches import rel_error

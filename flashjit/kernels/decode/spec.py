@@ -46,7 +46,7 @@ class DecodeSpec(CacheAndArch):
     arch: str | None = None
     tensor_cores: bool | None = None  # None: chosen from the rows per CTA and head_dim
     variant: str = "none"  # how visible scores become weights (flashjit.masks.variants): soft_cap, sinks, ...
-    # The kernel also reads shared-prefix records (serving/shared_plan.py): one chunk of a span many
+    # The kernel also reads shared-prefix records (worklist/shared.py): one chunk of a span many
     # requests share, for the rows of all of them. 16-bit tensor cores, masks without per-request state.
     shared_prefix: bool = False
 
