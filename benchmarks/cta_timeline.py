@@ -10,7 +10,7 @@ idles), and what the epilogue and merge add. Over the calls it also shows which 
 have equal work, when the last tile would land if that work were spread over the CTAs at their
 measured rates: the most that balancing across CTAs could gain. The kernel is built with
 -DFJ_TIMELINE, which compiles in a %globaltimer stamp at four points of every CTA
-(templates/include/prelude.cuh, FJ_STAMP); the cubin built without it is unchanged. Inputs, flush
+(templates/common/prelude.cuh, FJ_STAMP); the cubin built without it is unchanged. Inputs, flush
 and timing are those of benchmarks/decode.py (of benchmarks/shared_prefix.py with --shared-prefix,
 where the stamps are also shown by record kind: shared records and the requests' own items).
 Percentiles are in µs from the first CTA's entry.

@@ -1,7 +1,7 @@
 """plan(fixed_split_tokens=N) on the CPU: a request's work items, and the tiles each of its CTAs reads,
 depend on the request alone, whatever else is in the batch and wherever it sits in it.
 
-The kernels' side is emulated from the work records: SharedTiles (decode_common.cuh) gives each CTA
+The kernels' side is emulated from the work records: SharedTiles (worklist/kernel_core.cuh) gives each CTA
 of a tile-sharing group a static run and, when the group's tiles outrun the static runs, a pool it
 claims from at run time (timing-dependent, so batch-dependent). Under a fixed split no group has a
 pool, at every tiling of TUNING; under the planned split the 16-bit head_dim 256 tiling has one,

@@ -765,7 +765,7 @@ def test_without_max_q_len_the_first_cuda_graph_plan_fixes_it(planner):
 
 @pytest.mark.parametrize("heads_first", [True, False])
 def test_decode_grid_names_every_item_head_and_row_tile_once(heads_first):
-    """The grid of tiling.grid, read back as CtaCoords (decode_common.cuh) reads blockIdx."""
+    """The grid of tiling.grid, read back as CtaCoords (worklist/kernel_core.cuh) reads blockIdx."""
     spec = DecodeSpec(128, group_size=8, max_q_len=3, arch="sm_90")
     tiling = dataclasses.replace(decode_tiling(spec), heads_first=heads_first)
     items, heads = 5, 3

@@ -1,4 +1,4 @@
-"""The fp8 tensor-core kernel's register layouts (templates/include/decode_tc_fp8.cuh), emulated lane
+"""The fp8 tensor-core kernel's register layouts (templates/decode/tc_fp8.cuh), emulated lane
 by lane on the CPU: which bytes each lane loads, how prmt and the pairwise conversion turn them into
 MMA fragments, and what mma.m16n8k16 and movmatrix do with those fragments (PTX ISA fragment
 layouts). The products must equal K Q^T and P V, with O^T's rows landing on o_dim's head dims; the
@@ -16,7 +16,7 @@ LANES = [(lane // 4, lane % 4) for lane in range(32)]  # (g, t) of each lane
 
 
 def block(head_dim: int) -> int:
-    """decode_tc_fp8.cuh BLOCK: three blocks of 32 at head_dim 96, else one of 64 or blocks of 128."""
+    """decode/tc_fp8.cuh BLOCK: three blocks of 32 at head_dim 96, else one of 64 or blocks of 128."""
     return 32 if head_dim == 96 else min(head_dim, 128)
 
 
@@ -26,13 +26,13 @@ def k_width(head_dim: int) -> int:
 
 
 def k_byte(head_dim: int, ks: int, t: int) -> int:
-    """decode_tc_fp8.cuh k_byte: the 4 bytes of k-step ks that lane column t reads from a key row."""
+    """decode/tc_fp8.cuh k_byte: the 4 bytes of k-step ks that lane column t reads from a key row."""
     b = block(head_dim)
     return b * (ks // (b // 16)) + (b // 4) * t + 4 * (ks % (b // 16))
 
 
 def o_dim(head_dim: int, mt: int, r: int) -> int:
-    """decode_tc_fp8.cuh o_dim: the head dim of row r of O^T's m-tile mt."""
+    """decode/tc_fp8.cuh o_dim: the head dim of row r of O^T's m-tile mt."""
     b = block(head_dim)
     return b * (mt // (b // 16)) + (b // 8) * (r % 8) + 2 * (mt % (b // 16)) + r // 8
 

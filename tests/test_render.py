@@ -220,3 +220,59 @@ def test_kernels_that_pack_heads_have_a_packed_entry_point_alike_but_for_its_att
         assert bodies["flashjit_decode_packed"] == plain.replace("decode::attend(", "decode::attend_packed(").replace(
             "prefetch_plan<1>", "prefetch_plan<cfg::OWN_HEAD_PACK>")
         assert "decode::attend_packed(" in bodies["flashjit_decode_packed"]
+
+
+HEADERS = sorted(path for path in template_root().rglob("*.cuh"))
+
+
+@pytest.mark.parametrize("path", HEADERS, ids=lambda p: str(p.relative_to(template_root())))
+def test_every_header_states_the_headers_it_needs(path):
+    """Each header's first line names what must be pasted before it: headers that exist, none that
+    needs it in turn (the order the entry templates paste them is one the needs allow)."""
+    from flashjit.jit.render import NEEDS, header_needs
+
+    root = template_root()
+    first = path.read_text().partition("\n")[0]
+    assert first.startswith(NEEDS), f"{path.name}: the first line is not '{NEEDS} ...'"
+    needs, _ = header_needs(path.read_text())
+    name = str(path.relative_to(root))
+    for need in needs:
+        assert (root / need).is_file(), f"{name} needs {need}, which is not a template"
+        assert name not in header_needs((root / need).read_text())[0], f"{name} and {need} need each other"
+
+
+def test_the_needs_line_stays_out_of_the_source():
+    for spec in (DecodeSpec(128, group_size=4, arch="sm_90"), DecodeSpec(128, arch="sm_80", tensor_cores=False)):
+        source = render(spec)
+        assert "//! needs:" not in source and "// flashjit prelude: self-contained" in source
+
+
+def test_a_header_pasted_before_what_it_needs_is_an_error(tmp_path, monkeypatch):
+    """A template that pastes the decode kernel before the work-list core it builds on fails to
+    render, naming both."""
+    from flashjit.jit import render as render_module
+
+    entry = template_root() / "decode" / "entry.cu.j2"
+    text = entry.read_text()
+    core = '{{ header("worklist/kernel_core.cuh") }}\n'
+    assert core in text
+    wrong = text.replace(core, "").replace('{{ header("worklist/device_plan.cuh") }}',
+                                           '{{ header("worklist/device_plan.cuh") }}\n' + core.strip())
+    monkeypatch.setattr(render_module.environment().loader, "get_source",
+                        _serving(render_module.environment().loader.get_source, "decode/entry.cu.j2", wrong))
+    render_module.environment().cache.clear()
+    try:
+        with pytest.raises(TemplateError, match="needs .*worklist/kernel_core.cuh pasted before it"):
+            render(DecodeSpec(128, arch="sm_80", tensor_cores=False))
+    finally:
+        monkeypatch.undo()
+        render_module.environment().cache.clear()
+
+
+def _serving(get_source, name, text):
+    """get_source, with one template's text replaced."""
+    def patched(environment, asked):
+        if asked == name:
+            return text, name, lambda: False
+        return get_source(environment, asked)
+    return patched

@@ -162,7 +162,7 @@ def test_a_row_tuned_for_one_arch_serves_that_arch_only():
 
 
 def swizzled_chunk(row: int, chunk: int, row_chunks: int) -> int:
-    """decode_common.cuh swizzled_chunk: whole 128-byte blocks XOR row % 8; the last half block of a
+    """worklist/kernel_core.cuh swizzled_chunk: whole 128-byte blocks XOR row % 8; the last half block of a
     row of 8n + 4 chunks XORs (row / 2) % 4."""
     if row_chunks % 8 == 4 and chunk >= row_chunks - 4:
         return chunk ^ (row // 2 % 4)
@@ -241,7 +241,7 @@ def test_tiles_are_shared_only_where_the_fused_merge_resets_the_claims(kv_dtype,
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_16bit_ldmatrix_addresses_find_the_chunks_the_loader_swizzled(head_dim):
-    """decode_tc.cuh's ldmatrix addresses (a 128-byte block plus a chunk XORed in it) land where
+    """decode/tc.cuh's ldmatrix addresses (a 128-byte block plus a chunk XORed in it) land where
     PagedKVStage copied each row's chunk (swizzled_chunk), for every lane, k-step and n-tile pair,
     the half block of head_dim 96 included."""
     pitch, row_chunks, ksteps, ntiles = head_dim * 2, head_dim * 2 // 16, head_dim // 16, head_dim // 8

@@ -26,10 +26,10 @@ HOPPER = "sm_90"
 WGMMA_ARCHS = ("sm_90", "sm_90a")
 WGMMA_COMPILE_ARCH = "sm_90a"
 # The 128-byte swizzle's repeat (8 rows of 128 bytes): a wgmma operand in shared memory starts on
-# one (the MLA and shared-prefix warpgroup kernels' rings; wgmma.cuh.j2's WGMMA_SWIZZLE_ATOM).
+# one (the MLA and shared-prefix warpgroup kernels' rings; common/wgmma.cuh.j2's WGMMA_SWIZZLE_ATOM).
 SWIZZLE_ATOM = 1024
 PROGRAMMATIC_LAUNCH_MIN_ARCH = 90  # griddepcontrol: sm_90 and later
-FP8_CONVERT_MIN_ARCH = 89  # cvt between fp8 and f16x2 (kv_types.cuh reads cfg::ARCH)
+FP8_CONVERT_MIN_ARCH = 89  # cvt between fp8 and f16x2 (common/kv_types.cuh reads cfg::ARCH)
 
 
 def arch_number(arch: str) -> int:

@@ -18,7 +18,7 @@ _ALIASES = {
 }
 SHORT_NAMES = {"float16": "f16", "bfloat16": "bf16", "float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "float32": "f32"}
 LONG_NAMES = {short: name for name, short in SHORT_NAMES.items()}
-# The C storage type of each dtype in the templates (kv_types.cuh, prelude.cuh)
+# The C storage type of each dtype in the templates (common/kv_types.cuh, common/prelude.cuh)
 STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float8_e4m3fn": "e4m3_t", "float8_e5m2": "e5m2_t"}
 
 

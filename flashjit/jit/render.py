@@ -1,8 +1,10 @@
 """Render a kernel spec to one self-contained CUDA source with Jinja2.
 
-Headers are pasted verbatim by `{{ header(name) }}`, so the rendered text alone determines the compiled code
-(and so the cache key). Templates render in a sandboxed environment with StrictUndefined: user
-mask templates cannot reach Python internals, and a typo is an error naming file and line.
+Headers are pasted verbatim by `{{ header(name) }}`, so the rendered text alone determines the
+compiled code (and so the cache key). A header's first line names the headers it needs pasted
+before it (`//! needs: common/prelude.cuh ...`): header() checks them and leaves that line out of
+the source. Templates render in a sandboxed environment with StrictUndefined: user mask templates
+cannot reach Python internals, and a typo is an error naming file and line.
 
 What a template may load (include, extends, import, header) is confined to the template roots:
 relative names resolve under the package's templates/ only, and an absolute path loads only when it
@@ -62,13 +64,38 @@ class _TemplateLoader(jinja2.BaseLoader):
         return path.read_text(), str(path), lambda: path.exists() and path.stat().st_mtime == mtime
 
 
+NEEDS = "//! needs:"  # a header's first line: the headers it needs pasted before it in the source
+PASTED = "pasted_headers"  # the render context's list of the headers pasted so far (render_template)
+
+
+def header_needs(text: str) -> tuple[list[str], str]:
+    """(the headers a header's text needs pasted before it, the text it pastes: without that line)."""
+    first, newline, rest = text.partition("\n")
+    if not first.startswith(NEEDS):
+        return [], text
+    return first[len(NEEDS):].split(), rest
+
+
 @lru_cache(maxsize=1)
 def environment() -> SandboxedEnvironment:
     loader = _TemplateLoader(template_root())
     env = SandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                autoescape=False)
-    # CUDA headers are pasted verbatim, not parsed: inline PTX such as "{%0, %1}" is not Jinja.
-    env.globals["header"] = lambda name: loader.get_source(env, name)[0]
+
+    @jinja2.pass_context
+    def header(context, name):
+        """A CUDA header's text, pasted verbatim (not parsed: inline PTX such as "{%0, %1}" is not
+        Jinja), after checking that the headers its first line needs were pasted before it."""
+        needs, text = header_needs(loader.get_source(env, name)[0])
+        pasted = context.get(PASTED)
+        if pasted is not None:
+            missing = [need for need in needs if need not in pasted]
+            if missing:
+                raise jinja2.TemplateRuntimeError(f"header {name!r} needs {', '.join(missing)} pasted before it")
+            pasted.append(name)
+        return text
+
+    env.globals["header"] = header
     return env
 
 
@@ -124,7 +151,7 @@ def render_template(entry: str, context: dict, spec, mask: MaskDef | None = None
     using = "" if mask is None else (f"; mask {mask.name!r} uses {mask.template!r}, variant {variant.name!r} uses "
                                      f"{variant.template!r}")
     try:
-        return environment().get_template(entry).render(**context)
+        return environment().get_template(entry).render(**context, **{PASTED: []})
     except OutsideTemplateRoots as exc:
         raise TemplateError(f"template {exc.name!r} is outside the template roots: templates load package "
                             "templates by relative name and registered mask and variant templates by path "

@@ -33,7 +33,7 @@ class PlanBuffers:
     replays read the newest plan. (On a CPU device, for the tests, the copy is a plain one.)
     """
 
-    # work_items: ITEM_INTS int32 per item (decode_common.cuh's WorkItem), first so its records are
+    # work_items: ITEM_INTS int32 per item (worklist/kernel_core.cuh's WorkItem), first so its records are
     # 16-byte aligned; the rest are the merges' (req_*, token_request, num_tokens).
     FIELDS = ("work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request")
 

@@ -1,5 +1,5 @@
 """CUDA-graph mode's planner on the GPU: the page table in a fixed device buffer, and the launch
-of flashjit_plan (templates/include/device_plan.cuh) that turns it into the work list.
+of flashjit_plan (templates/worklist/device_plan.cuh) that turns it into the work list.
 
 plan() copies the batch's page table into the buffer (one copy from pinned memory) and queues the
 planner; replan() queues it alone, over whatever the buffer holds then. Captured in a CUDA graph,

@@ -10,7 +10,7 @@ A state with lse = -inf (no visible key: an empty shard, a fully masked part) is
 contributes nothing, whatever its o holds (NaN included). If every state of a row is such, the row
 gives o = 0 and lse = -inf, never NaN. Cascades, split-KV and context parallelism are built from it.
 
-On a CUDA device the merge runs in the merge_states kernel (templates/merge/merge_states.cu.j2,
+On a CUDA device the merge runs in the merge_states kernel (templates/merge_states/entry.cu.j2,
 compiled and cached by the engine like the decode kernels, one per state dtype and arch); on the CPU
 in torch, in float32 (merge_states_torch, also the reference the kernel is tested against).
 States are read in place through their strides; the kernel needs each row's head_dim values

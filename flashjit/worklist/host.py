@@ -79,7 +79,7 @@ class NumpyTables:
 
 def item_records(host: np.ndarray, starts: tuple) -> np.ndarray:
     """The staging buffer's work-item records, [capacity, ITEM_INTS]: the fields of
-    record.WORK_ITEM_FIELDS, as decode_common.cuh's WorkItem reads them."""
+    record.WORK_ITEM_FIELDS, as worklist/kernel_core.cuh's WorkItem reads them."""
     first, end = starts[0], starts[1]
     return host[first:end].reshape(-1, ITEM_INTS)
 

@@ -2,7 +2,7 @@
 GPU planner's arguments and shared memory.
 
 Three planners write the records (numpy: worklist/split.py and shared.py; C: native/host_plan.c;
-CUDA: templates' device_plan.cuh) and the decode and MLA kernels read them (decode::WorkItem). The
+CUDA: templates' worklist/device_plan.cuh) and the decode and MLA kernels read them (decode::WorkItem). The
 checks that tie the sides together:
 
 * The entry templates define FJ_ITEM_INTS as ITEM_INTS, and WorkItem asserts the width it reads.
@@ -26,7 +26,7 @@ WORK_ITEM_FIELDS = ("request", "v_begin", "v_end", "kv_len", "page_begin", "q_be
                     "share", "share_begin", "share_end", "sharers")
 ITEM_INTS = len(WORK_ITEM_FIELDS)
 # A shared-prefix record's last field ("sharers") holds the KV heads one CTA of a short own item
-# attends (RECORD_HEADS) and, where its plan merges in the decode kernel (decode_common.cuh's
+# attends (RECORD_HEADS) and, where its plan merges in the decode kernel (worklist/kernel_core.cuh's
 # merge_when_written), the record's part in that merge: MERGE_COUNTS (its CTA counts its partials
 # in) or MERGE_WAITS (its request's last own item: waits for the others' and combines them).
 MERGE_COUNTS, MERGE_WAITS = 1 << 8, 1 << 9

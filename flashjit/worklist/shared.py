@@ -68,7 +68,7 @@ def item_heads(lengths, head_pack: int, granularity: int) -> np.ndarray:
 def merges_in_kernel(records: int, packed: int, ctas_per_item: int, head_pack: int, max_ctas: int) -> bool:
     """Whether a plan's attending CTAs (a packed item's one per head_pack heads, the others' each)
     fit one wave (max_ctas): its kernel then merges the partials, each request's last own item
-    waiting for the others (decode_common.cuh's merge_when_written). The CTAs it waits for come
+    waiting for the others (worklist/kernel_core.cuh's merge_when_written). The CTAs it waits for come
     before it in the grid, so it always finishes; in one wave its wait holds no slot another CTA
     needs."""
     return (records - packed) * ctas_per_item + packed * (ctas_per_item // head_pack) <= max_ctas

@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh
 // K/V storage types: how one 16-byte chunk of a cache row turns into MMA operands or floats.
 // 16-bit caches are used as stored; fp8 caches (OCP e4m3 / e5m2) are converted pairwise to f16 in
 // registers, and their scales fold into the softmax scale and the epilogue, never per element.

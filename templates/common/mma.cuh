@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh worklist/kernel_core.cuh
 // What the two tensor-core decode kernels (decode_tc.cuh: 16-bit K/V; decode_tc_fp8.cuh: fp8 K/V)
 // share: the MMA and its operand moves, and the epilogue that merges the warps' softmax states.
 //

@@ -1,3 +1,4 @@
+//! needs:
 // flashjit prelude: self-contained, no CUDA or C++ headers, so NVRTC 12 and 13 parse it
 // identically and fast. Fixed-width types, 16-bit float conversions, cp.async, math helpers.
 typedef unsigned short u16;

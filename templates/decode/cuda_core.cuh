@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh
 // Paged-KV decode attention on CUDA cores, one CTA per (work item, KV head, row tile).
 //
 // Expects from the including template:

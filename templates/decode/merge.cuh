@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh
 // Merge of split-KV partial states: for each (query token, qo head) of a request cut into
 // several work items, combine the normalized fp32 partials by their base-2 LSEs:
 //   M = max lse_i,  o = sum 2^(lse_i - M) o_i / sum 2^(lse_i - M),  lse = M + log2(sum).

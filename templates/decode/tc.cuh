@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh common/mma.cuh
 // Paged-KV decode attention on tensor cores for 16-bit K/V (mma.sync m16n8k16, sm_80+): one CTA
 // per (work item, KV head, tile of 16 query rows). The rows are the GQA group's heads times the
 // request's query tokens, packed into the MMA's M dimension, so each K/V byte is read once for the

@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh common/mma.cuh
 // Paged-KV decode attention on tensor cores for fp8 K/V (e4m3, e5m2; mma.sync m16n8k16 in f16,
 // sm_80+): one CTA per (work item, KV head, tile of 8 query rows).
 //

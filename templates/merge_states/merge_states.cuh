@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh
 // merge_states: the exact online-softmax merge of n partial attention states per (token, head) row:
 //   M = max lse_i,  o = sum e^(lse_i - M) o_i / sum e^(lse_i - M),  lse = M + ln(sum)   (natural log).
 // A state of weight zero (lse = -inf: an empty or fully masked part) is skipped, never multiplied,

@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh common/mma.cuh
 // Multi-head latent attention decode (DeepSeek-V3/R1, Kimi-K2) on tensor cores, mma.sync m16n8k16
 // (sm_80+): one CTA per (work item, tile of ROWS query rows). The rows are the request's heads times
 // its query tokens (row = token * heads + head), 16 per m-tile of the MMA's M.

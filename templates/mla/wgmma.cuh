@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh worklist/kernel_core.cuh common/mma.cuh mla/mma.cuh
 // Multi-head latent attention decode on Hopper's warpgroup MMAs (wgmma, sm_90a): the kernel for
 // 16-bit latents whose request fills 64-row tiles (flashjit.jit.mla_tiling.uses_wgmma). One CTA per
 // (work item, 64 query rows), two warpgroups of 128 threads; each stage holds TILE = 64 latent rows.

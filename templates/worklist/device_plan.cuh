@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh
 // The split-KV planner on the GPU (flashjit_plan): the page table to the work list, in one CTA.
 //
 // CUDA-graph mode launches it at the start of a step, so that each replay re-plans for the lengths

@@ -1,3 +1,4 @@
+//! needs: common/prelude.cuh common/kv_types.cuh
 // What the decode kernels (CUDA-core and tensor-core) share: the launch arguments and the paged
 // K/V copy pipeline. The host's copy of Args is flashjit.jit.abi.DecodeArgs; the rendered source
 // asserts that the two lay out every field alike.

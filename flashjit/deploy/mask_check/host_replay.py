@@ -41,7 +41,7 @@ static inline int __ffs(int x) { return __builtin_ffs(x); }
 static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 """
 
-# The walk of templates/include/decode*.cuh for one request: counts[i * kv_len + pos] += 1 for
+# The walk of templates/decode/*.cuh for one request: counts[i * kv_len + pos] += 1 for
 # each (query row i, key pos) the kernel attends. Returns the first span position whose
 # kv_position does not increase within its page, or -1.
 HOST_WALK = r"""

@@ -1,5 +1,5 @@
 """The decode family (KernelFamily, jit/family.py): DecodeSpec kernels of any mask and variant,
-rendered from templates/decode/paged.cu.j2 and loaded as work-list Kernels."""
+rendered from templates/decode/entry.cu.j2 and loaded as work-list Kernels."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .args import abi_checks
 from .spec import DecodeSpec
 from .tiling import decode_tiling
 
-ENTRY_TEMPLATE = "decode/paged.cu.j2"
+ENTRY_TEMPLATE = "decode/entry.cu.j2"
 
 
 class DecodeFamily:

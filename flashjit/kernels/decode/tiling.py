@@ -243,7 +243,7 @@ def tc_row_pitches(head_dim: int, kv_bytes: int, swizzle: bool = False, table: T
                    arch: str | None = None) -> tuple[int, int]:
     """Shared-memory bytes per K and V row: head_dim elements, and the table's padding unless swizzled.
 
-    fp8 (decode_tc_fp8.cuh): the lanes of one quarter-warp read two K rows (16 bytes each, 32 apart,
+    fp8 (decode/tc_fp8.cuh): the lanes of one quarter-warp read two K rows (16 bytes each, 32 apart,
     or 16 apart at head_dim 64), so a pitch of 16 mod 32 bytes (64 mod 128 at head_dim 64)
     interleaves the two rows. They read V rows two apart at 16 consecutive bytes each (8 at head_dim
     64): a pitch of 16 mod 64 spreads them. A 32-byte pad trades that for whole 32-byte sectors.

@@ -1,5 +1,5 @@
 """The merge_states family (KernelFamily, jit/family.py): one MergeSpec kernel per state dtype and
-arch, without mask, variant or tiling, rendered from templates/merge/merge_states.cu.j2."""
+arch, without mask, variant or tiling, rendered from templates/merge_states/entry.cu.j2."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from .args import abi_checks
 from .kernel import MergeStatesKernel
 from .spec import MAX_LANES, MergeSpec
 
-ENTRY_TEMPLATE = "merge/merge_states.cu.j2"
+ENTRY_TEMPLATE = "merge_states/entry.cu.j2"
 STATE_TYPES = {"float16": "fj::half_t", "bfloat16": "fj::bfloat16_t", "float32": "float"}
 
 

@@ -1,7 +1,7 @@
 """MergeSpec: the one compile-time choice of the merge_states kernel, its states' dtype (and the arch).
 
 Everything else (number of states, tokens, heads, head_dim, strides) is a launch argument, so three
-kernels per arch serve every merge. The kernel's source is templates/merge/merge_states.cu.j2.
+kernels per arch serve every merge. The kernel's source is templates/merge_states/entry.cu.j2.
 """
 
 from __future__ import annotations

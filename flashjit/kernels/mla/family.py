@@ -1,5 +1,5 @@
 """The MLA family (KernelFamily, jit/family.py): MLASpec kernels, always causal and without a
-variant, rendered from templates/mla/decode.cu.j2 and loaded as work-list Kernels."""
+variant, rendered from templates/mla/entry.cu.j2 and loaded as work-list Kernels."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from .args import abi_checks
 from .spec import MLASpec
 from .tiling import mla_tiling
 
-ENTRY_TEMPLATE = "mla/decode.cu.j2"
+ENTRY_TEMPLATE = "mla/entry.cu.j2"
 
 
 class MLAFamily:

@@ -1,4 +1,4 @@
-"""Thread-block shape of the MLA decode kernel (templates/include/mla.cuh): an MLASpec's tiling,
+"""Thread-block shape of the MLA decode kernel (templates/mla/mma.cuh): an MLASpec's tiling,
 derived from a table of tuned constants, as tiling.py does for the decode kernels.
 
 One CTA serves ROWS query rows (heads x query tokens of one request: 16, 32 or 64, the MMA's M in
@@ -7,7 +7,7 @@ tile_tokens latent rows of 576 values in shared memory; every warp scores a slic
 m-tile (S = Q K^T, 576 wide), the probabilities meet in shared memory, and every warp accumulates
 its own slice of the 512 output columns for all rows (O += P V, V being the same rows' first 512
 values). On Hopper, 16-bit latents whose request fills 64-row tiles take the warpgroup kernel
-instead (templates/include/mla_wgmma.cuh, compiled for sm_90a): two warpgroups, Q and the stages
+instead (templates/mla/wgmma.cuh, compiled for sm_90a): two warpgroups, Q and the stages
 in 128-byte-swizzled blocks of 64 columns that wgmma reads as they are. Python is the one source of
 these numbers: the template receives them as constants and static_asserts their invariants; the
 launcher takes grid, block and shared memory from here.
@@ -52,8 +52,8 @@ class MLATiling:
     smem_bytes: int      # dynamic shared memory, with the slack to align the ring
     merge_chunk: int     # partials the fused merge loads at once
     l2_prefetch: int     # bytes the L2 fetches around each 16-byte copy
-    wgmma: bool = False  # the warpgroup kernel (mla_wgmma.cuh, sm_90a): 64 rows, two warpgroups
-    fused_merge: bool = True   # split requests merge in the decode kernel (decode_common.cuh)
+    wgmma: bool = False  # the warpgroup kernel (mla/wgmma.cuh, sm_90a): 64 rows, two warpgroups
+    fused_merge: bool = True   # split requests merge in the decode kernel (worklist/kernel_core.cuh)
     heads_first: bool = True   # grid x: work items (one latent head each); y: row tiles
     ring_align: int = RING_ALIGN
     entry: str = ENTRY
