@@ -790,9 +790,10 @@ def test_on_tensor_cores_sets_the_scalar_make_setup_reads(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(plan_setup.DecodeSpec, "cached", staticmethod(cached))
-    scalars = (32, 8, 128, 16, "causal", None, "bfloat16", None, "NHD", None, False, "none")
-    for given, expected in ((scalars, False), (plan_setup.on_tensor_cores(scalars), True)):
+    scalars = plan_setup.PlanScalars(32, 8, 128, 16, "causal", None, "bfloat16", None, "NHD", None, False, "none")
+    for given, expected in ((scalars, False), (scalars.on_tensor_cores(), True)):
         with pytest.raises(Stop):
             plan_setup.make_setup(given, None, 1, engine=None, arch="sm_90", device=None, load_kernel=None)
         assert seen["tensor_cores"] is expected
-    assert plan_setup.on_tensor_cores(scalars)[:10] == scalars[:10] and plan_setup.on_tensor_cores(scalars)[11:] == scalars[11:]
+    assert scalars.on_tensor_cores()._replace(tensor_cores=False) == scalars
+    assert scalars.types()[0] is int and scalars._replace(head_dim=128.0).types()[2] is float  # the memo tells them apart

@@ -20,11 +20,12 @@ from ..small_arrays import largest
 from .buffers import Capacity, PlanBuffers
 from .plan_setup import Setup
 from ..worklist.split import WorkPlan, item_counts
+from ..worklist.tables import Tables
 
 
 class Plan(typing.NamedTuple):  # a NamedTuple: immutable, and built in a quarter of a frozen dataclass's time
     setup: Setup                   # what the scalar arguments decided: spec, kernel, dtypes, shapes
-    tables: object                 # the host tables (worklist/host.py's NumpyTables or NativeTables)
+    tables: Tables                 # the plan's tables (worklist/tables.py): the host planners', or DeviceTables
     buffers: PlanBuffers           # the work list on the device, at buffers.capacity
     page_ids: object               # the page-id tensor the arguments point at (the CUDA-graph buffer in that mode)
     max_page: int                  # the largest page id, -1 for none or unchecked: run() wants a cache with more
