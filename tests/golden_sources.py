@@ -145,4 +145,5 @@ def main(argv) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # the flashjit of this checkout, whatever else is installed
     raise SystemExit(main(sys.argv[1:]))
