@@ -94,6 +94,13 @@ def load_functions(cubin: bytes, device_index: int, entries, spec_name: str, arc
         return module, [module.get_function(entry).ptr for entry in entries]
 
 
+def on_device(device_index: int):
+    """A context with the device's CUDA context current, for the driver calls on its functions."""
+    import cupy
+
+    return cupy.cuda.Device(device_index)
+
+
 def set_dynamic_shared_memory(functions, smem: int, what: str):
     """Let each function launch with smem bytes of dynamic shared memory, where that is more than
     the default (an opt-in per function)."""

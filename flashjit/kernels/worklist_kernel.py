@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..jit.arch import waits_for_previous_kernel
-from ..jit.launch import (PerDevice, block_shared_optin, load_functions, multiprocessor_count, occupancy,
+from ..jit.launch import (PerDevice, block_shared_optin, load_functions, multiprocessor_count, occupancy, on_device,
                           set_dynamic_shared_memory, static_shared_bytes)
 from ..masks.registry import MaskDef
 from ..masks.variants import VariantDef, variants
@@ -74,12 +74,13 @@ class Kernel:
         found = dict(zip(names, handles))
         attend, plan = found[entries.attend], found[PLAN_ENTRY]
         packed, merge = found.get(entries.packed), found.get(entries.merge)
-        plan_max_batch = planner_batch_limit(plan, device_index)
-        set_dynamic_shared_memory([plan], plan_smem_bytes(plan_max_batch), "cuFuncSetAttribute")
         smem = self.tiling.smem_bytes
         launched = (attend,) if packed is None else (attend, packed)
-        set_dynamic_shared_memory(launched, smem, f"cuFuncSetAttribute ({self.spec.name}'s {smem} bytes of shared "
-                                                  f"memory on cuda:{device_index})")
+        with on_device(device_index):
+            plan_max_batch = planner_batch_limit(plan, device_index)
+            set_dynamic_shared_memory([plan], plan_smem_bytes(plan_max_batch), "cuFuncSetAttribute")
+            set_dynamic_shared_memory(launched, smem, f"cuFuncSetAttribute ({self.spec.name}'s {smem} bytes of "
+                                                      f"shared memory on cuda:{device_index})")
         ctas_per_sm = min(occupancy(function, self.tiling.threads, smem) for function in launched)
         return LoadedKernel(module, attend, merge, max(1, ctas_per_sm), multiprocessor_count(device_index), plan,
                             plan_max_batch, packed)
