@@ -28,8 +28,8 @@ class Decoder:
                  load_kernel, current_stream, host_planner: HostPlanner | None, page_id_range: PageIdRange | None):
         import torch
 
+        self.device, self._arch = decoder_device(torch, device, arch)  # first: a refused device changes nothing
         self.engine = engine or default_engine()
-        self.device, self._arch = decoder_device(torch, device, arch)
         self._device_index = self.device.index
         self._load_kernel = load_kernel or Kernel.loaded
         self._current_stream = current_stream or stream_getter()
