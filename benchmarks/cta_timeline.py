@@ -10,7 +10,7 @@ idles), and what the epilogue and merge add. Over the calls it also shows which 
 have equal work, when the last tile would land if that work were spread over the CTAs at their
 measured rates: the most that balancing across CTAs could gain. The kernel is built with
 -DFJ_TIMELINE, which compiles in a %globaltimer stamp at four points of every CTA
-(templates/include/prelude.cuh, FJ_STAMP); the cubin built without it is unchanged. Inputs, flush
+(templates/common/prelude.cuh, FJ_STAMP); the cubin built without it is unchanged. Inputs, flush
 and timing are those of benchmarks/decode.py (of benchmarks/shared_prefix.py with --shared-prefix,
 where the stamps are also shown by record kind: shared records and the requests' own items).
 Percentiles are in µs from the first CTA's entry.
@@ -36,7 +36,7 @@ def stamped_engine(cache_dir, define: str = "FJ_TIMELINE"):
     timeline stamps, or another diagnostic the templates compile in on request."""
     import flashjit
     from flashjit.jit.compile import compile_source
-    from flashjit.jit.kernel import Kernel
+    from flashjit.kernels.worklist_kernel import Kernel
 
     class TimelineEngine(flashjit.Engine):
         def __init__(self, *args, **kwargs):

@@ -211,7 +211,7 @@ def main(argv=None):
         from benchmarks.compile_costs import bench_compile
 
         if args.arch is None:
-            from flashjit.jit.spec import current_arch
+            from flashjit.jit.arch import current_arch
             args.arch = current_arch() or "sm_90"
         write_json(args.json, bench_compile(args))
     else:

@@ -176,8 +176,8 @@ def tuned_engine(table):
 
     import flashjit
     from flashjit.jit.compile import compile_source
-    from flashjit.jit.kernel import Kernel
-    from flashjit.jit.mla_tiling import mla_tiling
+    from flashjit.kernels.worklist_kernel import Kernel
+    from flashjit.kernels.mla.tiling import mla_tiling
     from flashjit.jit.render import render
     from flashjit.masks.registry import masks
 
@@ -193,8 +193,8 @@ def tuned_engine(table):
 def sweep(torch, rows, iters: int):
     from benchmarks.measure import row_problem
     from benchmarks.timing import Timer
-    from flashjit.jit.mla_spec import MLASpec
-    from flashjit.jit.mla_tiling import MLA_TUNING, cta_rows, mla_tiling, uses_wgmma
+    from flashjit.kernels.mla.spec import MLASpec
+    from flashjit.kernels.mla.tiling import MLA_TUNING, cta_rows, mla_tiling, uses_wgmma
 
     timer = Timer(torch, iters)
     for row in rows:

@@ -4,7 +4,7 @@
 
 The planner is one CTA whose time is a chain of dependent steps, so each step's share says what to
 shorten. It is built with -DFJ_PLAN_STAMPS, which compiles in a stamp after each step
-(templates/include/device_plan.cuh, FJ_PLAN_STAMP); the cubin built without it is unchanged. Each
+(templates/worklist/device_plan.cuh, FJ_PLAN_STAMP); the cubin built without it is unchanged. Each
 round replays planner_cost's graph of replans and reads the last plan's stamps; the table gives
 the medians over the rounds, in cycles, for the modes planner_cost times.
 """

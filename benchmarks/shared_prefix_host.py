@@ -34,7 +34,7 @@ def main(argv=None):
 
     from flashjit.jit import host_library
     from flashjit.jit.cache import KernelCache
-    from flashjit.serving.host_planner import HostPlanner
+    from flashjit.worklist.host import HostPlanner
 
     library = host_library.load("host_plan", KernelCache(tempfile.mkdtemp(prefix="flashjit-bench-host-")))
     if library is None:

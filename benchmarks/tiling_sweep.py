@@ -1,4 +1,4 @@
-"""Time the tensor-core kernel under other tilings (GPU), to tune flashjit.jit.tiling.
+"""Time the tensor-core kernel under other tilings (GPU), to tune flashjit.kernels.decode.tiling.
 
 Warp/stage counts, the L2 prefetch hint, the grid order and the fused merge are each varied alone
 from the current choice.
@@ -10,7 +10,7 @@ from the current choice.
 head_dim 96/256/512 shapes, beside the CUDA-core kernel where it serves the head_dim, each checked
 against the float32 reference, and prints µs, GB/s and the share of the read floor.
 
-Each variant is a tuning table (flashjit.jit.tiling.Tuning) handed to an engine that compiles its
+Each variant is a tuning table (flashjit.kernels.decode.tiling.Tuning) handed to an engine that compiles its
 kernels from it (the tiling is rendered into the source) and caches none of them.
 """
 
@@ -59,8 +59,8 @@ def sweep_head_shapes(torch, timer, cache_dir, only: str):
     from benchmarks.inputs import reference
     from benchmarks.read_floor import ReadFloor
     from benchmarks.measure import row_problem
-    from flashjit.jit.spec import CUDA_CORE_HEAD_DIMS
-    from flashjit.jit.tiling import TUNING
+    from flashjit.kernels.decode.spec import CUDA_CORE_HEAD_DIMS
+    from flashjit.kernels.decode.tiling import TUNING
 
     read_floor = ReadFloor(torch)
     for case in [c for c in CASES if c.name in HEAD_SHAPES and re.search(only, c.name)]:
@@ -99,9 +99,9 @@ def tuned_engine(table, cache_dir):
     """An Engine whose kernels take their tiling from table: compiled on first use, kept in memory only."""
     import flashjit
     from flashjit.jit.compile import compile_source
-    from flashjit.jit.kernel import Kernel
+    from flashjit.kernels.worklist_kernel import Kernel
     from flashjit.jit.render import render
-    from flashjit.jit.tiling import decode_tiling
+    from flashjit.kernels.decode.tiling import decode_tiling
     from flashjit.masks.registry import masks
 
     class TunedEngine(flashjit.Engine):
@@ -128,7 +128,7 @@ def main(argv=None):
 
     import torch
 
-    from flashjit.jit.tiling import TUNING
+    from flashjit.kernels.decode.tiling import TUNING
 
     timer = Timer(torch, 15)
     cache_dir = tempfile.mkdtemp()  # the host planner's library; the kernels stay in memory

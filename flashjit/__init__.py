@@ -2,17 +2,17 @@
 
 from ._version import __version__  # noqa: F401 (flashjit.__version__)
 
-from .serving.batch_decode import BatchDecode, decode, default_engine
+from .serving.batch_decode import BatchDecode, decode
 from .serving.batch_mla import BatchDecodeMLA
-from .jit.engine import Engine, PrewarmResult
+from .jit.engine import Engine, PrewarmResult, default_engine
 from .serving.quantize import dequantize_kv, quantize_kv, quantize_latent
 from .serving.merge_states import merge_state, merge_states
-from .jit.merge_spec import MergeSpec
+from .kernels.merge_states.spec import MergeSpec
 from .errors import CacheError, CompileError, FlashJITError, KernelNotPrewarmed, SpecError, TemplateError
 from .masks.registry import register_mask
 from .masks.sink_window import sink_window_params
-from .jit.spec import DecodeSpec
-from .jit.mla_spec import MLASpec
+from .kernels.decode.spec import DecodeSpec
+from .kernels.mla.spec import MLASpec
 from .masks.tree import pack_tree_mask
 from .masks.variants import register_variant
 

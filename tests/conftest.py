@@ -20,7 +20,7 @@ import flashjit.jit.engine as engine_module
 from flashjit import DecodeSpec, Engine
 from flashjit.jit.cache import KernelCache
 from flashjit.jit.compile import CompiledKernel
-from flashjit.jit.kernel import Kernel
+from flashjit.kernels.worklist_kernel import Kernel
 from flashjit.masks.registry import masks
 
 # Every spec the suite builds names its arch: without a GPU there is none to infer it from.

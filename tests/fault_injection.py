@@ -23,8 +23,8 @@ import hashlib
 import re
 
 import flashjit.jit.engine as engine_module
-from flashjit.jit.merge_spec import MergeSpec
-from flashjit.jit.mla_spec import MLASpec
+from flashjit.kernels.merge_states.spec import MergeSpec
+from flashjit.kernels.mla.spec import MLASpec
 
 PATHS = ("cuda_cores", "tensor_cores", "fp8", "mla", "shared_prefix")
 

@@ -6,7 +6,7 @@ import numpy as np
 
 from flashjit import validation as checks
 from flashjit.validation import host_int_array, indptr_array
-from flashjit.serving.split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan
+from flashjit.worklist.split import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, SPLIT_CANDIDATES, WorkPlan
 
 
 def reference_estimate_time(span_lens, chunks, ctas_per_item, max_ctas):

@@ -14,6 +14,8 @@ import pytest
 
 from flashjit.jit import cache as cache_module
 from flashjit.jit import host_library
+from flashjit.serving.host_plan import load_host_plan
+from flashjit.worklist.record import HOST_PLAN_DEFINES, HOST_PLAN_SOURCE
 from flashjit.jit.artifact import obtain
 from flashjit.jit.cache import KernelCache
 
@@ -136,8 +138,8 @@ def test_the_host_library_waits_briefly_for_a_held_lock_then_uses_numpy(tmp_path
     monkeypatch.setattr(cache_module, "LOCK_TIMEOUT_S", 30.0)
     monkeypatch.setattr(host_library, "HOST_LOCK_WAIT_S", 0.5)
     cache = KernelCache(tmp_path)
-    source = (host_library.SOURCE_DIR / "host_plan.c").read_bytes()
-    stem = f"host_plan-{host_library.library_key(source, host_library.compiler())}"
+    source = HOST_PLAN_SOURCE.read_bytes()
+    stem = f"host_plan-{host_library.library_key(source, host_library.compiler(), HOST_PLAN_DEFINES)}"
     ready = multiprocessing.get_context("fork").Event()
     holder = multiprocessing.get_context("fork").Process(target=_hold_lock, args=(str(tmp_path), stem, ready),
                                                          daemon=True)
@@ -145,7 +147,7 @@ def test_the_host_library_waits_briefly_for_a_held_lock_then_uses_numpy(tmp_path
     try:
         assert ready.wait(30)
         start = time.monotonic()
-        library = host_library.load("host_plan", cache)
+        library = load_host_plan(cache)
         waited = time.monotonic() - start
     finally:
         os.kill(holder.pid, signal.SIGKILL)

@@ -1,7 +1,7 @@
 """plan(fixed_split_tokens=N) on the CPU: a request's work items, and the tiles each of its CTAs reads,
 depend on the request alone, whatever else is in the batch and wherever it sits in it.
 
-The kernels' side is emulated from the work records: SharedTiles (decode_common.cuh) gives each CTA
+The kernels' side is emulated from the work records: SharedTiles (worklist/kernel_core.cuh) gives each CTA
 of a tile-sharing group a static run and, when the group's tiles outrun the static runs, a pool it
 claims from at run time (timing-dependent, so batch-dependent). Under a fixed split no group has a
 pool, at every tiling of TUNING; under the planned split the 16-bit head_dim 256 tiling has one,
@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit import host_library
-from flashjit.jit.abi import WORK_ITEM_FIELDS
+from flashjit.serving.host_plan import load_host_plan
+from flashjit.worklist.record import WORK_ITEM_FIELDS
 from flashjit.jit.cache import KernelCache
-from flashjit.jit.kernel import LoadedKernel
-from flashjit.jit.tiling import TUNING, decode_tiling
+from flashjit.kernels.worklist_kernel import LoadedKernel
+from flashjit.kernels.decode.tiling import TUNING, decode_tiling
 from flashjit.serving.batch_decode import BatchDecode
-from flashjit.serving.host_planner import HostPlanner, item_records
+from flashjit.worklist.host import HostPlanner, item_records
 
 CPU = torch.device("cpu")
 FIELD = {name: i for i, name in enumerate(WORK_ITEM_FIELDS)}
@@ -43,7 +43,7 @@ def fake_loaded(kernel, device_index) -> LoadedKernel:
 
 @functools.cache
 def native_library():
-    return host_library.load("host_plan", KernelCache(tempfile.mkdtemp(prefix="flashjit-test-host-")))
+    return load_host_plan(KernelCache(tempfile.mkdtemp(prefix="flashjit-test-host-")))
 
 
 def decoder_of(engine, native: bool, **options) -> BatchDecode:

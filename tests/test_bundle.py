@@ -18,7 +18,7 @@ from flashjit.deploy import bundle as bundle_module
 from flashjit.deploy.bundle import HEADER, BundleError, export_bundle, import_bundle
 from flashjit.jit.cache import SCHEMA, KernelCache
 from flashjit.jit.compile import CompiledKernel
-from flashjit.jit.mla_spec import MLASpec
+from flashjit.kernels.mla.spec import MLASpec
 from flashjit.errors import CacheError
 
 from conftest import fake_cubin

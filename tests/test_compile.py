@@ -14,7 +14,7 @@ from flashjit import CompileError, DecodeSpec, FlashJITError, register_mask
 from flashjit.jit.compile import (BASE_OPTIONS, COMPILER_DISTRIBUTIONS, compile_options, compile_source,
                               compiler_fingerprint, nvrtc_version)
 from flashjit.jit.render import render
-from flashjit.jit.tiling import decode_tiling
+from flashjit.kernels.decode.tiling import decode_tiling
 
 BAD_SOURCE = 'extern "C" __global__ void broken(int* out) {\n  out[0] = this_is_not_declared;\n}\n'
 

@@ -21,17 +21,17 @@ import pytest
 import torch
 
 from flashjit import DecodeSpec
-from flashjit.jit import host_library
+from flashjit.serving.host_plan import load_host_plan
 from flashjit.serving.batch_decode import BatchDecode
 from flashjit.serving.buffers import Capacity, PageIdRange, PlanBuffers
 from flashjit.serving.graph_mode import SPLIT_WAVES
 from flashjit.serving.plan_setup import LOG2E
 from flashjit.jit.cache import KernelCache
-from flashjit.serving.host_planner import HostPlanner, item_records
-from flashjit.jit.kernel import LoadedKernel
+from flashjit.worklist.host import HostPlanner, item_records
+from flashjit.kernels.worklist_kernel import LoadedKernel
 from flashjit.masks.registry import masks, register_mask
-from flashjit.jit import tiling as tiling_module
-from flashjit.jit.tiling import decode_tiling
+from flashjit.kernels.decode import tiling as tiling_module
+from flashjit.kernels.decode.tiling import decode_tiling
 from planner_oracle import reference_page_table, reference_plan_work
 
 NUM_SMS, CTAS_PER_SM, DECODE_FN, MERGE_FN, PACKED_FN = 132, 2, 0xD0, 0xE0, 0xD1
@@ -55,7 +55,7 @@ def cpu_decoder(engine, **options) -> BatchDecode:
 @functools.cache
 def native_library():
     """plan()'s C helper, built once for these tests (None without a C compiler: the numpy planner)."""
-    return host_library.load("host_plan", KernelCache(tempfile.mkdtemp(prefix="flashjit-test-host-")))
+    return load_host_plan(KernelCache(tempfile.mkdtemp(prefix="flashjit-test-host-")))
 
 
 @pytest.fixture
@@ -290,10 +290,10 @@ def test_a_forced_chunk_past_the_gpu_planners_capacity_is_refused_as_the_host_pl
     """The GPU planner would fall back to one item per request where a forced chunk overflows the
     capacity; plan() refuses it first, counting items over the spans the mask reads (a narrower
     window makes the same chunk fit), and the plan before stays."""
-    from flashjit.jit import kernel
+    from flashjit.jit import launch as launcher
 
     launched = []
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: launched.append(launch_of(args)[0]) or 0)
+    monkeypatch.setattr(launcher, "_cu_launch", lambda *args: launched.append(launch_of(args)[0]) or 0)
     rng = np.random.default_rng(4)
     small = tables([300, 20], 16, rng)
     long = tables([30000, 30000], 16, rng)
@@ -317,10 +317,10 @@ def test_a_forced_chunk_past_the_gpu_planners_capacity_is_refused_as_the_host_pl
 def test_a_batch_past_what_the_devices_shared_memory_holds_plans_on_the_host(planner, monkeypatch):
     """On a GPU of about 100 KB of shared memory a block the planner holds fewer requests
     (LoadedKernel.plan_max_batch): a larger max_batch_size plans on the host, a smaller one on the GPU."""
-    from flashjit.jit import kernel
+    from flashjit.jit import launch as launcher
 
     launched = []
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: launched.append(launch_of(args)[0]) or 0)
+    monkeypatch.setattr(launcher, "_cu_launch", lambda *args: launched.append(launch_of(args)[0]) or 0)
 
     def smaller_planner(kernel, device_index) -> LoadedKernel:
         return dataclasses.replace(gpu_planned(kernel, device_index), plan_max_batch=3)
@@ -634,26 +634,26 @@ def launch_of(args) -> tuple:
 
 
 def test_prepared_launch_passes_its_config_and_the_current_stream(monkeypatch):
-    from flashjit.jit import kernel
+    from flashjit.jit import launch as launcher
 
     calls = []
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append((launch_of(args), args)) or 0)
+    monkeypatch.setattr(launcher, "_cu_launch", lambda *args: calls.append((launch_of(args), args)) or 0)
     params = (ctypes.c_void_p * 1)()
-    launch = kernel.PreparedLaunch(0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
+    launch = launcher.PreparedLaunch(0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
     launch(0x5)
     launch(0x5)
     launch(0x9)
     assert [c[0] for c in calls] == [(0xD0, (7, 8, 1), (128, 1, 1), 4096, stream, False) for stream in (5, 5, 9)]
     assert all(args[2] is params and args[3] is None for _, args in calls)
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: 1)
-    monkeypatch.setattr(kernel, "check", lambda status, what: (_ for _ in ()).throw(RuntimeError(f"{what} {status}")))
+    monkeypatch.setattr(launcher, "_cu_launch", lambda *args: 1)
+    monkeypatch.setattr(launcher, "check", lambda status, what: (_ for _ in ()).throw(RuntimeError(f"{what} {status}")))
     with pytest.raises(RuntimeError, match="cuLaunchKernelEx 1"):
         launch(0x9)
 
 
 def test_launch_structs_have_the_driver_layout():
     """CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out on 64-bit hosts."""
-    from flashjit.jit.kernel import LaunchAttribute, LaunchConfig
+    from flashjit.jit.launch import LaunchAttribute, LaunchConfig
 
     assert ctypes.sizeof(LaunchAttribute) == 72 and LaunchAttribute.value.offset == 8
     assert ctypes.sizeof(LaunchConfig) == 56
@@ -664,16 +664,16 @@ def test_launch_structs_have_the_driver_layout():
 def test_prepared_launch_passes_ctypes_objects_of_the_parameter_types(monkeypatch):
     """cuLaunchKernelEx is called without argtypes, so ctypes passes each argument as it comes: a Python
     int would go as a 32-bit C int. Every argument must be a ctypes object of the parameter's type."""
-    from flashjit.jit import kernel
+    from flashjit.jit import launch as launcher
 
     calls = []
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(launcher, "_cu_launch", lambda *args: calls.append(args) or 0)
     params = (ctypes.c_void_p * 1)()
-    launch = kernel.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
+    launch = launcher.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
     launch(0x5)
-    kernel.PreparedLaunch.update(launch, 0xD0, (9, 8, 2), (128, 1, 1), params, 4096)(0x9)  # re-aimed grid, new stream
+    launcher.PreparedLaunch.update(launch, 0xD0, (9, 8, 2), (128, 1, 1), params, 4096)(0x9)  # re-aimed grid, new stream
     for args in calls:
-        assert isinstance(args[0]._obj, kernel.LaunchConfig) and type(args[1]) is ctypes.c_void_p
+        assert isinstance(args[0]._obj, launcher.LaunchConfig) and type(args[1]) is ctypes.c_void_p
         assert args[2] is params and args[3] is None
     assert launch_of(calls[-1])[:5] == (0xD0, (9, 8, 2), (128, 1, 1), 4096, 9)
 
@@ -683,35 +683,36 @@ def test_prepared_launch_passes_ctypes_objects_of_the_parameter_types(monkeypatc
 def test_launches_are_programmatic_from_sm_90(monkeypatch, arch, programmatic):
     """From sm_90 every entry point waits for the previous kernel (griddepcontrol), so its launch lets
     it start while that kernel finishes; below, the launch keeps the stream's plain ordering."""
-    from flashjit.jit import kernel
+    from flashjit.jit import launch as launcher
+    from flashjit.jit.arch import waits_for_previous_kernel
 
     calls = []
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append(launch_of(args)) or 0)
-    assert kernel.waits_for_previous_kernel(arch) is programmatic
+    monkeypatch.setattr(launcher, "_cu_launch", lambda *args: calls.append(launch_of(args)) or 0)
+    assert waits_for_previous_kernel(arch) is programmatic
     params = (ctypes.c_void_p * 1)()
-    launch = kernel.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 0, programmatic)
+    launch = launcher.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 0, programmatic)
     launch(0x5)
     assert calls[-1][5] is programmatic
-    other = kernel.PreparedLaunch.update(launch, 0xD0, (7, 8, 1), (128, 1, 1), params, 0, not programmatic)
+    other = launcher.PreparedLaunch.update(launch, 0xD0, (7, 8, 1), (128, 1, 1), params, 0, not programmatic)
     assert other is not launch and other.programmatic is not programmatic
 
 
 def test_prepared_launch_is_kept_for_the_same_kernel_and_arguments(monkeypatch):
     """A new plan re-aims the launch at its grid; another function, block, smem or params array gets a new one."""
-    from flashjit.jit import kernel
+    from flashjit.jit import launch as launcher
 
     calls = []
-    monkeypatch.setattr(kernel, "_cu_launch", lambda *args: calls.append(launch_of(args)) or 0)
+    monkeypatch.setattr(launcher, "_cu_launch", lambda *args: calls.append(launch_of(args)) or 0)
     params = (ctypes.c_void_p * 1)()
-    launch = kernel.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
-    again = kernel.PreparedLaunch.update(launch, 0xD0, (9, 8, 2), (128, 1, 1), params, 4096)
+    launch = launcher.PreparedLaunch.update(None, 0xD0, (7, 8, 1), (128, 1, 1), params, 4096)
+    again = launcher.PreparedLaunch.update(launch, 0xD0, (9, 8, 2), (128, 1, 1), params, 4096)
     assert again is launch and launch.grid == (9, 8, 2)
     launch(0x5)
     assert calls[-1] == (0xD0, (9, 8, 2), (128, 1, 1), 4096, 5, False)
     others = ((0xD1, (9, 8, 2), (128, 1, 1), params, 4096), (0xD0, (9, 8, 2), (64, 1, 1), params, 4096),
               (0xD0, (9, 8, 2), (128, 1, 1), params, 0), (0xD0, (9, 8, 2), (128, 1, 1), (ctypes.c_void_p * 1)(), 4096))
     for other in others:
-        fresh = kernel.PreparedLaunch.update(launch, *other)
+        fresh = launcher.PreparedLaunch.update(launch, *other)
         assert fresh is not launch and (fresh.function, fresh.grid, fresh.block, fresh.params, fresh.smem) == other
     assert launch.grid == (9, 8, 2)
 
@@ -766,7 +767,7 @@ def test_without_max_q_len_the_first_cuda_graph_plan_fixes_it(planner):
 
 @pytest.mark.parametrize("heads_first", [True, False])
 def test_decode_grid_names_every_item_head_and_row_tile_once(heads_first):
-    """The grid of tiling.grid, read back as CtaCoords (decode_common.cuh) reads blockIdx."""
+    """The grid of tiling.grid, read back as CtaCoords (worklist/kernel_core.cuh) reads blockIdx."""
     spec = DecodeSpec(128, group_size=8, max_q_len=3, arch="sm_90")
     tiling = dataclasses.replace(decode_tiling(spec), heads_first=heads_first)
     items, heads = 5, 3
@@ -791,9 +792,10 @@ def test_on_tensor_cores_sets_the_scalar_make_setup_reads(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(plan_setup.DecodeSpec, "cached", staticmethod(cached))
-    scalars = (32, 8, 128, 16, "causal", None, "bfloat16", None, "NHD", None, False, "none")
-    for given, expected in ((scalars, False), (plan_setup.on_tensor_cores(scalars), True)):
+    scalars = plan_setup.PlanScalars(32, 8, 128, 16, "causal", None, "bfloat16", None, "NHD", None, False, "none")
+    for given, expected in ((scalars, False), (scalars.on_tensor_cores(), True)):
         with pytest.raises(Stop):
             plan_setup.make_setup(given, None, 1, engine=None, arch="sm_90", device=None, load_kernel=None)
         assert seen["tensor_cores"] is expected
-    assert plan_setup.on_tensor_cores(scalars)[:10] == scalars[:10] and plan_setup.on_tensor_cores(scalars)[11:] == scalars[11:]
+    assert scalars.on_tensor_cores()._replace(tensor_cores=False) == scalars
+    assert scalars.types()[0] is int and scalars._replace(head_dim=128.0).types()[2] is float  # the memo tells them apart

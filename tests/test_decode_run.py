@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit import kernel, tiling
+from flashjit.jit import launch as launcher
+from flashjit.kernels.decode import tiling
 from flashjit.serving.batch_decode import BatchDecode
-from flashjit.serving.host_planner import HostPlanner
+from flashjit.worklist.host import HostPlanner
 from test_decode_plan import (cpu_decoder, fake_loaded, launch_of, native_library,  # noqa: F401  (planner: a fixture)
                               planner, tables)
 
@@ -38,7 +39,7 @@ def launches(monkeypatch):
         calls.append((function, grid, stream))
         return 0
 
-    monkeypatch.setattr(kernel, "_cu_launch", record)
+    monkeypatch.setattr(launcher, "_cu_launch", record)
     return calls
 
 

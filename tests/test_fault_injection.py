@@ -13,9 +13,9 @@ import flashjit
 from fault_injection import FAULTS, PATHS, AnchorMissing, faulted_engine, inject, parse, path_of
 from flashjit import DecodeSpec, Engine
 from flashjit.jit.compile import compile_source
-from flashjit.jit.families import mask_of, source_of, variant_of
-from flashjit.jit.merge_spec import MergeSpec
-from flashjit.jit.mla_spec import MLASpec
+from flashjit.jit.family import mask_of, source_of, variant_of
+from flashjit.kernels.merge_states.spec import MergeSpec
+from flashjit.kernels.mla.spec import MLASpec
 
 SPECS = {  # one kernel of each path, as plan() picks them on an sm_90 GPU
     "cuda_cores": DecodeSpec(128, group_size=1, arch="sm_90", tensor_cores=False),

@@ -13,7 +13,7 @@ from flashjit import validation as checks
 from flashjit.jit.compile import compile_source
 from flashjit.serving.quantize import FP8_MAX, dequantize_kv, quantize_kv, quantize_latent
 from flashjit.jit.render import render
-from flashjit.jit.tiling import decode_tiling
+from flashjit.kernels.decode.tiling import decode_tiling
 
 
 @pytest.mark.parametrize("value, canonical", [

@@ -1,4 +1,4 @@
-"""The fp8 tensor-core kernel's register layouts (templates/include/decode_tc_fp8.cuh), emulated lane
+"""The fp8 tensor-core kernel's register layouts (templates/decode/tc_fp8.cuh), emulated lane
 by lane on the CPU: which bytes each lane loads, how prmt and the pairwise conversion turn them into
 MMA fragments, and what mma.m16n8k16 and movmatrix do with those fragments (PTX ISA fragment
 layouts). The products must equal K Q^T and P V, with O^T's rows landing on o_dim's head dims; the
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.jit.layouts import fp8_block as block
-from flashjit.jit.layouts import fp8_k_byte as k_byte
-from flashjit.jit.layouts import fp8_o_dim as o_dim
-from flashjit.jit.layouts import swizzled_chunk
-from flashjit.jit.tiling import tc_row_pitches
+from flashjit.kernels.layouts import fp8_block as block
+from flashjit.kernels.layouts import fp8_k_byte as k_byte
+from flashjit.kernels.layouts import fp8_o_dim as o_dim
+from flashjit.kernels.layouts import swizzled_chunk
+from flashjit.kernels.decode.tiling import tc_row_pitches
 
 LANES = [(lane // 4, lane % 4) for lane in range(32)]  # (g, t) of each lane
 

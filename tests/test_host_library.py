@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from flashjit.jit import host_library
+from flashjit.serving.host_plan import load_host_plan
+from flashjit.worklist.record import HOST_PLAN_DEFINES, HOST_PLAN_SOURCE
 from flashjit.jit.cache import KernelCache
 
 pytestmark = pytest.mark.skipif(host_library.compiler() is None, reason="no C compiler on this machine")
@@ -30,23 +32,23 @@ def built(cache: KernelCache) -> list:
 
 def test_builds_into_the_cache_then_loads_from_it_without_building(tmp_path, monkeypatch):
     cache = KernelCache(tmp_path)
-    assert host_library.load("host_plan", cache) is not None
+    assert load_host_plan(cache) is not None
     assert len(built(cache)) == 1 and built(cache)[0].startswith("host_plan-")
 
     monkeypatch.setattr(host_library, "_loaded", {})
     monkeypatch.setattr(host_library, "_build", lambda *a: pytest.fail("built again"))
-    library = host_library.load("host_plan", cache)
+    library = load_host_plan(cache)
     assert library is not None and library.fj_plan is not None
-    assert host_library.load("host_plan", cache) is library  # kept for the process
+    assert load_host_plan(cache) is library  # kept for the process
 
 
 def test_a_damaged_library_is_rebuilt(tmp_path, caplog):
     cache = KernelCache(tmp_path)
-    source = (host_library.SOURCE_DIR / "host_plan.c").read_bytes()
-    target = cache.base / "host" / f"host_plan-{host_library.library_key(source, host_library.compiler())}.so"
+    source = HOST_PLAN_SOURCE.read_bytes()
+    target = cache.base / "host" / f"host_plan-{host_library.library_key(source, host_library.compiler(), HOST_PLAN_DEFINES)}.so"
     target.parent.mkdir(parents=True)
     target.write_bytes(b"\x7fELF half a library")  # what a crashed disk or a foreign writer leaves
-    assert host_library.load("host_plan", cache) is not None
+    assert load_host_plan(cache) is not None
     assert "does not load" in caplog.text and target.stat().st_size > 1000
 
 
@@ -64,7 +66,7 @@ def test_cc_may_carry_a_wrapper_and_flags(tmp_path, monkeypatch):
     wrapper.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'args'}\nexec \"$@\"\n")
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("CC", f"{wrapper} {host_library.compiler()[0]} -DFJ_FROM_CC")
-    assert host_library.load("host_plan", KernelCache(tmp_path / "cache")) is not None
+    assert load_host_plan(KernelCache(tmp_path / "cache")) is not None
     assert "-DFJ_FROM_CC" in (tmp_path / "args").read_text()
 
 
@@ -81,8 +83,8 @@ def test_without_the_library_load_warns_once_and_returns_none(tmp_path, monkeypa
     else:
         monkeypatch.setenv("FLASHJIT_HOST_NATIVE", "0")
     cache = KernelCache(tmp_path / "cache")
-    assert host_library.load("host_plan", cache) is None
-    assert host_library.load("host_plan", cache) is None
+    assert load_host_plan(cache) is None
+    assert load_host_plan(cache) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     if how == "switched off":
         assert warnings == []  # asked for: nothing to warn about
@@ -95,7 +97,7 @@ def test_without_the_library_load_warns_once_and_returns_none(tmp_path, monkeypa
 def test_a_cache_it_cannot_write_builds_in_a_private_folder(tmp_path):
     cache = KernelCache(tmp_path)
     cache.writable = False  # as a read-only or unusable root leaves it
-    assert host_library.load("host_plan", cache) is not None
+    assert load_host_plan(cache) is not None
     assert not (cache.base / "host").exists()
 
 
@@ -119,7 +121,7 @@ def test_a_hung_compiler_is_killed_with_its_children_at_the_build_timeout(tmp_pa
     monkeypatch.setattr(host_library, "BUILD_TIMEOUT_S", 1.0)
     start = time.monotonic()
     try:
-        assert host_library.load("host_plan", KernelCache(tmp_path / "cache")) is None
+        assert load_host_plan(KernelCache(tmp_path / "cache")) is None
         elapsed = time.monotonic() - start
         pid = int(pid_file.read_text())
         deadline = time.monotonic() + 5

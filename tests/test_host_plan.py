@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit import host_library
+from flashjit.serving.host_plan import load_host_plan
 from flashjit.serving.buffers import Capacity, PlanBuffers
-from flashjit.serving.host_planner import HostPlanner, NativeTables, NumpyTables
-from flashjit.serving.split_plan import WorkPlan
+from flashjit.worklist.host import HostPlanner, NativeTables, NumpyTables
+from flashjit.worklist.split import WorkPlan
 
 CPU = torch.device("cpu")
 
@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 def library(tmp_path_factory):
     from flashjit.jit.cache import KernelCache
 
-    lib = host_library.load("host_plan", KernelCache(tmp_path_factory.mktemp("host-cache")))
+    lib = load_host_plan(KernelCache(tmp_path_factory.mktemp("host-cache")))
     if lib is None:
         pytest.skip("no C compiler: plan() uses the numpy planner here")
     return lib

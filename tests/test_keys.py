@@ -45,6 +45,18 @@ def test_host_library_key_is_pinned(monkeypatch):
     assert host_library.library_key(b"int a;", ["/usr/bin/gcc", "-m64"]) == "155e40931c9badbba94583e09c33e41e"
 
 
+def test_the_host_planners_flags_are_the_ones_its_library_key_always_had(monkeypatch):
+    """The C planner is built with the base flags and its defines, in this order: the key of a
+    library built before its source moved to worklist/native/ is the key it has now."""
+    from flashjit.worklist.record import HOST_PLAN_DEFINES
+
+    assert (*host_library.CFLAGS, *HOST_PLAN_DEFINES) == (*CFLAGS, "-DFJ_ITEM_INTS=12")
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert host_library.library_key(b"int a;", ["/usr/bin/gcc"], HOST_PLAN_DEFINES) == \
+        keys.library_key(b"int a;", ["/usr/bin/gcc"], (*CFLAGS, "-DFJ_ITEM_INTS=12"))
+
+
 def test_keys_module_computes_the_same_keys(monkeypatch):
     """keys.index_key and keys.library_key are what the engine and host_library hash."""
     monkeypatch.setattr(platform, "system", lambda: "Linux")

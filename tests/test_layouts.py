@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from flashjit import CompileError, DecodeSpec
-from flashjit.jit import layouts
+from flashjit.kernels import layouts
 from flashjit.jit.compile import compile_source
-from flashjit.jit.mla_spec import MLASpec
-from flashjit.jit.mla_tiling import mla_tiling
+from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.mla.tiling import mla_tiling
 from flashjit.jit.render import render
-from flashjit.jit.tiling import decode_tiling
+from flashjit.kernels.decode.tiling import decode_tiling
 
 FP8 = DecodeSpec(128, kv_dtype="e4m3", group_size=4, arch="sm_90")
 SHARED = DecodeSpec(64, group_size=4, arch="sm_90", shared_prefix=True)  # the warpgroup kernel

@@ -13,8 +13,8 @@ import flashjit
 from flashjit import Engine, MergeSpec, SpecError, merge_state, merge_states
 from flashjit.deploy.cli_kernels import collect_specs
 from flashjit.jit.compile import compile_source
-from flashjit.jit.merge_kernel import MERGE_STATES_ENTRY, MergeStatesKernel
-from flashjit.jit.render import render_merge_states
+from flashjit.kernels.merge_states.kernel import MERGE_STATES_ENTRY, MergeStatesKernel
+from flashjit.jit.render import render as render_merge_states
 from flashjit.serving.merge_states import merge_states_torch
 
 NEG_INF = float("-inf")

@@ -16,21 +16,22 @@ import torch
 from flashjit import SpecError
 from flashjit.deploy.hf_mla import is_mla_config, read_mla_config
 from flashjit.deploy.manifest import ManifestError
-from flashjit.jit import abi
+from flashjit.kernels.mla import args as mla_args
+from flashjit.worklist.record import PlanArgs
 from flashjit.jit.compile import compile_source
-from flashjit.jit.families import mask_of, source_of, spec_from_name, tiling_of, variant_of
-from flashjit.jit.merge_spec import MergeSpec
-from flashjit.jit.kernel import LoadedKernel
-from flashjit.jit.mla_spec import MLASpec
-from flashjit.jit.spec import DecodeSpec
-from flashjit.jit.mla_tiling import MLA_TUNING, cta_rows, mla_tiling
-from flashjit.jit.spec import dynamic_shared_limit
+from flashjit.jit.family import mask_of, source_of, spec_from_name, tiling_of, variant_of
+from flashjit.kernels.merge_states.spec import MergeSpec
+from flashjit.kernels.worklist_kernel import LoadedKernel
+from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.decode.spec import DecodeSpec
+from flashjit.kernels.mla.tiling import MLA_TUNING, cta_rows, mla_tiling
+from flashjit.jit.arch import dynamic_shared_limit
 from flashjit.jit.render import render
 from flashjit.serving.batch_mla import BatchDecodeMLA
-from flashjit.serving.host_planner import HostPlanner, item_records
+from flashjit.worklist.host import HostPlanner, item_records
 from flashjit.serving.mla_reference import mla_reference
 from flashjit.serving.quantize import quantize_latent
-from flashjit.serving.split_plan import plan_work
+from flashjit.worklist.split import plan_work
 
 from test_cli import run
 
@@ -55,7 +56,7 @@ def test_spec_normalizes_and_names():
 
 
 def test_families_tell_the_three_spec_types_apart():
-    """One engine path: each family's mask, variant, tiling and source come from jit/families.py."""
+    """One engine path: each family's mask, variant, tiling and source come from its KernelFamily (jit/family.py)."""
     mla, merge = MLASpec(16, arch="sm_90"), MergeSpec("float16", "sm_90")
     decode = DecodeSpec(head_dim=64, mask="causal", variant="sinks", arch="sm_90")
     assert (mask_of(mla).name, variant_of(mla).name) == ("causal", "none") and tiling_of(mla).entry == "flashjit_mla"
@@ -111,12 +112,23 @@ def test_tiling_shapes(heads, q_len, rows, row_tiles, kv):
 def test_tuning_rows_cover_every_shape():
     for fp8 in (False, True):
         for rows in (16, 32, 64):
-            assert MLA_TUNING.row(fp8, rows).key == (fp8, rows, False)
-    assert MLA_TUNING.row(False, 64, wgmma=True).key == (False, 64, True)
+            assert MLA_TUNING.row(fp8, rows).key == (None, fp8, rows, False)  # every arch's rows
+    assert MLA_TUNING.row(False, 64, wgmma=True).key == (None, False, 64, True)
     assert MLA_TUNING.with_rows(rows=64, stages=2).row(True, 64).stages == 2
     swept = MLA_TUNING.with_rows(rows=64, warps=4)  # the mma.sync rows only, unless wgmma=True
     assert swept.row(False, 64, wgmma=True).warps == 8 and swept.row(False, 64).warps == 4
     assert MLA_TUNING.with_rows(wgmma=True, stages=3).row(False, 64, wgmma=True).stages == 3
+
+
+def test_a_row_tuned_for_one_arch_serves_that_arch_only():
+    """A new GPU's constants are a row keyed by its arch: its specs take it, other archs keep theirs."""
+    import dataclasses
+
+    tuned = dataclasses.replace(MLA_TUNING.row(False, 16), arch="sm_100", stages=4)
+    table = dataclasses.replace(MLA_TUNING, rows=MLA_TUNING.rows + (tuned,))
+    assert table.row(False, 16, arch="sm_100") is tuned and table.row(False, 16, arch="sm_90").stages == 2
+    spec = MLASpec(16, arch="sm_100")
+    assert mla_tiling(spec, table).stages == 4 and mla_tiling(spec.replace(arch="sm_90"), table).stages == 2
 
 
 # ---- render and compile ----------------------------------------------------------------------
@@ -127,9 +139,9 @@ def test_render_has_constants_abi_checks_and_entry():
     assert source.startswith(f"// flashjit ") and spec.name in source.splitlines()[0]
     assert "constexpr int GROUP_SIZE = 128;" in source and "constexpr int QK_DIM = 576;" in source
     assert "typedef fj::e4m3_t kv_t;" in source and "flashjit_mla(mla::Args args)" in source
-    assert f'sizeof(mla::Args) == {ctypes.sizeof(abi.MLAArgs)}' in source
-    assert source.count("static_assert(FJ_OFFSETOF(mla::Args,") == len(abi.MLAArgs._fields_)
-    assert source.count("static_assert(FJ_OFFSETOF(plan::Args,") == len(abi.PlanArgs._fields_)
+    assert f'sizeof(mla::Args) == {ctypes.sizeof(mla_args.MLAArgs)}' in source
+    assert source.count("static_assert(FJ_OFFSETOF(mla::Args,") == len(mla_args.MLAArgs._fields_)
+    assert source.count("static_assert(FJ_OFFSETOF(plan::Args,") == len(PlanArgs._fields_)
     assert "void __launch_bounds__(128) flashjit_merge" not in source and "merge::" not in source  # fused
     assert render(spec) == source  # deterministic
 
@@ -152,8 +164,8 @@ def test_abi_struct_mismatch_fails_the_compile(monkeypatch):
     class Wrong(ctypes.Structure):
         _c_name_ = "mla::Args"
         _fields_ = [("q_nope", ctypes.c_void_p), ("q_pe", ctypes.c_void_p)] + [
-            f for f in abi.MLAArgs._fields_ if f[0] not in ("q_nope", "q_pe")]
-    monkeypatch.setattr(abi, "MLAArgs", Wrong)
+            f for f in mla_args.MLAArgs._fields_ if f[0] not in ("q_nope", "q_pe")]
+    monkeypatch.setattr(mla_args, "MLAArgs", Wrong)
     spec = COMPILED[0]
     from flashjit.errors import CompileError
 

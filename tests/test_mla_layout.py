@@ -1,6 +1,6 @@
 """The MLA kernel's tensor-core layouts, emulated lane by lane on the CPU.
 
-templates/include/mla.cuh computes S = Q K^T and O += P V with ldmatrix and mma.sync m16n8k16
+templates/mla/mma.cuh computes S = Q K^T and O += P V with ldmatrix and mma.sync m16n8k16
 from swizzled shared memory. This test replays the same lane arithmetic (each formula below is the
 kernel's, term for term) over PTX's definitions of ldmatrix (.x4, with and without .trans) and of
 the MMA's A, B and C fragments, for every CTA shape the tiling makes, and checks the products
@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.jit.layouts import mla_loader, mla_loader_threads, mla_warps
-from flashjit.jit.layouts import mla_swizzled as swizzled
-from flashjit.jit.mla_spec import MLASpec
-from flashjit.jit.mla_tiling import MLA_TUNING, mla_tiling
+from flashjit.kernels.layouts import mla_loader, mla_loader_threads, mla_warps
+from flashjit.kernels.layouts import mla_swizzled as swizzled
+from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.mla.tiling import MLA_TUNING, mla_tiling
 
 QK, LATENT, ROW_ELEMS = 576, 512, 576  # a 16-bit row: 576 values, 72 chunks of 8
 
@@ -165,7 +165,7 @@ def test_scores_and_outputs_match_numpy(t):
 
 @pytest.mark.parametrize("kv", ["bf16", "e4m3"])
 def test_loader_covers_every_chunk_of_a_stage_once(kv):
-    """LatentCopies: TPK threads per row, CPT chunks each, KPP rows per pass (mla.cuh); the CTA's
+    """LatentCopies: TPK threads per row, CPT chunks each, KPP rows per pass (mla/mma.cuh); the CTA's
     threads copy, or in the wgmma kernel (128 heads over 16-bit latents on sm_90) warpgroup 1's."""
     for heads in (16, 128):
         t = mla_tiling(MLASpec(num_heads=heads, kv_dtype=kv, arch="sm_90"))

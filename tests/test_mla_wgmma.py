@@ -1,8 +1,8 @@
-"""The MLA warpgroup kernel (templates/include/mla_wgmma.cuh) on the CPU: which specs take it and
+"""The MLA warpgroup kernel (templates/mla/wgmma.cuh) on the CPU: which specs take it and
 the arch they compile for, its rendered source and NVRTC compile, and its shared-memory operands.
 
 The operand test places Q, a stage of latent rows and P where the kernel's copies put them
-(mla.cuh's operand_offset, the P stores), builds the kernel's matrix descriptors for every MMA it
+(mla/mma.cuh's operand_offset, the P stores), builds the kernel's matrix descriptors for every MMA it
 issues (each formula below is the kernel's, term for term), reads the operands back through the
 PTX ISA's canonical 128-byte-swizzled layouts (K-major for Q, K and P; N-major for V) and checks
 that the MMAs compute Q K^T and P V. Both warpgroups' P in registers (warpgroup 0's from its scores,
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from flashjit.jit.compile import compile_source
-from flashjit.jit.mla_spec import MLASpec
-from flashjit.jit.mla_tiling import SWIZZLE_ATOM, WGMMA_ROWS, mla_tiling, uses_wgmma
+from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.mla.tiling import SWIZZLE_ATOM, WGMMA_ROWS, mla_tiling, uses_wgmma
 from flashjit.jit.render import render
-from flashjit.jit.spec import dynamic_shared_limit
+from flashjit.jit.arch import dynamic_shared_limit
 
 
 QK, LATENT = 576, 512
@@ -72,15 +72,15 @@ M, TILE = 64, 64
 Q_BLOCK, KV_BLOCK, HALF = M * 128, TILE * 128, LATENT // 2
 
 
-def swizzled(row: int, chunk: int) -> int:  # mla.cuh
+def swizzled(row: int, chunk: int) -> int:  # mla/mma.cuh
     return chunk ^ (row & 7)
 
 
-def operand_offset(rows_in: int, row: int, chunk: int) -> int:  # mla.cuh, cfg::WGMMA
+def operand_offset(rows_in: int, row: int, chunk: int) -> int:  # mla/mma.cuh, cfg::WGMMA
     return (chunk // 8) * (rows_in * 128) + row * 128 + swizzled(row, chunk % 8) * 16
 
 
-def smem_operand(at: int, lead: int) -> int:  # mla_wgmma.cuh
+def smem_operand(at: int, lead: int) -> int:  # mla/wgmma.cuh
     return ((at & 0x3FFFF) >> 4) | ((lead >> 4) << 16) | ((SWIZZLE_ATOM >> 4) << 32) | (1 << 62)
 
 

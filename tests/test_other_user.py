@@ -21,6 +21,8 @@ import pytest
 
 from flashjit.deploy.bundle import export_bundle, import_bundle
 from flashjit.jit import host_library
+from flashjit.serving.host_plan import load_host_plan
+from flashjit.worklist.record import HOST_PLAN_DEFINES, HOST_PLAN_SOURCE
 from flashjit.jit.cache import KernelCache
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root (CI runs as root)")
@@ -36,6 +38,7 @@ from flashjit import DecodeSpec, Engine, KernelNotPrewarmed
 from flashjit.jit import compile as compile_module, host_library
 from flashjit.jit.cache import KernelCache
 from flashjit.jit.render import render
+from flashjit.serving.host_plan import load_host_plan
 
 cache_dir, spec = sys.argv[1], DecodeSpec.from_name(sys.argv[2])
 compile_module.compiler_fingerprint()
@@ -67,7 +70,7 @@ def not_built(*args):
 
 
 host_library._build = not_built
-library = host_library.load("host_plan", KernelCache(cache_dir))
+library = load_host_plan(KernelCache(cache_dir))
 report["host_library"] = None if library is None else library._name
 report["warnings"] = messages
 print(json.dumps(report))
@@ -102,8 +105,8 @@ def imported_as_root(warm, tmp_path, cache_dir: Path) -> Path:
     bundle = export_bundle(tmp_path / "kernels.tar.gz", warm.cache_dir).path
     import_bundle(bundle, cache_dir)
     if host_library.compiler() is not None:
-        host_library._loaded.pop(("host_plan", str(KernelCache(cache_dir).base)), None)
-        assert host_library.load("host_plan", KernelCache(cache_dir)) is not None
+        host_library._loaded.pop((str(HOST_PLAN_SOURCE), HOST_PLAN_DEFINES, str(KernelCache(cache_dir).base)), None)
+        assert load_host_plan(KernelCache(cache_dir)) is not None
     return cache_dir
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.serving.split_plan import MIN_CHUNK_TOKENS, WorkPlan, choose_chunk, estimate_time, plan_work
+from flashjit.worklist.split import MIN_CHUNK_TOKENS, WorkPlan, choose_chunk, estimate_time, plan_work
 from planner_oracle import reference_choose_chunk, reference_estimate_time, reference_plan_work
 
 GRANULARITIES = (1, 16, 32, 64, 48)

@@ -108,7 +108,7 @@ def test_window_left_given_twice_is_refused_naming_both(planner):
 
 @pytest.mark.parametrize("host_planner", ["native", "numpy"])
 def test_qo_indptr_and_q_len_together_are_refused_naming_both(planner, host_planner):
-    from flashjit.serving.host_planner import HostPlanner
+    from flashjit.worklist.host import HostPlanner
     from test_decode_plan import native_library
 
     if host_planner == "native" and native_library() is None:

@@ -18,7 +18,7 @@ import torch
 
 from flashjit import validation
 from flashjit.masks.registry import register_mask
-from flashjit.serving.host_planner import HostPlanner
+from flashjit.worklist.host import HostPlanner
 from test_decode_plan import CPU, cpu_decoder, native_library, planner, tables  # noqa: F401  (planner: a fixture)
 from test_decode_run import launches  # noqa: F401  (a fixture)
 

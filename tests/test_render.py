@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from flashjit import DecodeSpec, TemplateError, register_mask
-from flashjit.jit.render import ENTRY_TEMPLATE, render, template_root
-from flashjit.jit.tiling import decode_tiling
+from flashjit.kernels.decode.family import ENTRY_TEMPLATE
+from flashjit.jit.render import render, template_root
+from flashjit.kernels.decode.tiling import decode_tiling
 
 
 def user_mask(tmp_path, name: str, text: str):
@@ -161,14 +162,13 @@ def test_every_entry_point_waits_for_the_previous_kernel_before_anything_else(fa
     CTAs may start before the previous kernel's writes land, so each entry point's first statement
     (after the timeline's stamp) is the wait. flashjit_merge reads the plan's arrays first, which the
     decode kernel it waits for does not write: merge::locate reads those and nothing else."""
-    from flashjit.jit.merge_spec import MergeSpec
-    from flashjit.jit.mla_spec import MLASpec
-    from flashjit.jit.render import render_merge_states
+    from flashjit.kernels.merge_states.spec import MergeSpec
+    from flashjit.kernels.mla.spec import MLASpec
 
     if family == "mla":
         source = render(MLASpec(16, arch="sm_90"))
     elif family == "merge states":
-        source = render_merge_states(MergeSpec("bf16", "sm_90"))
+        source = render(MergeSpec("bf16", "sm_90"))
     else:
         source = render(DecodeSpec(128, group_size=4, arch="sm_90", shared_prefix=family == "shared prefix",
                                    tensor_cores=family != "cuda cores"))
@@ -220,3 +220,59 @@ def test_kernels_that_pack_heads_have_a_packed_entry_point_alike_but_for_its_att
         assert bodies["flashjit_decode_packed"] == plain.replace("decode::attend(", "decode::attend_packed(").replace(
             "prefetch_plan<1>", "prefetch_plan<cfg::OWN_HEAD_PACK>")
         assert "decode::attend_packed(" in bodies["flashjit_decode_packed"]
+
+
+HEADERS = sorted(path for path in template_root().rglob("*.cuh"))
+
+
+@pytest.mark.parametrize("path", HEADERS, ids=lambda p: str(p.relative_to(template_root())))
+def test_every_header_states_the_headers_it_needs(path):
+    """Each header's first line names what must be pasted before it: headers that exist, none that
+    needs it in turn (the order the entry templates paste them is one the needs allow)."""
+    from flashjit.jit.render import NEEDS, header_needs
+
+    root = template_root()
+    first = path.read_text().partition("\n")[0]
+    assert first.startswith(NEEDS), f"{path.name}: the first line is not '{NEEDS} ...'"
+    needs, _ = header_needs(path.read_text())
+    name = str(path.relative_to(root))
+    for need in needs:
+        assert (root / need).is_file(), f"{name} needs {need}, which is not a template"
+        assert name not in header_needs((root / need).read_text())[0], f"{name} and {need} need each other"
+
+
+def test_the_needs_line_stays_out_of_the_source():
+    for spec in (DecodeSpec(128, group_size=4, arch="sm_90"), DecodeSpec(128, arch="sm_80", tensor_cores=False)):
+        source = render(spec)
+        assert "//! needs:" not in source and "// flashjit prelude: self-contained" in source
+
+
+def test_a_header_pasted_before_what_it_needs_is_an_error(tmp_path, monkeypatch):
+    """A template that pastes the decode kernel before the work-list core it builds on fails to
+    render, naming both."""
+    from flashjit.jit import render as render_module
+
+    entry = template_root() / "decode" / "entry.cu.j2"
+    text = entry.read_text()
+    core = '{{ header("worklist/kernel_core.cuh") }}\n'
+    assert core in text
+    wrong = text.replace(core, "").replace('{{ header("worklist/device_plan.cuh") }}',
+                                           '{{ header("worklist/device_plan.cuh") }}\n' + core.strip())
+    monkeypatch.setattr(render_module.environment().loader, "get_source",
+                        _serving(render_module.environment().loader.get_source, "decode/entry.cu.j2", wrong))
+    render_module.environment().cache.clear()
+    try:
+        with pytest.raises(TemplateError, match="needs .*worklist/kernel_core.cuh pasted before it"):
+            render(DecodeSpec(128, arch="sm_80", tensor_cores=False))
+    finally:
+        monkeypatch.undo()
+        render_module.environment().cache.clear()
+
+
+def _serving(get_source, name, text):
+    """get_source, with one template's text replaced."""
+    def patched(environment, asked):
+        if asked == name:
+            return text, name, lambda: False
+        return get_source(environment, asked)
+    return patched

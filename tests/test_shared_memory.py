@@ -7,10 +7,10 @@ import pytest
 
 from flashjit import DecodeSpec
 from flashjit.errors import SpecError
-from flashjit.jit.mla_spec import MLASpec
-from flashjit.jit.mla_tiling import mla_tiling
-from flashjit.jit.spec import ARCHS, BLOCK_SHARED_BYTES, dynamic_shared_limit
-from flashjit.jit.tiling import decode_tiling
+from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.mla.tiling import mla_tiling
+from flashjit.jit.arch import ARCHS, BLOCK_SHARED_BYTES, dynamic_shared_limit
+from flashjit.kernels.decode.tiling import decode_tiling
 
 
 def test_a_decode_kernel_past_its_archs_shared_memory_is_refused_naming_where_it_fits():

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit.abi import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
-from flashjit.serving.host_planner import HostPlanner, NativeSharedTables
-from flashjit.serving.shared_plan import SharedTables, plan_shared_work
-from flashjit.serving.shared_prefix import find_shared_spans
+from flashjit.worklist.record import ITEM_INTS, MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
+from flashjit.worklist.host import HostPlanner, NativeSharedTables
+from flashjit.worklist.shared import SharedTables, plan_shared_work
+from flashjit.worklist.spans import find_shared_spans
 from test_decode_plan import native_library
 from test_shared_prefix import PAGE, page_table, random_tree
 

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from flashjit.jit.abi import MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
+from flashjit.worklist.record import MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
 from flashjit.serving import graph_mode
-from flashjit.serving.host_planner import HostPlanner, item_records
-from flashjit.serving.shared_plan import (HEAD_PACK_MAX_TILES, members_per_record, plan_shared_work, record_tiles,
+from flashjit.worklist.host import HostPlanner, item_records
+from flashjit.worklist.shared import (HEAD_PACK_MAX_TILES, members_per_record, plan_shared_work, record_tiles,
                                           shared_chunks)
-from flashjit.serving.shared_prefix import find_shared_spans
+from flashjit.worklist.spans import find_shared_spans
 from test_decode_plan import DECODE_FN, PACKED_FN, cpu_decoder, native_library, planner  # noqa: F401 (a fixture)
 
 PAGE = 4

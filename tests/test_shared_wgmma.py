@@ -1,4 +1,4 @@
-"""The shared-prefix kernel's warpgroup path (templates/include/decode_tc.cuh, cfg::SHARED_WGMMA) on
+"""The shared-prefix kernel's warpgroup path (templates/decode/tc.cuh, cfg::SHARED_WGMMA) on
 the CPU: a stage laid out block-major as PagedKVStage::copy writes it, read back through the
 descriptors the kernel issues (S = Q K^T: K K-major; O += P V: V N-major) and through the
 ldmatrix addresses of the ordinary records in the same kernel."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashjit.jit import layouts
-from flashjit.jit.spec import DecodeSpec
-from flashjit.jit.tiling import SWIZZLE_ATOM, decode_tiling
+from flashjit.kernels import layouts
+from flashjit.kernels.decode.spec import DecodeSpec
+from flashjit.kernels.decode.tiling import SWIZZLE_ATOM, decode_tiling
 
 from test_mla_wgmma import read_k_major, read_n_major, smem_operand
 
@@ -50,7 +50,7 @@ def test_the_warpgroup_mmas_read_k_and_v_where_the_copies_put_them(head_dim):
     assert tiling.shared_wgmma and tiling.ring_align == SWIZZLE_ATOM
     tile, pitch, stage = tiling.tile_tokens, tiling.k_pitch, tiling.stages - 1
     assert tile == 64 and pitch == head_dim * 2 and tiling.v_pitch == pitch
-    row_block = tile * 128  # decode_tc.cuh's ROW_BLOCK
+    row_block = tile * 128  # decode/tc.cuh's ROW_BLOCK
     rng = np.random.default_rng(head_dim)
     kv = rng.integers(-4, 5, (tile, head_dim)).astype(np.float64)
     q = rng.integers(-4, 5, (64, head_dim)).astype(np.float64)
@@ -80,7 +80,7 @@ def ldmatrix_rows(memory: np.ndarray, addresses: list[int]) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_ordinary_records_ldmatrix_the_block_major_stage(head_dim):
-    """decode_tc.cuh's k_ld and v_ld with K_ROW = V_ROW = 128 and ROW_BLOCK = TILE x 128: each warp's
+    """decode/tc.cuh's k_ld and v_ld with K_ROW = V_ROW = 128 and ROW_BLOCK = TILE x 128: each warp's
     slice of 16 keys, every k-step of K and n-tile pair of V, reads the keys and dims it multiplies."""
     spec = DecodeSpec(head_dim, "bf16", group_size=4, page_size=16, arch="sm_90", tensor_cores=True,
                       shared_prefix=True)

@@ -14,8 +14,10 @@ import torch
 
 import flashjit
 from flashjit import DecodeSpec, SpecError
-from flashjit.jit import spec as spec_module
-from flashjit.jit.spec import ARCHS, HEAD_DIMS
+from flashjit.jit import arch as arch_module
+from flashjit.kernels.decode import spec as spec_module
+from flashjit.jit.arch import ARCHS
+from flashjit.kernels.decode.spec import HEAD_DIMS
 
 
 @pytest.mark.parametrize("value", ["bf16", "bfloat16", "BF16", torch.bfloat16, "torch.bfloat16"])
@@ -89,7 +91,7 @@ def test_spec_error_is_a_value_error_and_a_flashjit_error():
 
 
 def test_missing_arch_without_gpu_raises(monkeypatch):
-    monkeypatch.setattr(spec_module, "current_arch", lambda: None)  # as on a GPU-less machine
+    monkeypatch.setattr(arch_module, "current_arch", lambda: None)  # as on a GPU-less machine
     with pytest.raises(SpecError) as info:
         DecodeSpec(128)
     assert info.value.field == "arch" and info.value.value is None
@@ -97,14 +99,14 @@ def test_missing_arch_without_gpu_raises(monkeypatch):
 
 
 def test_missing_arch_uses_current_gpu(monkeypatch):
-    monkeypatch.setattr(spec_module, "current_arch", lambda: "sm_89")
+    monkeypatch.setattr(arch_module, "current_arch", lambda: "sm_89")
     assert DecodeSpec(128).arch == "sm_89"
 
 
 def test_current_arch_is_none_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert spec_module.current_arch() is None
+    assert arch_module.current_arch() is None
 
 
 ALL_FIELDS = [
@@ -246,9 +248,9 @@ def test_cached_keeps_no_failures():
 
 
 def test_cached_does_not_keep_specs_of_the_current_gpu(monkeypatch):
-    monkeypatch.setattr(spec_module, "current_arch", lambda: "sm_90")
+    monkeypatch.setattr(arch_module, "current_arch", lambda: "sm_90")
     assert cached(arch=None).arch == "sm_90"
-    monkeypatch.setattr(spec_module, "current_arch", lambda: "sm_80")
+    monkeypatch.setattr(arch_module, "current_arch", lambda: "sm_80")
     assert cached(arch=None).arch == "sm_80"
 
 

@@ -14,8 +14,8 @@ import itertools
 
 import pytest
 
-from flashjit.jit.spec import CUDA_CORE_HEAD_DIMS, HEAD_DIMS, TENSOR_CORE_HEAD_DIMS, DecodeSpec
-from flashjit.jit.tiling import TUNING, DecodeTiling, decode_tiling
+from flashjit.kernels.decode.spec import CUDA_CORE_HEAD_DIMS, DecodeSpec, HEAD_DIMS, TENSOR_CORE_HEAD_DIMS
+from flashjit.kernels.decode.tiling import DecodeTiling, TUNING, decode_tiling
 
 # Each family's tiling at group 16 (both kernels' row tiles), as a tuple of DecodeTiling's fields:
 # (tensor cores, K/V dtype, head_dim) -> tiling.
@@ -122,8 +122,8 @@ def test_a_shared_prefix_record_holds_a_row_tile_per_warp_where_a_warp_keeps_all
 
 def test_the_table_has_one_row_per_tensor_core_kernel_and_is_frozen():
     keys = [row.key for row in TUNING.tensor_cores]
-    assert sorted(keys) == sorted(itertools.product((False, True), TENSOR_CORE_HEAD_DIMS))
-    assert TUNING.row(True, 128).key == (True, 128)
+    assert sorted(keys) == sorted(itertools.product((None,), (False, True), TENSOR_CORE_HEAD_DIMS))
+    assert TUNING.row(True, 128).key == (None, True, 128) and TUNING.row(True, 128, "sm_90").key == (None, True, 128)
     with pytest.raises(KeyError, match="head_dim 32"):
         TUNING.row(False, 32)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -145,14 +145,24 @@ def test_a_passed_table_changes_the_tiling_and_leaves_the_default_alone():
     assert default == decode_tiling(spec, TUNING)
     assert (default.bdx, default.stages, default.l2_prefetch) == (128, 2, 128)
     # only the named row changes
-    assert [row for row in table.tensor_cores if row.key != (True, 128)] == [
-        row for row in TUNING.tensor_cores if row.key != (True, 128)]
+    assert [row for row in table.tensor_cores if row.key != (None, True, 128)] == [
+        row for row in TUNING.tensor_cores if row.key != (None, True, 128)]
     assert all(row.static_share == 50 for row in TUNING.with_rows(static_share=50).tensor_cores)
+
+
+def test_a_row_tuned_for_one_arch_serves_that_arch_only():
+    """A new GPU's constants are data: a row keyed by its arch, which its specs take and no other arch does."""
+    tuned = dataclasses.replace(TUNING.row(False, 128), arch="sm_100", stages=3)
+    table = dataclasses.replace(TUNING, tensor_cores=TUNING.tensor_cores + (tuned,))
+    assert table.row(False, 128, "sm_100") is tuned and table.row(False, 128, "sm_90") is TUNING.row(False, 128)
+    spec = DecodeSpec(128, group_size=4, arch="sm_100")
+    assert decode_tiling(spec, table).stages == 3 and decode_tiling(spec).stages == 2
+    assert decode_tiling(spec.replace(arch="sm_90"), table) == decode_tiling(spec.replace(arch="sm_90"))
     assert [row.stages for row in TUNING.with_rows(fp8=False, stages=5).tensor_cores] == [5, 5, 5, 5, 5, 4, 2, 2, 3, 3]
 
 
 def swizzled_chunk(row: int, chunk: int, row_chunks: int) -> int:
-    """decode_common.cuh swizzled_chunk: whole 128-byte blocks XOR row % 8; the last half block of a
+    """worklist/kernel_core.cuh swizzled_chunk: whole 128-byte blocks XOR row % 8; the last half block of a
     row of 8n + 4 chunks XORs (row / 2) % 4."""
     if row_chunks % 8 == 4 and chunk >= row_chunks - 4:
         return chunk ^ (row // 2 % 4)
@@ -231,7 +241,7 @@ def test_tiles_are_shared_only_where_the_fused_merge_resets_the_claims(kv_dtype,
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_16bit_ldmatrix_addresses_find_the_chunks_the_loader_swizzled(head_dim):
-    """decode_tc.cuh's ldmatrix addresses (a 128-byte block plus a chunk XORed in it) land where
+    """decode/tc.cuh's ldmatrix addresses (a 128-byte block plus a chunk XORed in it) land where
     PagedKVStage copied each row's chunk (swizzled_chunk), for every lane, k-step and n-tile pair,
     the half block of head_dim 96 included."""
     pitch, row_chunks, ksteps, ntiles = head_dim * 2, head_dim * 2 // 16, head_dim // 16, head_dim // 8

@@ -29,6 +29,8 @@ from flashjit.deploy.bundle import export_bundle
 from flashjit.errors import CacheError
 from flashjit.jit import cache as cache_module
 from flashjit.jit import host_library
+from flashjit.serving.host_plan import load_host_plan
+from flashjit.worklist.record import HOST_PLAN_DEFINES, HOST_PLAN_SOURCE
 from flashjit.jit.cache import KernelCache
 
 from conftest import fake_cubin
@@ -216,8 +218,8 @@ def planted_library(tmp_path_factory):
 
 
 def host_library_path(cache: KernelCache):
-    source = (host_library.SOURCE_DIR / "host_plan.c").read_bytes()
-    return cache.base / "host" / f"host_plan-{host_library.library_key(source, host_library.compiler())}.so"
+    source = HOST_PLAN_SOURCE.read_bytes()
+    return cache.base / "host" / f"host_plan-{host_library.library_key(source, host_library.compiler(), HOST_PLAN_DEFINES)}.so"
 
 
 def so_owned_by_nobody(target, library):
@@ -251,7 +253,7 @@ def test_a_planted_host_library_is_never_loaded(tmp_path, monkeypatch, caplog, p
     target = host_library_path(cache)
     target.parent.mkdir(parents=True, exist_ok=True)
     plant(target, library)
-    loaded = host_library.load("host_plan", cache)
+    loaded = load_host_plan(cache)
     assert not marker.exists(), "the planted library ran"
     assert loaded is not None and loaded.fj_plan is not None  # flashjit's own build, loaded instead
     assert any("host helper" in w and ("not loaded" in w or "not used" in w) for w in warnings_of(caplog))
@@ -302,7 +304,7 @@ def test_the_host_library_is_readable_by_other_users(tmp_path, monkeypatch):
     monkeypatch.setattr(host_library, "_loaded", {})
     monkeypatch.delenv("FLASHJIT_HOST_NATIVE", raising=False)
     cache = KernelCache(tmp_path / "cache")
-    assert host_library.load("host_plan", cache) is not None
+    assert load_host_plan(cache) is not None
     assert stat.S_IMODE(host_library_path(cache).stat().st_mode) == umasked(0o644)
     assert stat.S_IMODE(host_library_path(cache).parent.stat().st_mode) == umasked(0o755)
 

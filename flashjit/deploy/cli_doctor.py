@@ -33,7 +33,8 @@ def cmd_doctor(args) -> int:
     from ..jit.cache import KernelCache
     from ..jit.compile import compile_source, nvrtc_version
     from ..jit.render import render
-    from ..jit.spec import DecodeSpec, current_arch
+    from ..kernels.decode.spec import DecodeSpec
+    from ..jit.arch import current_arch
 
     ok = True
     rows = [("flashjit", __version__), ("python", f"{platform.python_version()} ({sys.executable})")]

@@ -1,7 +1,7 @@
 """`flashjit explain NAME`: what each part of a spec name means, and which plan() picks the kernel.
 
 The name is cut into its parts here only to say which part is wrong; the spec itself comes from
-the real parser (families.spec_from_name), whose field errors are reported against their part.
+the real parser (family.spec_from_name), whose field errors are reported against their part.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _extra(name: str, tokens: list) -> list:
 
 def parse(name: str):
     """(spec, family, parts): the spec from the real parser; a field it refuses is named with its part."""
-    from ..jit.families import spec_from_name
+    from ..jit.family import spec_from_name
 
     family, parts = split_name(name)
     try:

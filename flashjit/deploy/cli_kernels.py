@@ -18,7 +18,7 @@ ORIGIN = {"memory": "hit (memory)", "disk": "hit (disk)", "compiled": "compiled"
 def collect_specs(manifest, spec_names, arch_text) -> list:
     """The specs of a manifest and of --spec names (retargeted to every --arch when given), once each."""
     from .manifest import parse_arch_list, resolve_archs, specs_from_manifest
-    from ..jit.families import spec_from_name
+    from ..jit.family import spec_from_name
 
     specs = []
     if manifest:
@@ -147,15 +147,15 @@ def cmd_prewarm(args) -> int:
 
 def host_planner_status(engine) -> str:
     """Builds plan()'s C helper into the cache too, so the first plan() of a server does not."""
-    from ..jit.host_library import load
+    from ..serving.host_plan import load_host_plan
 
-    return "built (C)" if load("host_plan", engine.cache) is not None else "numpy (no C helper: see the warning)"
+    return "built (C)" if load_host_plan(engine.cache) is not None else "numpy (no C helper: see the warning)"
 
 
 # ---- show -------------------------------------------------------------------------------------
 
 def cmd_show(args) -> int:
-    from ..jit.families import mask_of, source_of, spec_from_name, variant_of
+    from ..jit.family import mask_of, source_of, spec_from_name, variant_of
 
     spec = spec_from_name(args.spec_name)
     sys.stdout.write(source_of(spec, mask_of(spec), variant_of(spec)))

@@ -31,7 +31,8 @@ import dataclasses
 from pathlib import Path
 
 from ..errors import SpecError
-from ..jit.spec import HEAD_DIMS, QUERY_DTYPES, normalize_dtype
+from ..jit.dtypes import QUERY_DTYPES, normalize_dtype
+from ..kernels.decode.spec import HEAD_DIMS
 from ..masks.variants import SOFT_CAP_RANGE
 from .input_files import (ManifestError, bool_field, dict_field, int_field, load_json, number_field, printable,
                           quote, str_field, str_list_field)

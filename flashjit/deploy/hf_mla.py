@@ -19,7 +19,7 @@ import itertools
 import math
 
 from ..errors import SpecError
-from ..jit.mla_spec import LATENT_DIMS, MAX_HEADS, ROPE_DIMS, MLASpec
+from ..kernels.mla.spec import LATENT_DIMS, MAX_HEADS, ROPE_DIMS, MLASpec
 from .hf_config import _config_dtype, _model_name, _positive_int, config_path, load_config
 from .input_files import ManifestError, dict_field, number_field, quote, str_field
 from .manifest import resolve_archs

@@ -27,7 +27,8 @@ import itertools
 from pathlib import Path
 
 from ..errors import SpecError
-from ..jit.spec import HEAD_DIMS, DecodeSpec, current_arch
+from ..jit.arch import current_arch
+from ..kernels.decode.spec import HEAD_DIMS, DecodeSpec
 from .input_files import INT32_MAX, ManifestError, load_toml, quote
 
 TOP_LEVEL_KEYS = ("archs", "model")

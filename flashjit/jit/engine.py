@@ -1,8 +1,7 @@
 """Engine: the one place that composes spec -> render -> compile -> cache -> Kernel.
 
-Every kernel family (jit/families.py) shares the lifecycle: a DecodeSpec or an MLASpec gives a
-Kernel (rendered with its mask and variant), a MergeSpec the MergeStatesKernel (no mask).
-families.mask_of, variant_of, source_of and make_kernel are where they differ.
+Every kernel family (jit/family.py, flashjit/kernels/) shares the lifecycle; the family's mask,
+variant, source and kernel object are where they differ, and the engine asks the family for each.
 
 get_kernel looks in memory, then in the cache index (no render, no NVRTC), then renders the source
 and obtains its cubin through the artifact lifecycle (artifact.obtain: disk, else compile under a
@@ -24,27 +23,22 @@ from pathlib import Path
 
 from .. import env
 from .._version import __version__
+from ..errors import KernelNotPrewarmed, SpecError
+from ..masks.registry import masks
+from ..masks.variants import variants
 from .artifact import obtain
 from .cache import KernelCache
 from .compile import CompiledKernel, compile_options, compile_source, compiler_fingerprint, nvrtc_version
-from ..errors import KernelNotPrewarmed, SpecError
+from .family import make_kernel, mask_of, source_of, variant_of
 from .keys import cache_key, index_key, portable_key
-from .kernel import Kernel
-from ..masks.registry import masks
-from ..masks.variants import variants
-from .families import make_kernel, mask_of, source_of, variant_of
-from .merge_kernel import MergeStatesKernel
-from .merge_spec import MergeSpec
-from .mla_spec import MLASpec
 from .render import templates_digest
-from .spec import DecodeSpec
 
 log = logging.getLogger("flashjit")
 
 
 @dataclasses.dataclass(frozen=True)
 class PrewarmResult:
-    spec: DecodeSpec | MLASpec | MergeSpec
+    spec: object     # a spec of any kernel family
     source: str      # "memory", "disk" or "compiled"
     seconds: float
 
@@ -58,7 +52,7 @@ def _capturing() -> bool:
 
 
 class Engine:
-    """Compiles, caches and hands out kernels of every family (DecodeSpec, MLASpec, MergeSpec: jit/families.py).
+    """Compiles, caches and hands out kernels of every registered family (jit/family.py).
 
     cache_dir: where compiled kernels live (else FLASHJIT_CACHE_DIR, else the user cache dir).
     template_dirs: folders of extra mask templates (NAME.cuh.j2), registered on construction.
@@ -70,13 +64,13 @@ class Engine:
         for folder in template_dirs:
             masks.add_template_dir(folder)
         self.allow_compile = (not env.no_compile()) if allow_compile is None else allow_compile
-        self._kernels: dict[DecodeSpec, Kernel] = {}
+        self._kernels: dict = {}  # spec -> its family's kernel object
         self._mask_generation = masks.generation  # the registrations _kernels was made under
-        self._key_locks: dict[DecodeSpec, threading.Lock] = {}
+        self._key_locks: dict = {}  # spec -> the lock its first build holds
         self._lock = threading.Lock()
 
-    def get_kernel(self, spec: DecodeSpec | MLASpec | MergeSpec) -> Kernel | MergeStatesKernel:
-        """The kernel of a DecodeSpec or an MLASpec (a Kernel) or of a MergeSpec (the MergeStatesKernel)."""
+    def get_kernel(self, spec):
+        """The kernel object of a spec of any family (KernelFamily.kernel)."""
         if self._mask_generation != masks.generation:
             self._forget_replaced_masks()
         kernel = self._kernels.get(spec)
@@ -99,11 +93,11 @@ class Engine:
                     del self._kernels[spec]
             self._mask_generation = generation
 
-    def source(self, spec: DecodeSpec | MLASpec | MergeSpec) -> str:
+    def source(self, spec) -> str:
         """The rendered CUDA source of a spec (what `flashjit show` prints)."""
         return source_of(spec, mask_of(spec), variant_of(spec))
 
-    def _resolve(self, spec: DecodeSpec) -> tuple[Kernel, str]:
+    def _resolve(self, spec) -> tuple[object, str]:
         with self._lock:
             key_lock = self._key_locks.setdefault(spec, threading.Lock())
         with key_lock:
@@ -128,7 +122,7 @@ class Engine:
             self._kernels[spec] = kernel
             return kernel, origin
 
-    def _indexed(self, spec: DecodeSpec, spec_key: str):
+    def _indexed(self, spec, spec_key: str):
         """(key, (cubin, meta)) through the index, or (None, None). An entry made for another spec
         (a damaged or foreign index file) is a miss, not a wrong kernel."""
         key = self.cache.lookup_index(spec_key)
@@ -137,7 +131,7 @@ class Engine:
             return None, None
         return key, hit
 
-    def cached_entry(self, spec: DecodeSpec) -> tuple[str, str] | None:
+    def cached_entry(self, spec) -> tuple[str, str] | None:
         """(index key, entry key) of the spec's verified entry in this engine's cache, or None.
 
         Never compiles; renders (and loads NVRTC) only when the index does not know the spec.
@@ -180,7 +174,7 @@ def _spec_key(spec, mask, variant=None) -> str:
                      compiler_fingerprint(), variant)
 
 
-def _entry_key(spec: DecodeSpec, source: str) -> str:
+def _entry_key(spec, source: str) -> str:
     """Entry key (keys.cache_key) of a rendered source, for this process's NVRTC."""
     return cache_key(source, spec.arch, compile_options(spec.compile_arch), nvrtc_version(), __version__)
 
@@ -196,7 +190,7 @@ class _Cubin:
 
     cache: KernelCache
     allow_compile: bool
-    spec: DecodeSpec
+    spec: object
     source: str
     key: str = dataclasses.field(init=False)
 
@@ -256,25 +250,40 @@ class _Cubin:
 
 
 def _registered_in_python(spec) -> str:
-    if isinstance(spec, MergeSpec):
+    mask = mask_of(spec)
+    if mask is None:
         return ""
-    template = Path(masks.get(spec.mask).template)
+    template = Path(mask.template)
     if template.is_absolute() and template.name != f"{spec.mask}.cuh.j2":
         return (f" (mask {spec.mask!r} is registered from Python with {template}: run the prewarm where it is "
                 "registered too, e.g. engine.prewarm([spec]) in a process that registers it)")
     return ""
 
 
-def prewarm_command(spec: DecodeSpec, cache_dir) -> str:
+def prewarm_command(spec, cache_dir) -> str:
     """A shell line that builds the spec into cache_dir: quoted, so it can be pasted verbatim.
 
     A mask loaded from a template folder (FLASHJIT_TEMPLATE_PATH, template_dirs) needs that folder
     in the command's environment too; a built-in mask needs nothing.
     """
     command = f"flashjit prewarm --spec {shlex.quote(spec.name)} --cache-dir {shlex.quote(str(cache_dir))}"
-    if isinstance(spec, MergeSpec):
+    mask = mask_of(spec)
+    if mask is None:
         return command
-    template = Path(masks.get(spec.mask).template)
+    template = Path(mask.template)
     if template.is_absolute() and template.name == f"{spec.mask}.cuh.j2":  # what a template-folder scan finds
         command = f"FLASHJIT_TEMPLATE_PATH={shlex.quote(str(template.parent))} {command}"
     return command
+
+
+_default_engine: Engine | None = None
+_default_engine_lock = threading.Lock()
+
+
+def default_engine() -> Engine:
+    """The process-wide engine (FLASHJIT_CACHE_DIR, FLASHJIT_NO_COMPILE) every API uses by default."""
+    global _default_engine
+    with _default_engine_lock:
+        if _default_engine is None:
+            _default_engine = Engine()
+        return _default_engine

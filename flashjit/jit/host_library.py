@@ -1,5 +1,6 @@
-"""Host-side C helpers (flashjit/serving/native/*.c): built once with the system C compiler, kept in
-the kernel cache folder, loaded with ctypes.
+"""Host-side C helpers (such as the work list's worklist/native/host_plan.c): built once with the
+system C compiler, kept in the kernel cache folder, loaded with ctypes. The caller names the source
+file and the defines it is built with; nothing here knows which helpers exist.
 
 Each library goes through the artifact lifecycle (artifact.py), as cubins do: load
 `<cache>/v1/host/<name>-<key>.so`, else build it under the cache's file lock (two processes build
@@ -39,23 +40,21 @@ from pathlib import Path
 
 from .. import env
 from . import keys, trusted_files
-from .abi import ITEM_INTS
 from .artifact import obtain
 from .cache import SCHEMA, KernelCache, LockBusy, atomic_file
 
 log = logging.getLogger("flashjit")
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "serving" / "native"
 # No -ffast-math, and no fused multiply-adds: the helpers must round exactly as the Python references.
-# -DFJ_ITEM_INTS: the work-item record width of abi.py, which host_plan.c refuses to build without.
-CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math", f"-DFJ_ITEM_INTS={ITEM_INTS}")
+# A helper's defines follow these (host_plan.c: worklist.record.HOST_PLAN_DEFINES).
+CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99", "-ffp-contract=off", "-fno-fast-math")
 LIBS = ("-lm",)
 BUILD_TIMEOUT_S = 60.0  # a build of one helper takes about a second; a compiler past this is hung
 HOST_LOCK_WAIT_S = 5.0  # how long another process's build is waited for before using numpy instead
 MAX_LIBRARY_BYTES = 64 << 20
 FALLBACK = "flashjit uses its numpy version instead (the same results, slower: ~100 us per plan() for host_plan)"
 
-_loaded: dict[tuple, ctypes.CDLL | None] = {}  # (name, cache folder) -> the outcome of the first load
+_loaded: dict[tuple, ctypes.CDLL | None] = {}  # (source, defines, cache folder) -> the first load's outcome
 _load_lock = threading.Lock()
 
 
@@ -78,9 +77,9 @@ def compiler() -> list[str] | None:
     return [program, *command[1:]] if program else None
 
 
-def library_key(source: bytes, cc: list[str]) -> str:
-    """keys.library_key of a helper built with cc and CFLAGS."""
-    return keys.library_key(source, cc, CFLAGS)
+def library_key(source: bytes, cc: list[str], defines=()) -> str:
+    """keys.library_key of a helper built with cc, CFLAGS and its defines."""
+    return keys.library_key(source, cc, (*CFLAGS, *defines))
 
 
 @dataclasses.dataclass
@@ -141,17 +140,19 @@ class SharedLibrary:
         return ctypes.CDLL(str(self._trusted_path()))
 
 
-def load(name: str, cache: KernelCache | None = None) -> ctypes.CDLL | None:
-    """The helper native/<name>.c as a loaded library, or None (with one warning) when it cannot
-    be built or loaded. The first outcome per cache folder is kept for the process."""
-    key = (name, None if cache is None else str(cache.base))
+def load(source: Path, cache: KernelCache | None = None, defines=()) -> ctypes.CDLL | None:
+    """The helper built from the C file source (with -D defines) as a loaded library, or None (with
+    one warning) when it cannot be built or loaded. The first outcome per source and cache folder
+    is kept for the process."""
+    key = (str(source), tuple(defines), None if cache is None else str(cache.base))
     with _load_lock:
         if key not in _loaded:
-            _loaded[key] = _build_and_load(name, cache)
+            _loaded[key] = _build_and_load(Path(source), cache, tuple(defines))
         return _loaded[key]
 
 
-def _build_and_load(name: str, cache: KernelCache | None) -> ctypes.CDLL | None:
+def _build_and_load(source: Path, cache: KernelCache | None, defines: tuple) -> ctypes.CDLL | None:
+    name = source.stem
     if not env.host_native():
         return None
     cc = compiler()
@@ -159,15 +160,15 @@ def _build_and_load(name: str, cache: KernelCache | None) -> ctypes.CDLL | None:
         log.warning("no C compiler (CC=%r; set CC, or install cc) to build flashjit's host helper %s: %s",
                     env.cc(), name, FALLBACK)
         return None
-    source = SOURCE_DIR / f"{name}.c"
-    file_name = f"{name}-{library_key(source.read_bytes(), cc)}.so"
+    flags = (*CFLAGS, *defines)
+    file_name = f"{name}-{library_key(source.read_bytes(), cc, defines)}.so"
     try:
         if cache is not None and not cache.writable:  # a read-only cache still serves what it holds
-            held = SharedLibrary([*cc, *CFLAGS], source, cache.base / "host" / file_name, cache, LIBS).load()
+            held = SharedLibrary([*cc, *flags], source, cache.base / "host" / file_name, cache, LIBS).load()
             if held is not None:
                 return held
         folder, lock_cache = _library_folder(cache)
-        return obtain(SharedLibrary([*cc, *CFLAGS], source, folder / file_name, lock_cache, LIBS))[0]
+        return obtain(SharedLibrary([*cc, *flags], source, folder / file_name, lock_cache, LIBS))[0]
     except LockBusy as exc:
         log.warning("flashjit's host helper %s is being built by another process (%s): %s", name, exc, FALLBACK)
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:

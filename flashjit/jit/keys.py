@@ -23,13 +23,13 @@ cache_key(source, arch, options, nvrtc_version, flashjit_version): a cache entry
 
 index_key(spec, mask, templates_digest, flashjit_version, options, compiler_fingerprint, variant):
 the spec -> entry key shortcut, which finds an entry without rendering or loading NVRTC.
-  * spec (its repr): every field shapes the source; the class name in the repr keeps a DecodeSpec
-    and a MergeSpec apart.
+  * spec (its repr): every field shapes the source; the class name in the repr keeps the specs of
+    two families apart.
   * mask.name, mask.template, mask.params: which template renders the hooks and with which
     runtime parameters; a mask registered anew under the same name differs here. A spec without
-    a mask (MergeSpec, mask None) has no such ingredients.
+    a mask (merge_states, mask None) has no such ingredients.
   * variant.name, variant.template, variant.params: the same for the variant's hooks (a variant
-    registered anew under the same name differs here; a MergeSpec has no variant either).
+    registered anew under the same name differs here; merge_states has no variant either).
   * templates_digest: the contents of every template file the source is rendered from, standing in
     for the source itself, so an edited template misses.
   * flashjit_version and options: as for the portable key.

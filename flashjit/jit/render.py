@@ -1,8 +1,10 @@
-"""Render a DecodeSpec to one self-contained CUDA source with Jinja2.
+"""Render a kernel spec to one self-contained CUDA source with Jinja2.
 
-Headers are pasted verbatim by `{{ header(name) }}`, so the rendered text alone determines the compiled code
-(and so the cache key). Templates render in a sandboxed environment with StrictUndefined: user
-mask templates cannot reach Python internals, and a typo is an error naming file and line.
+Headers are pasted verbatim by `{{ header(name) }}`, so the rendered text alone determines the
+compiled code (and so the cache key). A header's first line names the headers it needs pasted
+before it (`//! needs: common/prelude.cuh ...`): header() checks them and leaves that line out of
+the source. Templates render in a sandboxed environment with StrictUndefined: user mask templates
+cannot reach Python internals, and a typo is an error naming file and line.
 
 What a template may load (include, extends, import, header) is confined to the template roots:
 relative names resolve under the package's templates/ only, and an absolute path loads only when it
@@ -21,30 +23,19 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import SandboxedEnvironment
 
-from .._version import __version__
 from ..errors import TemplateError
 from ..masks.registry import MaskDef, masks
 from ..masks.variants import VariantDef, variants
-from . import abi
-from .layouts import layout_checks
-from .merge_spec import MAX_LANES, MergeSpec
-from .mla_spec import MLASpec
-from .mla_tiling import MLATiling, mla_tiling
-from .spec import DecodeSpec
-from .tiling import DecodeTiling, decode_tiling
+from .family import family_of
 
-ENTRY_TEMPLATE = "decode/paged.cu.j2"
-MLA_ENTRY_TEMPLATE = "mla/decode.cu.j2"
-MERGE_STATES_TEMPLATE = "merge/merge_states.cu.j2"
-MERGE_STATE_TYPES = {"float16": "fj::half_t", "bfloat16": "fj::bfloat16_t", "float32": "float"}
-STORAGE_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float8_e4m3fn": "e4m3_t", "float8_e5m2": "e5m2_t"}
+ROOT_MARKER = "masks/base.cuh.j2"  # a file every template root has
 
 
 def template_root() -> Path:
     """templates/ inside the installed package, else the source checkout's top-level folder."""
     package = Path(__file__).resolve().parent.parent
     for candidate in (package / "templates", package.parent / "templates"):
-        if (candidate / ENTRY_TEMPLATE).is_file():
+        if (candidate / ROOT_MARKER).is_file():
             return candidate
     raise TemplateError(f"flashjit templates not found next to {package}; reinstall flashjit")
 
@@ -73,13 +64,38 @@ class _TemplateLoader(jinja2.BaseLoader):
         return path.read_text(), str(path), lambda: path.exists() and path.stat().st_mtime == mtime
 
 
+NEEDS = "//! needs:"  # a header's first line: the headers it needs pasted before it in the source
+PASTED = "pasted_headers"  # the render context's list of the headers pasted so far (render_template)
+
+
+def header_needs(text: str) -> tuple[list[str], str]:
+    """(the headers a header's text needs pasted before it, the text it pastes: without that line)."""
+    first, newline, rest = text.partition("\n")
+    if not first.startswith(NEEDS):
+        return [], text
+    return first[len(NEEDS):].split(), rest
+
+
 @lru_cache(maxsize=1)
 def environment() -> SandboxedEnvironment:
     loader = _TemplateLoader(template_root())
     env = SandboxedEnvironment(loader=loader, undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                                autoescape=False)
-    # CUDA headers are pasted verbatim, not parsed: inline PTX such as "{%0, %1}" is not Jinja.
-    env.globals["header"] = lambda name: loader.get_source(env, name)[0]
+
+    @jinja2.pass_context
+    def header(context, name):
+        """A CUDA header's text, pasted verbatim (not parsed: inline PTX such as "{%0, %1}" is not
+        Jinja), after checking that the headers its first line needs were pasted before it."""
+        needs, text = header_needs(loader.get_source(env, name)[0])
+        pasted = context.get(PASTED)
+        if pasted is not None:
+            missing = [need for need in needs if need not in pasted]
+            if missing:
+                raise jinja2.TemplateRuntimeError(f"header {name!r} needs {', '.join(missing)} pasted before it")
+            pasted.append(name)
+        return text
+
+    env.globals["header"] = header
     return env
 
 
@@ -106,7 +122,7 @@ def _file_digest(path: Path) -> str:
 
 def templates_digest(mask: MaskDef | None, variant: VariantDef | None = None) -> str:
     """Digest of every template file a spec can render from (package templates + a user mask or
-    variant file; mask None: a spec without a mask, such as MergeSpec).
+    variant file; mask None: a spec of a family without masks).
 
     Lets the cache find a compiled kernel without rendering; any template edit changes it.
     """
@@ -122,44 +138,26 @@ def templates_digest(mask: MaskDef | None, variant: VariantDef | None = None) ->
     return h.hexdigest()
 
 
-def render(spec: DecodeSpec | MLASpec, mask: MaskDef | None = None,
-           tiling: DecodeTiling | MLATiling | None = None, variant: VariantDef | None = None) -> str:
-    """The CUDA source of one specialization, with its ABI checks (abi.source_checks) and its layout
-    checks (layouts.layout_checks), under decode_tiling(spec) (mla_tiling for an MLASpec) unless a
-    tiling is given."""
-    mask = mask or masks.get(spec.mask)
-    variant = variant or variants.get(spec.variant)
-    if isinstance(spec, MLASpec):  # always causal, no variant: its ABI is mla::Args and plan::Args
-        entry, tiling = MLA_ENTRY_TEMPLATE, tiling or mla_tiling(spec)
-        checks = abi.mla_source_checks()
-    else:
-        entry, tiling = ENTRY_TEMPLATE, tiling or decode_tiling(spec)
-        checks = abi.source_checks(mask.params, merge=not tiling.fused_merge, variant_params=variant.params)
-    layouts = layout_checks(spec, tiling)
-    checks += "\n" + layouts if layouts else ""
-    context = dict(spec=spec, tiling=tiling, mask=mask, variant=variant, ctype=STORAGE_TYPES, version=__version__,
-                   item_ints=abi.ITEM_INTS, merge_counts=abi.MERGE_COUNTS, merge_waits=abi.MERGE_WAITS,
-                   split_candidates=abi.SPLIT_CANDIDATES, plan_smem_ints=abi.PLAN_SMEM_INTS, abi_checks=checks)
+def render(spec, mask: MaskDef | None = None, tiling=None, variant: VariantDef | None = None) -> str:
+    """The CUDA source of one specialization of any family, with its ABI checks, under the family's
+    tiling of the spec unless a tiling is given (mask and variant: the spec's where None)."""
+    return family_of(spec).render(spec, mask, variant, tiling)
+
+
+def render_template(entry: str, context: dict, spec, mask: MaskDef | None = None,
+                    variant: VariantDef | None = None) -> str:
+    """The family's entry template rendered with context; every failure a TemplateError that names
+    the template file and line, the spec, and the mask and variant templates it rendered with."""
+    using = "" if mask is None else (f"; mask {mask.name!r} uses {mask.template!r}, variant {variant.name!r} uses "
+                                     f"{variant.template!r}")
     try:
-        return environment().get_template(entry).render(**context)
+        return environment().get_template(entry).render(**context, **{PASTED: []})
     except OutsideTemplateRoots as exc:
         raise TemplateError(f"template {exc.name!r} is outside the template roots: templates load package "
                             "templates by relative name and registered mask and variant templates by path "
-                            f"(rendering {spec.name}; mask {mask.name!r} uses {mask.template!r}, variant "
-                            f"{variant.name!r} uses {variant.template!r})") from exc
+                            f"(rendering {spec.name}{using})") from exc
     except jinja2.TemplateNotFound as exc:
-        raise TemplateError(f"template {exc.name!r} not found (rendering {spec.name}; mask {mask.name!r} "
-                            f"uses {mask.template!r}, variant {variant.name!r} uses {variant.template!r})") from exc
-    except jinja2.TemplateError as exc:
-        raise TemplateError(f"{_template_location(exc)}: {exc.message or exc} (rendering {spec.name})") from exc
-
-
-def render_merge_states(spec: MergeSpec) -> str:
-    """The CUDA source of the merge_states kernel of one state dtype, with its ABI checks."""
-    context = dict(spec=spec, state_type=MERGE_STATE_TYPES[spec.dtype], max_threads=max(128, MAX_LANES),
-                   version=__version__, abi_checks=abi.merge_states_checks())
-    try:
-        return environment().get_template(MERGE_STATES_TEMPLATE).render(**context)
+        raise TemplateError(f"template {exc.name!r} not found (rendering {spec.name}{using})") from exc
     except jinja2.TemplateError as exc:
         raise TemplateError(f"{_template_location(exc)}: {getattr(exc, 'message', None) or exc} "
                             f"(rendering {spec.name})") from exc

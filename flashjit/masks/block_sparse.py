@@ -1,4 +1,4 @@
-"""The `block_sparse` mask's span, and the checks of its parameters against the batch.
+"""The `block_sparse` mask: its span, the checks of its parameters against the batch, its reference.
 
 Request r lists logical block ids ``block_indices[block_indptr[r] .. block_indptr[r+1])`` (CSR);
 block b holds the keys ``[b * block_size, (b + 1) * block_size)``. The planner walks the listed
@@ -17,6 +17,8 @@ import numpy as np
 
 from .. import validation
 
+MASK = "block_sparse"
+PARAMS = {"block_size": "int", "block_indptr": "int_tensor", "block_indices": "int_tensor"}
 INDPTR, INDICES = "mask param block_indptr", "mask param block_indices"
 
 
@@ -55,3 +57,30 @@ def kv_span(kv_lens, q_lens, params):
 def _request_of(indptr: np.ndarray, position: int) -> int:
     """The request whose ids hold block_indices[position]."""
     return int(np.searchsorted(indptr, position, side="right")) - 1
+
+
+def reference(q_pos, kv_pos, request, params):
+    import torch
+
+    indptr, indices = params["block_indptr"], params["block_indices"]
+    blocks = indices[int(indptr[request]):int(indptr[request + 1])].to(kv_pos.device).long()
+    listed = torch.isin(torch.div(kv_pos, int(params["block_size"]), rounding_mode="floor"), blocks)
+    return listed & (kv_pos <= q_pos)
+
+
+def sample_params(rng, kv_lens, q_lens, page_size, device):
+    """About half of each request's blocks, always its last (which holds the query tokens)."""
+    import torch
+
+    block_size = page_size * (2 if page_size < 64 else 1)
+    indptr, ids = [0], []
+    for n in kv_lens:
+        blocks = list(range(-(-n // block_size)))
+        chosen = sorted(rng.sample(blocks, k=len(blocks) // 2)) if blocks else []
+        if blocks and blocks[-1] not in chosen:
+            chosen.append(blocks[-1])
+        ids += chosen
+        indptr.append(len(ids))
+    return {"block_size": block_size,
+            "block_indptr": torch.tensor(indptr, dtype=torch.int32, device=device),
+            "block_indices": torch.tensor(ids or [0], dtype=torch.int32, device=device)}

@@ -4,7 +4,7 @@ passes it as.
 A parameter reaches the decode kernel as a kernel parameter of its C type (and from there a field
 of MaskParams), copied by cuLaunchKernel from a ctypes value of its kind; the two spellings live
 side by side here so they cannot drift apart. The rendered kernel checks that each parameter's C
-type has its ctypes value's size (flashjit.jit.abi).
+type has its ctypes value's size (flashjit.jit.abi_checks).
 """
 
 from __future__ import annotations

@@ -31,7 +31,6 @@ from typing import Callable, Iterable
 from .. import env
 from ..errors import SpecError
 from ..validation import did_you_mean
-from . import block_sparse
 from .params import PARAM_CTYPES
 
 log = logging.getLogger("flashjit")
@@ -330,71 +329,20 @@ def _folder_masks(folder, field: str) -> list[tuple[str, Path, tuple[MaskParam, 
 
 # ---- built-in masks -------------------------------------------------------------------------
 
-def _window_span(kv_lens, q_lens, params):
-    import numpy as np
-
-    begin = np.maximum(kv_lens - q_lens - int(params["window_left"]), 0)
-    return begin, kv_lens
-
-
-def _causal_ref(q_pos, kv_pos, request, params):
-    return kv_pos <= q_pos
-
-
-def _window_ref(q_pos, kv_pos, request, params):
-    return (kv_pos <= q_pos) & (kv_pos >= q_pos - int(params["window_left"]))
-
-
-def _window_sample(rng, kv_lens, q_lens, page_size, device):
-    return {"window_left": rng.choice([0, 37, 300])}
-
-
-def _block_sparse_sample(rng, kv_lens, q_lens, page_size, device):
-    """About half of each request's blocks, always its last (which holds the query tokens)."""
-    import torch
-
-    block_size = page_size * (2 if page_size < 64 else 1)
-    indptr, ids = [0], []
-    for n in kv_lens:
-        blocks = list(range(-(-n // block_size)))
-        chosen = sorted(rng.sample(blocks, k=len(blocks) // 2)) if blocks else []
-        if blocks and blocks[-1] not in chosen:
-            chosen.append(blocks[-1])
-        ids += chosen
-        indptr.append(len(ids))
-    return {"block_size": block_size,
-            "block_indptr": torch.tensor(indptr, dtype=torch.int32, device=device),
-            "block_indices": torch.tensor(ids or [0], dtype=torch.int32, device=device)}
-
-
-def _block_sparse_ref(q_pos, kv_pos, request, params):
-    import torch
-
-    indptr, indices = params["block_indptr"], params["block_indices"]
-    blocks = indices[int(indptr[request]):int(indptr[request + 1])].to(kv_pos.device).long()
-    listed = torch.isin(torch.div(kv_pos, int(params["block_size"]), rounding_mode="floor"), blocks)
-    return listed & (kv_pos <= q_pos)
-
-
 masks = MaskRegistry()
 masks.register("none", "masks/none.cuh.j2")
-masks.register("causal", "masks/causal.cuh.j2", reference=_causal_ref)
-masks.register("sliding_window", "masks/sliding_window.cuh.j2", {"window_left": "int"},
-               kv_span=_window_span, reference=_window_ref, sample_params=_window_sample, device_span=True)
-masks.register("block_sparse", "masks/block_sparse.cuh.j2",
-               {"block_size": "int", "block_indptr": "int_tensor", "block_indices": "int_tensor"},
-               kv_span=block_sparse.kv_span, reference=_block_sparse_ref, sample_params=_block_sparse_sample)
 
 
 def _register_mask_modules():
-    """Built-in masks whose helpers are public API live in their own modules."""
-    from . import key_range
-    from . import sink_window
-    from . import tree
+    """The other built-ins, each a module of its own: MASK, PARAMS, and the hooks it has (kv_span,
+    reference, sample_params; DEVICE_SPAN where the GPU planner computes its spans)."""
+    from . import block_sparse, causal, key_range, sink_window, sliding_window, tree
 
-    for module in (tree, sink_window, key_range):
-        masks.register(module.MASK, f"masks/{module.MASK}.cuh.j2", module.PARAMS, kv_span=module.kv_span,
-                       reference=module.reference, sample_params=module.sample_params)
+    for module in (causal, sliding_window, block_sparse, tree, sink_window, key_range):
+        masks.register(module.MASK, f"masks/{module.MASK}.cuh.j2", module.PARAMS or None,
+                       kv_span=getattr(module, "kv_span", None), reference=module.reference,
+                       sample_params=getattr(module, "sample_params", None),
+                       device_span=getattr(module, "DEVICE_SPAN", False))
 
 
 _register_mask_modules()

@@ -5,10 +5,12 @@ page ids), `last_page_len` [B] (tokens in each request's last page), a cache of
 [pages, page_size, kv_heads, head_dim] (NHD) or [pages, kv_heads, page_size, head_dim] (HND),
 as separate K and V tensors or one [pages, 2, ...] tensor. Queries are [tokens, qo_heads, head_dim].
 
-plan() validates, plans split-KV work, copies the work list to the GPU once and builds the launch
-arguments, all gathered in one Plan (plan_state) that replaces the previous one whole. run() checks
-the tensors, patches the pointers and launches: no allocation when `out` (and `lse`) are given, no
-host synchronization.
+plan() validates its scalars into PlanScalars (plan_setup), reads the batch (serving/decoder.py),
+makes the work list the way the decoder's mode and the batch call for (serving/planning.py: eager,
+eager shared prefix, CUDA graph planned on the GPU or on the host), copies it to the GPU once and
+builds the launch arguments, all gathered in one Plan (plan_state) that replaces the previous one
+whole. run() checks the tensors, patches the pointers and launches: no allocation when `out` (and
+`lse`) are given, no host synchronization.
 """
 
 from __future__ import annotations
@@ -17,35 +19,20 @@ import operator
 import weakref
 
 from .. import validation
-from ..jit.abi import PLAN_MAX_BATCH
+from ..jit.dtypes import KV_DTYPES, normalize_dtype
 from ..jit.engine import Engine
-from ..jit.host_library import load as load_host_library
-from ..jit.kernel import Kernel
-from ..jit.spec import KV_DTYPES, normalize_dtype
 from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
+from ..worklist.host import HostPlanner
+from ..worklist.record import PLAN_MAX_BATCH
 from . import run_checks, variant_args
-from .device_choice import decoder_device
 from .buffers import PageIdRange, PlanBuffers
-from .graph_mode import graph_limits
-from .host_planner import HostPlanner
-from .plan_setup import MAX_SETUPS, Setup, make_setup, on_tensor_cores
+from .decoder import Decoder
 from .device_planner import DeviceTables
-from .plan_state import (Plan, check_forced_chunk_fits, graph_capacity, prepare_launches, split_rule,
-                         split_work)
+from .plan_setup import MAX_SETUPS, PlanScalars, Setup, make_setup
+from .plan_state import Plan, prepare_launches, split_rule
+from .planning import Batch, choose_planning, reads_page_ids
 from .run_checks import NO_CACHE, scale_key
-from .shared_decode import host_page_ids, kernel_may_share, may_share, plan_graph_sharing, shared_spans, shared_work
-from .split_plan import WorkPlan
-from .streams import stream_getter
-
-_default_engine: Engine | None = None
-
-
-def default_engine() -> Engine:
-    global _default_engine
-    if _default_engine is None:
-        _default_engine = Engine()
-    return _default_engine
 
 
 def _of_plan(path: str, doc: str) -> property:
@@ -60,7 +47,7 @@ def _of_plan(path: str, doc: str) -> property:
     return property(get, doc=doc)
 
 
-class BatchDecode:
+class BatchDecode(Decoder):
     """Paged-KV decode attention for a batch of requests.
 
     >>> decoder = BatchDecode(device="cuda")
@@ -93,31 +80,16 @@ class BatchDecode:
         the stream handle run() launches on (default torch's current stream), host_planner
         (default over the C helper built in the engine's cache) and page_id_range (the reader of
         the page ids' range)."""
-        import torch
-
-        self.device, self._arch = decoder_device(torch, device, arch)  # first: a refused device changes nothing
-        self.engine = engine or default_engine()
-        self._device_index = self.device.index
-        self._load_kernel = load_kernel or Kernel.loaded
-        self._current_stream = current_stream or stream_getter()
-        self.use_cuda_graph = use_cuda_graph
-        self._graph = graph_limits(use_cuda_graph, self.device, max_batch_size, max_num_pages, max_tokens, max_q_len,
-                                   page_ids_buffer)
-        self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
-        if host_planner is None:
-            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
-        self._host_planner = host_planner
-        self._lse_dtype = torch.float32
-        self._plan: Plan | None = None  # the current plan; each successful plan() replaces it whole
+        super().__init__(engine, device, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
+                         max_num_pages=max_num_pages, max_tokens=max_tokens, max_q_len=max_q_len,
+                         page_ids_buffer=page_ids_buffer, arch=arch, load_kernel=load_kernel,
+                         current_stream=current_stream, host_planner=host_planner, page_id_range=page_id_range)
+        self._plan: Plan | None = None
         # Memos, each named for what it saves, and why it pays:
         # (scalars, their types) -> {kernel query tokens: Setup}: a serving loop plans one configuration a step.
         self._setup_for_scalars: dict = {}
-        # id(tensor) -> (weakref, data_ptr, dtype, shape, strides): each layer's cache is validated once a plan.
-        self._validated_caches: dict = {}
         # The cache the arguments point at (NO_CACHE: none): a layer passes the same cache every step.
         self._cache_pointed_at = NO_CACHE
-        # scale_key()s of the scales the arguments hold (None: none yet): the scales rarely change between calls.
-        self._scales_pointed_at = None
         # (decode args, fp8 cache, KV heads) those scales were checked for: a plan changing none keeps them.
         self._scales_checked_for = None
 
@@ -152,86 +124,33 @@ class BatchDecode:
         alone. True: in CUDA-graph mode too, which then plans on the host with the shared kernel
         from the first plan on. False: every request alone.
         """
-        import torch
-
         if share_prefixes is not None and not isinstance(share_prefixes, bool):
             validation.fail("share_prefixes", "None, True or False", share_prefixes)
-
         rule = split_rule(chunk_tokens, fixed_split_tokens, disable_split_kv)
-
-        # Types are part of the setup memo's key, as 128.0 == 128 yet only the int is valid;
-        # mask_params may hold tensors, so plans given them build their setup each time.
         variant, variant_params = variant_args.resolve(variant, variant_params, logits_soft_cap, sinks)
-        scalars = (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout,
-                   sm_scale, tensor_cores, variant)
-        variant_key = variant_args.memo_key(variant_params)  # None: tensors among them, as for mask_params
-        key = (scalars, tuple(map(type, scalars)), variant_key) if mask_params is None and variant_key is not None else None
-        try:
-            known = self._setup_for_scalars.get(key)
-        except TypeError:  # an unhashable argument: the checks below say what is wrong with it
-            key = known = None
+        scalars = PlanScalars(num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype,
+                              kv_layout, sm_scale, tensor_cores, variant)
+        key, known = self._known_setups(scalars, mask_params, variant_params)
         if known is None:
             validation.head_counts(num_qo_heads, num_kv_heads, page_size)
         # The query tokens are each request's newest positions (kv_len - q_len + i).
         graph, previous = self._graph, self._plan
-        tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len,
-                                         keep=None if previous is None else previous.tables)
-        num_page_ids = tables.num_page_ids
-
-        validation.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
-        if indices.shape[0] < num_page_ids:
-            validation.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
-        if num_page_ids > 1 and indices.stride(0) != 1:  # the kernel reads them as one run
-            validation.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
-        if graph is not None:
-            graph.check_page_id_count(num_page_ids)
-        if not isinstance(check_page_ids, bool):
-            validation.fail("check_page_ids", "True or False", check_page_ids)
-        # The page-id range travels to the host while the host plans, instead of in a round trip of
-        # its own; a negative id is still reported ahead of any later argument error.
-        page_range = self._page_id_range
-        may_read_ids = share_prefixes is True or (share_prefixes is None and graph is None)  # detection reads them
-        page_range.start(indices, num_page_ids if check_page_ids else 0, ids=may_read_ids)
+        tables, page_range = self._read_batch(indptr, indices, last_page_len, page_size, qo_indptr, q_len,
+                                              check_page_ids, reads_page_ids(graph, share_prefixes))
+        batch = Batch(indptr, indices, last_page_len, qo_indptr, q_len, check_page_ids, tensor_cores)
+        shared_setup = lambda setup: self._shared_setup(setup, scalars, mask_params, key, variant_params)  # noqa: E731
         try:
             kernel_q_len = tables.max_q_len if graph is None else graph.kernel_q_len(tables.max_q_len, previous)
-            setup = None if known is None else known.get(kernel_q_len)
-            if setup is None or setup.mask_generation != masks.generation:
-                setup = make_setup(scalars, mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
-                                   device=self.device, load_kernel=self._load_kernel, variant_params=variant_params)
-                if key is not None:
-                    if len(self._setup_for_scalars) >= MAX_SETUPS:
-                        self._setup_for_scalars.clear()
-                    self._setup_for_scalars.setdefault(key, {})[kernel_q_len] = setup
-            device_planner = None
-            # CUDA-graph mode asked to share plans on the host with the shared kernel, from the
-            # first plan on, whether or not this batch shares (the work list comes below).
-            graph_shares = (graph is not None and share_prefixes is True
-                            and kernel_may_share(setup, rule, check_page_ids, tensor_cores))
-            if graph_shares:
-                setup = self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params)
+            setup = self._setup(scalars, mask_params, variant_params, kernel_q_len, key, known)
+            planning = choose_planning(graph, share_prefixes, setup, rule, batch)
+            setup = planning.kernel_setup(setup, shared_setup)
             if graph is not None:
                 graph.check_kernel(setup, previous)
-                device_planner = None if graph_shares else graph.device_planner(setup)
-            if graph_shares:
-                work, capacity = None, graph_capacity(setup, tables, graph, previous, rule)
-            elif device_planner is None:
-                work, capacity = split_work(setup, tables, rule, graph, previous)
-            else:  # the work list is made on the GPU, from the page table copied below
-                work, capacity = None, graph_capacity(setup, tables, graph, previous, rule)
-                check_forced_chunk_fits(setup, tables, rule, capacity)
+            work, capacity = planning.size(setup, tables, rule, graph, previous)
         finally:
-            landed, max_page = page_range.wait(), -1
-            if landed:  # run() checks the cache against the largest id
-                max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
-        if graph_shares or (may_read_ids and device_planner is None and
-                            may_share(setup, rule, graph, tables.batch, num_page_ids, check_page_ids, tensor_cores)):
-            ids = host_page_ids(indices, num_page_ids, page_range)
-            spans = shared_spans(self._host_planner, tables, ids, setup.page_size, setup.spec.mask == "causal")
-            if graph_shares:  # the graph's shared kernel, shared spans or none, in its capacity
-                tables, work = plan_graph_sharing(setup, tables, spans, self._host_planner, capacity)
-            elif spans is not None:  # else nothing is shared: the per-request plan above stands
-                setup = self._shared_setup(setup, scalars, mask_params, kernel_q_len, key, variant_params)
-                tables, work, capacity = shared_work(setup, tables, spans, self._host_planner)
+            landed, max_page = self._page_ids_landed(page_range)
+        setup, tables, work, capacity = planning.share(setup, tables, work, capacity, batch, rule, self._host_planner,
+                                                       page_range, shared_setup)
         buffers = self._buffers_for(capacity, setup, previous)
 
         # Every argument is valid, every value checked to fit the C type it goes into (nothing below
@@ -240,23 +159,17 @@ class BatchDecode:
         self._cache_pointed_at = NO_CACHE
         # A page-id range that landed was copied after the previous plan's work list, on the same
         # stream if the copies say so: then the staging memory is free without a wait of its own.
-        if device_planner is None:
-            buffers.write(tables, synced_stream=page_range.copies.marked_stream if landed else None)
-        else:
-            device_planner.write_page_table(tables.batch, indptr, last_page_len, qo_indptr, q_len)
-            tables = DeviceTables(tables, device_planner, buffers)
+        tables = planning.write(buffers, tables, batch, page_range.copies.marked_stream if landed else None)
         a = buffers.decode_args  # the work-list pointers are in already; the tensors' come with run()
-        page_ids = indices if graph is None else graph.hold_page_ids(indices, int(num_page_ids))
-        a.page_indices, a.num_page_ids = page_ids.data_ptr(), int(num_page_ids)
+        page_ids = indices if graph is None else graph.hold_page_ids(indices, int(tables.num_page_ids))
+        a.page_indices, a.num_page_ids = page_ids.data_ptr(), int(tables.num_page_ids)
         if previous is None or previous.setup is not setup or previous.buffers is not buffers:
             decode_params = self._write_scalars(setup, buffers)
         else:  # the same setup over the same buffers: the arguments hold its scalars already
             decode_params = previous.decode_launch.params
         decode_launch, merge_prepared, merge_launch = prepare_launches(setup, buffers, work, decode_params,
                                                                        graph is not None, previous)
-        if device_planner is not None:
-            device_planner.prepare(setup, buffers, rule)
-            device_planner(self._current_stream(self._device_index))
+        planning.start(setup, buffers, rule, lambda: self._current_stream(self._device_index))
         num_tokens = tables.num_tokens
         query_form = (num_tokens, num_tokens if graph is None else capacity.tokens, setup.q_dtype, setup.num_qo_heads,
                       setup.head_dim)
@@ -264,30 +177,50 @@ class BatchDecode:
                           buffers.merge_args, decode_launch, merge_prepared, merge_launch)
         return self
 
-    def _shared_setup(self, setup: Setup, scalars, mask_params, kernel_q_len: int, key, variant_params) -> Setup:
-        """The setup of the shared-prefix kernel beside setup (memoized with it, at (kernel_q_len, True)):
-        a tensor-core one, whatever plan() would have picked for rows of one request."""
+    def _known_setups(self, scalars: PlanScalars, mask_params, variant_params) -> tuple:
+        """(memo key, {kernel query tokens: Setup} made for these scalars before, or None). Plans
+        given mask tensors, or variant tensors, have no key: they make their setup each time."""
+        variant_key = variant_args.memo_key(variant_params)  # None: tensors among them, as for mask_params
+        if mask_params is not None or variant_key is None:
+            return None, None
+        key = (scalars, scalars.types(), variant_key)
+        try:
+            return key, self._setup_for_scalars.get(key)
+        except TypeError:  # an unhashable argument: the checks of make_setup say what is wrong with it
+            return None, None
+
+    def _setup(self, scalars: PlanScalars, mask_params, variant_params, kernel_q_len: int, key, known) -> Setup:
+        """The per-request setup of these scalars at kernel_q_len query tokens: the memo's, unless a
+        mask or variant was registered since."""
+        setup = None if known is None else known.get(kernel_q_len)
+        if setup is None or setup.mask_generation != masks.generation:
+            setup = make_setup(scalars, mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
+                               device=self.device, load_kernel=self._load_kernel, variant_params=variant_params)
+            if key is not None:
+                if len(self._setup_for_scalars) >= MAX_SETUPS:
+                    self._setup_for_scalars.clear()
+                self._setup_for_scalars.setdefault(key, {})[kernel_q_len] = setup
+        return setup
+
+    def _shared_setup(self, setup: Setup, scalars: PlanScalars, mask_params, key, variant_params) -> Setup:
+        """The setup of the shared-prefix kernel beside setup (memoized with it, at (its query tokens,
+        True)): a tensor-core one, whatever plan() would have picked for rows of one request."""
+        kernel_q_len = setup.spec.max_q_len
         memo = None if key is None else self._setup_for_scalars.get(key)
         found = None if memo is None else memo.get((kernel_q_len, True))
         if found is None or found.mask_generation != setup.mask_generation:
-            found = make_setup(on_tensor_cores(scalars), mask_params, kernel_q_len, engine=self.engine, arch=self._arch,
-                               device=self.device, load_kernel=self._load_kernel, variant_params=variant_params,
-                               shared_prefix=True)
+            found = make_setup(scalars.on_tensor_cores(), mask_params, kernel_q_len, engine=self.engine,
+                               arch=self._arch, device=self.device, load_kernel=self._load_kernel,
+                               variant_params=variant_params, shared_prefix=True)
             if memo is not None:
                 memo[(kernel_q_len, True)] = found
         return found
 
     def _buffers_for(self, capacity, setup: Setup, previous: Plan | None) -> PlanBuffers:
         """The previous plan's buffers where the new one fits in them, else new ones (never in CUDA-graph mode)."""
-        spec, num_qo_heads = setup.spec, setup.num_qo_heads
-        partial_rows = capacity.partial_slots * spec.max_q_len * num_qo_heads
+        partial_rows = capacity.partial_slots * setup.spec.max_q_len * setup.num_qo_heads
         merge_groups = capacity.batch * setup.num_kv_heads * setup.kernel.tiling.row_tiles
-        current = None if previous is None else previous.buffers
-        if current is not None and current.fits(capacity, partial_rows * setup.head_dim, merge_groups):
-            return current
-        if current is not None and self._graph is not None:
-            self._graph.refuse_new_buffers()
-        return PlanBuffers(capacity, partial_rows, setup.head_dim, merge_groups, self.device)
+        return self._buffers_with(capacity, partial_rows, setup.head_dim, merge_groups, previous)
 
     def _write_scalars(self, setup: Setup, buffers: PlanBuffers):
         """The setup's scalars into the buffers' launch arguments (they hold another setup's); returns
@@ -332,22 +265,6 @@ class BatchDecode:
         device_planner.PageTable and replan()); None otherwise."""
         planner = None if self._graph is None else self._graph.planner
         return None if planner is None else planner.page_table
-
-    @property
-    def graph_page_ids(self):
-        """CUDA-graph mode: the page-id buffer the kernels read (None otherwise)."""
-        return None if self._graph is None else self._graph.page_ids
-
-    @property
-    def current_plan(self) -> Plan | None:
-        """The current plan (None before the first): setup, buffers, launch arguments and launches."""
-        return self._plan
-
-    @property
-    def work(self) -> WorkPlan | None:
-        """The current plan's work items (None before the first plan). With the native host planner
-        its arrays are views of the staging buffer: valid until the next plan()."""
-        return None if self._plan is None else self._plan.work
 
     spec = _of_plan("setup.spec", "The current plan's DecodeSpec.")
     kernel = _of_plan("setup.kernel", "The current plan's Kernel.")
@@ -441,15 +358,6 @@ class BatchDecode:
         run_checks.check_query(name, t, plan, self.device)
         return t.data_ptr(), t.stride(0)
 
-    def _lse_pointer(self, lse, out) -> int:
-        """data_ptr of lse, a contiguous float32 [out's rows, qo_heads]; the common valid case in a few reads."""
-        try:
-            if (lse.dtype is self._lse_dtype and lse.get_device() == self._device_index and lse.shape == out.shape[:2]
-                    and lse.is_contiguous()):
-                return lse.data_ptr()
-        except AttributeError:  # not a tensor: the checks say what it is
-            pass
-        return run_checks.lse_pointer(lse, out, self._lse_dtype, self.device)
 
 
 def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None = None, engine: Engine | None = None,

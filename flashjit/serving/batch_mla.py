@@ -8,9 +8,9 @@ Queries are q_nope [tokens, heads, 512] (already absorbed into the latent space)
 q_pe [tokens, heads, 64]; the output is [tokens, heads, 512]. Several query tokens per request
 (multi-token prediction, speculative decoding) attend causally.
 
-The planning is BatchDecode's: the same host planner (page-table checks, split-KV chunk search,
-work records), work-list buffers, CUDA-graph limits and fused split merge; only the kernel family
-(MLASpec) and its arguments (abi.MLAArgs) differ.
+The lifecycle is BatchDecode's (serving/decoder.py): the same host planner (page-table checks,
+split-KV chunk search, work records), work-list buffers, CUDA-graph limits and fused split merge;
+only the kernel family (MLASpec) and its arguments (kernels/mla/args.MLAArgs) differ.
 """
 
 from __future__ import annotations
@@ -20,21 +20,18 @@ import typing
 import weakref
 
 from .. import validation
-from ..jit.abi import MLAArgs
 from ..jit.engine import Engine
-from ..jit.host_library import load as load_host_library
-from ..jit.kernel import Kernel, LoadedKernel, PreparedLaunch
-from ..jit.mla_spec import MLASpec
+from ..jit.launch import PreparedLaunch
+from ..kernels.mla.args import MLAArgs
+from ..kernels.mla.spec import MLASpec
+from ..kernels.worklist_kernel import Kernel, LoadedKernel
 from ..small_arrays import largest
-from .batch_decode import default_engine
-from .device_choice import decoder_device
+from ..worklist.host import HostPlanner
+from ..worklist.tables import Tables
 from .buffers import Capacity, PageIdRange, PlanBuffers
-from .graph_mode import graph_limits
-from .host_planner import HostPlanner
+from .decoder import Decoder
 from .plan_setup import LOG2E
-from . import run_checks
 from .run_checks import MAX_VALIDATED_CACHES, scale_key
-from .streams import stream_getter
 
 LATENT_DIM, ROPE_DIM = 512, 64
 
@@ -56,7 +53,7 @@ class MLAPlan(typing.NamedTuple):
     """What one plan() produced; replaced whole by the next."""
 
     setup: MLASetup
-    tables: object
+    tables: Tables
     buffers: PlanBuffers
     page_ids: object
     max_page: int
@@ -75,7 +72,7 @@ class MLAPlan(typing.NamedTuple):
         return self.tables.work_plan(self.buffers.host, self.buffers.starts)
 
 
-class BatchDecodeMLA:
+class BatchDecodeMLA(Decoder):
     """MLA decode attention for a batch of requests.
 
     >>> decoder = BatchDecodeMLA(device="cuda")
@@ -92,28 +89,12 @@ class BatchDecodeMLA:
         the buffers and the kernel at the first plan, so a captured run() replays correctly after later
         plans; arch, load_kernel, current_stream, host_planner and page_id_range let tests plan without
         a GPU)."""
-        import torch
-
-        self.device, self._arch = decoder_device(torch, device, arch, "BatchDecodeMLA")  # first: refused, nothing changed
-        self.engine = engine or default_engine()
-        self._load_kernel = load_kernel or Kernel.loaded
-        self._current_stream = current_stream or stream_getter()
-        self.use_cuda_graph = use_cuda_graph
-        self._graph = graph_limits(use_cuda_graph, self.device, max_batch_size, max_num_pages, max_tokens, max_q_len,
-                                   page_ids_buffer)
-        self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
-        if host_planner is None:
-            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
-        self._host_planner = host_planner
-        self._device_index = self.device.index
-        self._lse_dtype = torch.float32
+        super().__init__(engine, device, use_cuda_graph=use_cuda_graph, max_batch_size=max_batch_size,
+                         max_num_pages=max_num_pages, max_tokens=max_tokens, max_q_len=max_q_len,
+                         page_ids_buffer=page_ids_buffer, arch=arch, load_kernel=load_kernel,
+                         current_stream=current_stream, host_planner=host_planner, page_id_range=page_id_range)
         self._plan: MLAPlan | None = None
         self._setups: dict = {}
-        # (id(tensor), width) -> (weakref, data_ptr, dtype, shape, strides): each layer's cache is
-        # validated once a plan (its page count against the plan's page ids).
-        self._validated_caches: dict = {}
-        # (scale_key(ckv_scale), scale_key(kpe_scale)) the arguments hold (None: none yet)
-        self._scales_pointed_at = None
 
     # ---- plan -------------------------------------------------------------------------------
 
@@ -129,8 +110,6 @@ class BatchDecodeMLA:
         or "e5m2" with scales given to run()). chunk_tokens forces the split-KV chunk;
         disable_split_kv reads each request in one work item. check_page_ids as BatchDecode's.
         """
-        import torch
-
         for name, value in (("num_heads", num_heads), ("page_size", page_size)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 validation.fail(name, "a positive int", value)
@@ -138,18 +117,9 @@ class BatchDecodeMLA:
         if not isinstance(check_page_ids, bool):
             validation.fail("check_page_ids", "True or False", check_page_ids)
         graph, previous = self._graph, self._plan
-        tables = self._host_planner.read(indptr, last_page_len, page_size, qo_indptr, q_len,
-                                         keep=None if previous is None else previous.tables)
+        tables, page_range = self._read_batch(indptr, indices, last_page_len, page_size, qo_indptr, q_len,
+                                              check_page_ids)
         num_page_ids = tables.num_page_ids
-        validation.tensor("indices", indices, dtype=torch.int32, device=self.device, ndim=1)
-        if indices.shape[0] < num_page_ids:
-            validation.fail("indices", f"at least indptr[-1]={num_page_ids} page ids", indices.shape[0])
-        if num_page_ids > 1 and indices.stride(0) != 1:
-            validation.fail("indices", "a contiguous tensor (stride 1)", f"stride {indices.stride(0)}")
-        if graph is not None:
-            graph.check_page_id_count(num_page_ids)
-        page_range = self._page_id_range
-        page_range.start(indices, num_page_ids if check_page_ids else 0)
         try:
             kernel_q_len = tables.max_q_len if graph is None else graph.kernel_q_len(tables.max_q_len, previous)
             setup = self._setup(num_heads, page_size, scale, q_dtype, kv_dtype, kernel_q_len)
@@ -157,9 +127,7 @@ class BatchDecodeMLA:
                 graph.check_kernel(setup, previous)
             work, capacity = self._split(setup, tables, chunk_tokens, disable_split_kv, previous)
         finally:
-            landed, max_page = page_range.wait(), -1
-            if landed:
-                max_page = validation.largest_page_id(*self._host_planner.id_range(page_range.host, landed))
+            landed, max_page = self._page_ids_landed(page_range)
         buffers = self._buffers_for(capacity, setup, previous)
 
         # Every argument is valid: from here on the new plan replaces the previous one.
@@ -224,12 +192,7 @@ class BatchDecodeMLA:
     def _buffers_for(self, capacity: Capacity, setup: MLASetup, previous) -> PlanBuffers:
         partial_rows = capacity.work * setup.spec.max_q_len * setup.num_heads
         merge_groups = capacity.batch * setup.kernel.tiling.row_tiles
-        current = None if previous is None else previous.buffers
-        if current is not None and current.fits(capacity, partial_rows * LATENT_DIM, merge_groups):
-            return current
-        if current is not None and self._graph is not None:
-            self._graph.refuse_new_buffers()
-        return PlanBuffers(capacity, partial_rows, LATENT_DIM, merge_groups, self.device)
+        return self._buffers_with(capacity, partial_rows, LATENT_DIM, merge_groups, previous)
 
     def _args_for(self, buffers: PlanBuffers, previous) -> MLAArgs:
         """The launch arguments over these buffers: the previous plan's where the buffers are the same
@@ -247,24 +210,12 @@ class BatchDecodeMLA:
     # ---- what the current plan decided ------------------------------------------------------
 
     @property
-    def current_plan(self) -> MLAPlan | None:
-        return self._plan
-
-    @property
     def spec(self) -> MLASpec:
         return self._current().setup.spec
 
     @property
     def kernel(self) -> Kernel:
         return self._current().setup.kernel
-
-    @property
-    def work(self):
-        return None if self._plan is None else self._plan.work
-
-    @property
-    def graph_page_ids(self):
-        return None if self._graph is None else self._graph.page_ids
 
     def _current(self) -> MLAPlan:
         if self._plan is None:
@@ -330,15 +281,6 @@ class BatchDecodeMLA:
         validation.tensor(name, t, dtype=setup.q_dtype, device=self.device, shape=(rows, setup.num_heads, width))
         validation.rows_16b_aligned(name, t, width)
         return t.data_ptr(), t.stride(0), t.stride(1)
-
-    def _lse_pointer(self, lse, out) -> int:
-        try:
-            if (lse.dtype is self._lse_dtype and lse.get_device() == self._device_index and lse.shape == out.shape[:2]
-                    and lse.is_contiguous()):
-                return lse.data_ptr()
-        except AttributeError:
-            pass
-        return run_checks.lse_pointer(lse, out, self._lse_dtype, self.device)
 
     def _point_at_cache(self, a, plan: MLAPlan, ckv_cache, kpe_cache):
         """Point the arguments at the latent cache; tensors validated against this plan are recognised."""

@@ -8,7 +8,8 @@ import typing
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, DecodeArgs, MergeArgs
+from ..worklist.record import ITEM_INTS
+from ..kernels.decode.args import DecodeArgs, MergeArgs
 from ..masks.params import MASK_PARAM_CTYPES
 from .streams import DEVICE_TO_HOST, HOST_TO_DEVICE, StreamCopies
 
@@ -32,7 +33,7 @@ class PlanBuffers:
     replays read the newest plan. (On a CPU device, for the tests, the copy is a plain one.)
     """
 
-    # work_items: ITEM_INTS int32 per item (decode_common.cuh's WorkItem), first so its records are
+    # work_items: ITEM_INTS int32 per item (worklist/kernel_core.cuh's WorkItem), first so its records are
     # 16-byte aligned; the rest are the merges' (req_*, token_request, num_tokens).
     FIELDS = ("work_items", "num_tokens", "req_qo_indptr", "req_work_indptr", "token_request")
 
@@ -101,7 +102,7 @@ class PlanBuffers:
                 and partial_elems <= self.tmp_o.numel() and merge_groups <= self.merge_counters.numel())
 
     def write(self, tables, synced_stream=None):
-        """A plan's work list (tables: host_planner's NumpyTables or NativeTables) to the GPU.
+        """A plan's work list (tables: worklist/host.py's NumpyTables or NativeTables) to the GPU.
         synced_stream: a stream on which the host has just waited for a copy queued after this
         buffer's last copy (None: none)."""
         if synced_stream is None or synced_stream != self.copies.marked_stream:

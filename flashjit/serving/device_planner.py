@@ -1,5 +1,5 @@
 """CUDA-graph mode's planner on the GPU: the page table in a fixed device buffer, and the launch
-of flashjit_plan (templates/include/device_plan.cuh) that turns it into the work list.
+of flashjit_plan (templates/worklist/device_plan.cuh) that turns it into the work list.
 
 plan() copies the batch's page table into the buffer (one copy from pinned memory) and queues the
 planner; replan() queues it alone, over whatever the buffer holds then. Captured in a CUDA graph,
@@ -16,10 +16,10 @@ import typing
 
 import numpy as np
 
-from ..jit.abi import ITEM_INTS, PlanArgs, plan_smem_bytes
-from ..jit.kernel import PreparedLaunch
+from ..worklist.record import ITEM_INTS, PlanArgs, plan_smem_bytes
+from ..jit.launch import PreparedLaunch
 from .buffers import PlanBuffers
-from .split_plan import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, WorkPlan
+from ..worklist.split import ITEM_OVERHEAD_TOKENS, MERGE_COST_TOKENS, MIN_CHUNK_TOKENS, WorkPlan
 from .streams import HOST_TO_DEVICE, StreamCopies
 
 PLAN_THREADS = 1024  # plan::THREADS
@@ -115,7 +115,7 @@ class DeviceTables:
         self.host_tables, self._planner, self._buffers = host_tables, planner, buffers
         self.batch, self.num_tokens = host_tables.batch, host_tables.num_tokens
         self.num_page_ids, self.max_q_len = host_tables.num_page_ids, host_tables.max_q_len
-        self.kv_scratch = getattr(host_tables, "kv_scratch", None)  # host_planner.read(keep=) reads it
+        self.kv_scratch = getattr(host_tables, "kv_scratch", None)  # HostPlanner.read(keep=) reads it
 
     def work_plan(self, host: np.ndarray, starts: tuple) -> WorkPlan:
         """The work list the GPU planner wrote, copied back (waits for the device). The arrays are

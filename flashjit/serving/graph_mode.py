@@ -14,7 +14,7 @@ _REFUSED = "plan() with use_cuda_graph=True"
 # Work items beyond one per request that the capacity holds: waves of split chunks for the long
 # requests of a skewed batch. The eager plan of a 64-request log-uniform batch takes 2.3 waves,
 # so 4 leave it room. A planned chunk cuts no request into more than one wave of items
-# (split_plan.chunk_candidates), so a graph of up to SPLIT_WAVES requests holds a wave a request
+# (worklist/split.chunk_candidates), so a graph of up to SPLIT_WAVES requests holds a wave a request
 # instead: every padding position is a CTA each replay launches, which reads its record and exits.
 SPLIT_WAVES = 4
 # A sharing graph's partial slots: a shared record writes one per member, so a request takes one

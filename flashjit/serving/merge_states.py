@@ -10,7 +10,7 @@ A state with lse = -inf (no visible key: an empty shard, a fully masked part) is
 contributes nothing, whatever its o holds (NaN included). If every state of a row is such, the row
 gives o = 0 and lse = -inf, never NaN. Cascades, split-KV and context parallelism are built from it.
 
-On a CUDA device the merge runs in the merge_states kernel (templates/merge/merge_states.cu.j2,
+On a CUDA device the merge runs in the merge_states kernel (templates/merge_states/entry.cu.j2,
 compiled and cached by the engine like the decode kernels, one per state dtype and arch); on the CPU
 in torch, in float32 (merge_states_torch, also the reference the kernel is tested against).
 States are read in place through their strides; the kernel needs each row's head_dim values
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import ctypes
 
-from ..jit.abi import MergeStatesArgs
-from ..jit.engine import Engine
-from ..jit.kernel import PreparedLaunch
-from ..jit.merge_spec import MergeSpec, head_dims_accepted
+from ..kernels.merge_states.args import MergeStatesArgs
+from ..jit.engine import Engine, default_engine
+from ..jit.launch import PreparedLaunch
+from ..kernels.merge_states.spec import MergeSpec, head_dims_accepted
 from ..validation import fail
 from .streams import current_stream
 
@@ -174,8 +174,6 @@ def _launch(engine, o, o_state: int, lse, lse_state: int, num_states: int, out, 
     if tokens == 0 or heads == 0:
         return
     if engine is None:
-        from .batch_decode import default_engine
-
         engine = default_engine()
     device = o.device.index if o.device.index is not None else torch.cuda.current_device()
     spec = MergeSpec(_dtype_name(o.dtype), "sm_%d%d" % torch.cuda.get_device_capability(device))

@@ -8,8 +8,8 @@ import math
 import typing
 
 from .. import validation
-from ..jit.kernel import Kernel, LoadedKernel
-from ..jit.spec import DecodeSpec
+from ..kernels.worklist_kernel import Kernel, LoadedKernel
+from ..kernels.decode.spec import DecodeSpec
 from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
 
@@ -36,21 +36,37 @@ class Setup(typing.NamedTuple):
     variant_params: dict = {}  # the variant's parameters, validated (its tensors are held alive here)
 
 
-# Where tensor_cores sits in plan()'s scalars, the tuple make_setup unpacks.
-TENSOR_CORES_AT = 10
+class PlanScalars(typing.NamedTuple):
+    """plan()'s scalar arguments as given: what its setup is made from. A NamedTuple (immutable,
+    fields by name) built every plan() in a fraction of a frozen dataclass's time; as a tuple it is
+    the setup memo's key, beside its fields' types (128.0 == 128, yet only the int is valid)."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    mask: str
+    window_left: int | None
+    q_dtype: object
+    kv_dtype: object
+    kv_layout: str
+    sm_scale: float | None
+    tensor_cores: bool | None
+    variant: str = "none"
+
+    def types(self) -> tuple:
+        return tuple(map(type, self))
+
+    def on_tensor_cores(self) -> "PlanScalars":
+        """These scalars with tensor_cores=True (the shared-prefix kernel's)."""
+        return self._replace(tensor_cores=True)
 
 
-def on_tensor_cores(scalars: tuple) -> tuple:
-    """plan()'s scalars with tensor_cores=True (the shared-prefix kernel's)."""
-    return scalars[:TENSOR_CORES_AT] + (True,) + scalars[TENSOR_CORES_AT + 1:]
-
-
-def make_setup(scalars: tuple, mask_params, kernel_q_len: int, *, engine, arch: str, device,
+def make_setup(scalars: PlanScalars, mask_params, kernel_q_len: int, *, engine, arch: str, device,
                load_kernel, variant_params=None, shared_prefix: bool = False) -> Setup:
     """A plan's scalars validated, the spec compiled (or found) and loaded with load_kernel(kernel, device index)."""
     (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout, sm_scale,
-     tensor_cores, *variant) = scalars
-    variant = variant[0] if variant else "none"
+     tensor_cores, variant) = scalars
     validation.head_counts(num_qo_heads, num_kv_heads, page_size)
     generation = masks.generation  # before the lookups: a mask registered meanwhile makes a new setup
     spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,

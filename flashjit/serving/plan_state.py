@@ -14,17 +14,18 @@ import typing
 import numpy as np
 
 from .. import validation
-from ..jit.abi import DecodeArgs, MergeArgs
-from ..jit.kernel import PreparedLaunch
+from ..kernels.decode.args import DecodeArgs, MergeArgs
+from ..jit.launch import PreparedLaunch
 from ..small_arrays import largest
 from .buffers import Capacity, PlanBuffers
 from .plan_setup import Setup
-from .split_plan import WorkPlan, item_counts
+from ..worklist.split import WorkPlan, item_counts
+from ..worklist.tables import Tables
 
 
 class Plan(typing.NamedTuple):  # a NamedTuple: immutable, and built in a quarter of a frozen dataclass's time
     setup: Setup                   # what the scalar arguments decided: spec, kernel, dtypes, shapes
-    tables: object                 # the host tables (host_planner's NumpyTables or NativeTables)
+    tables: Tables                 # the plan's tables (worklist/tables.py): the host planners', or DeviceTables
     buffers: PlanBuffers           # the work list on the device, at buffers.capacity
     page_ids: object               # the page-id tensor the arguments point at (the CUDA-graph buffer in that mode)
     max_page: int                  # the largest page id, -1 for none or unchecked: run() wants a cache with more

@@ -11,7 +11,7 @@ fewer fp8 bits. A cache of all zeros, or an empty one, gets the scale 1.
 from __future__ import annotations
 
 from .. import validation
-from ..jit.spec import FP8_DTYPES, normalize_dtype
+from ..jit.dtypes import FP8_DTYPES, normalize_dtype
 from ..validation import FLOAT32_MIN_NORMAL
 
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}

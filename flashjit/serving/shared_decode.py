@@ -12,17 +12,17 @@ A plan shares when every condition below holds, and otherwise plans per request 
     causal and no variant: then every
     query sees a shared span whole (causal: the span ends at or before each member's first query
     position, which detection enforces), so one chunk's softmax state is the same for every member;
-  * two neighbouring requests share a full first page (shared_prefix.neighbour_prefixes).
+  * two neighbouring requests share a full first page (worklist/spans.neighbour_prefixes).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..jit.spec import TENSOR_CORE_HEAD_DIMS
+from ..kernels.decode.spec import TENSOR_CORE_HEAD_DIMS
 from .buffers import Capacity
-from .shared_plan import SharedTables, plan_shared_work
-from .shared_prefix import MAX_LEVELS, SharedSpans, find_shared_spans
+from ..worklist.shared import SharedTables, plan_shared_work
+from ..worklist.spans import MAX_LEVELS, SharedSpans, find_shared_spans
 
 SHARING_MASKS = ("none", "causal")
 
@@ -66,11 +66,11 @@ def shared_spans(host_planner, tables, ids, page_size: int, causal: bool):
 def shared_work(shared_setup, tables, spans, host_planner=None, chunk_tokens: int | None = None,
                 eager: bool = True):
     """(tables, work, capacity) of a batch planned for the shared_prefix kernel's setup, over shared
-    spans (shared_prefix.SharedSpans, or None: every request alone in that kernel's format);
+    spans (worklist/spans.SharedSpans, or None: every request alone in that kernel's format);
     chunk_tokens forces the chunk. Eager plans may pack short own items several KV heads a CTA (the
     kernel's packed entry point) and merge in the decode kernel (tiling.waiting_merge); a CUDA
     graph's launches are fixed at capture, the merge's among them. The work list is made
-    in C where the host planner can (HostPlanner.shared_tables), else in numpy (shared_plan, the
+    in C where the host planner can (HostPlanner.shared_tables), else in numpy (worklist/shared.py, the
     reference)."""
     tiling, loaded, kv_heads = shared_setup.kernel.tiling, shared_setup.loaded, shared_setup.num_kv_heads
     head_pack = tiling.own_head_pack if eager and kv_heads % tiling.own_head_pack == 0 else 1

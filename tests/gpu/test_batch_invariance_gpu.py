@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.jit.abi import WORK_ITEM_FIELDS
+from flashjit.worklist.record import WORK_ITEM_FIELDS
 from flashjit.serving.reference import decode_reference
 
 from .batches import assert_exact, tolerance

@@ -101,7 +101,7 @@ def test_shared_tiles_are_exact_and_leave_their_counters_at_zero(tmp_path, monke
     """Split requests whose CTAs share their tiles (the tuning table's static_share, here 50 for every kernel):
     whatever tiles each CTA claims, the merged output matches the reference, on every launch, eager
     and replayed, as the last CTA of each group sets its claim counter back to 0."""
-    from flashjit.jit import tiling
+    from flashjit.kernels.decode import tiling
     from flashjit.serving.quantize import dequantize_kv, quantize_kv
 
     monkeypatch.setattr(tiling, "TUNING", tiling.TUNING.with_rows(static_share=50))

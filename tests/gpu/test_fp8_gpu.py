@@ -16,7 +16,7 @@ import torch
 
 import flashjit
 from flashjit.deploy import mask_check as cm
-from flashjit.jit.spec import CUDA_CORE_HEAD_DIMS
+from flashjit.kernels.decode.spec import CUDA_CORE_HEAD_DIMS
 from flashjit.serving.quantize import dequantize_kv, quantize_kv
 from flashjit.serving.reference import decode_reference
 from flashjit.masks.registry import masks

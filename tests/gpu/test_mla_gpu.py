@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.jit.mla_spec import MLASpec
+from flashjit.kernels.mla.spec import MLASpec
 from flashjit.serving.batch_mla import BatchDecodeMLA
 from flashjit.serving.mla_reference import mla_reference
 from flashjit.serving.quantize import quantize_latent

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.jit.abi import RECORD_HEADS
+from flashjit.worklist.record import RECORD_HEADS
 from flashjit.serving import shared_decode
-from flashjit.serving.host_planner import HostPlanner, item_records
+from flashjit.worklist.host import HostPlanner, item_records
 from flashjit.serving.reference import decode_reference
 
 from .batches import assert_exact, tolerance

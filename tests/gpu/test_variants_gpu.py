@@ -17,7 +17,7 @@ import torch
 
 import flashjit
 from flashjit.deploy import mask_check as cm
-from flashjit.jit.spec import CUDA_CORE_HEAD_DIMS
+from flashjit.kernels.decode.spec import CUDA_CORE_HEAD_DIMS
 from flashjit.masks.registry import masks
 from flashjit.masks.variants import variants
 from flashjit.serving.reference import decode_reference

@@ -132,6 +132,7 @@ def check_batch(engine, batch, mask: str, params: dict, *, splits=SPLITS, probes
     import torch
 
     from ...serving.reference import decode_reference
+    from ...jit.dtypes import normalize_dtype
 
     judged = has_reference(masks.get(mask))
     cache = quantized_cache(batch, kv_dtype)

@@ -7,7 +7,7 @@ import itertools
 import random
 
 from ...errors import SpecError
-from ...jit.spec import DecodeSpec
+from ...kernels.decode.spec import DecodeSpec
 
 GROUPS = (1, 4, 7)
 Q_LENS = (1, 4)

@@ -16,7 +16,7 @@ import itertools
 import random
 
 from ...errors import SpecError
-from ...jit.spec import DecodeSpec
+from ...kernels.decode.spec import DecodeSpec
 from ...masks.params import MASK_PARAM_CTYPES
 from ...masks.registry import MaskDef, masks
 from .cases import CPU_SPEC, PAGE_SIZES, Q_LENS, random_lengths
@@ -41,7 +41,7 @@ static inline int __ffs(int x) { return __builtin_ffs(x); }
 static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 """
 
-# The walk of templates/include/decode*.cuh for one request: counts[i * kv_len + pos] += 1 for
+# The walk of templates/decode/*.cuh for one request: counts[i * kv_len + pos] += 1 for
 # each (query row i, key pos) the kernel attends. Returns the first span position whose
 # kv_position does not increase within its page, or -1.
 HOST_WALK = r"""
@@ -67,8 +67,9 @@ extern "C" int fj_walk(const MaskParams* runtime, int request, int kv_len, int q
 def render_mask_hooks(mask: MaskDef, spec: DecodeSpec) -> str:
     """The mask template alone (MaskParams and its two hooks), rendered as for `spec`."""
     from ..._version import __version__
-    from ...jit.render import STORAGE_TYPES, environment
-    from ...jit.tiling import decode_tiling
+    from ...jit.dtypes import STORAGE_TYPES
+    from ...jit.render import environment
+    from ...kernels.decode.tiling import decode_tiling
 
     # The context render.render() gives the entry template, which includes the mask template.
     context = dict(spec=spec, tiling=decode_tiling(spec), mask=mask, ctype=STORAGE_TYPES, version=__version__)

@@ -19,7 +19,7 @@ import random
 import time
 
 from ...errors import FlashJITError, SpecError
-from ...jit.spec import DecodeSpec
+from ...kernels.decode.spec import DecodeSpec
 from ...masks.registry import masks
 from ...masks.variants import variants
 from ..smoke_test import gpu_available

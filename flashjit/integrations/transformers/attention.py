@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ... import validation
-from ...jit.spec import MAX_Q_LEN
+from ...kernels.decode.spec import MAX_Q_LEN
 from . import gathered
 from .features import UnsupportedAttention, refuse_unsupported
 from .graph_step import GraphDecoder

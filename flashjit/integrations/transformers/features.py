@@ -3,7 +3,7 @@ any state changes, so a model is never served silently wrong."""
 
 from __future__ import annotations
 
-from ...jit.spec import HEAD_DIMS, MAX_GROUP_SIZE
+from ...kernels.decode.spec import HEAD_DIMS, MAX_GROUP_SIZE
 
 FALLBACK_HINT = "load the model with attn_implementation='paged|sdpa' instead"
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ...jit.abi import PLAN_MAX_BATCH
+from ...worklist.record import PLAN_MAX_BATCH
 
 
 def max_pieces(rows: int, requests: int, piece: int) -> int:
