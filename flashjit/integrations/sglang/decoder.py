@@ -93,17 +93,18 @@ class PoolDecoder:
     """Decode attention over an SGLang-style token pool for the layers of `forms`.
 
     make_decoder(engine, device, **options) builds each BatchDecode (tests pass a CPU one);
-    max_q_len: most query tokens per request a step may have (1: decode)."""
+    max_q_len: most query tokens per request a step may have (1: decode); arch: the GPU arch
+    specs() and prewarm() build for (default the current GPU's)."""
 
     def __init__(self, shape: AttentionShape, forms, device="cuda", *, engine=None, make_decoder=BatchDecode,
-                 max_q_len: int = 1):
+                 max_q_len: int = 1, arch: str | None = None):
         self.shape = shape
         self.forms = tuple(dict.fromkeys(forms))
         if not self.forms or not all(isinstance(f, LayerForm) for f in self.forms):
             validation.fail("forms", "one LayerForm or more", forms)
         if not isinstance(max_q_len, int) or not 1 <= max_q_len <= MAX_Q_LEN:
             validation.fail("max_q_len", f"an int in 1..{MAX_Q_LEN}", repr(max_q_len))
-        self.max_q_len = max_q_len
+        self.max_q_len, self.arch = max_q_len, arch
         self.engine = engine or default_engine()
         self.device = torch.device(device)
         self._make_decoder = make_decoder
@@ -116,9 +117,9 @@ class PoolDecoder:
     # ---- kernels ------------------------------------------------------------------------------
 
     def specs(self, arch: str | None = None) -> list[DecodeSpec]:
-        """Every kernel the decoder's plans use (arch: default the current GPU's): a decode step's per
-        form, and with max_q_len > 1 the kernels of steps with up to max_q_len query tokens per request."""
-        arch = arch or current_arch()
+        """Every kernel the decoder's plans use (arch: default the decoder's): a decode step's per form,
+        and with max_q_len > 1 the kernels of steps with up to max_q_len query tokens per request."""
+        arch = arch or self.arch or current_arch()
         s = self.shape
         return list(dict.fromkeys(
             DecodeSpec(head_dim=s.head_dim, dtype=s.q_dtype, kv_dtype=s.kv_dtype, mask=form.mask(q_len > 1),
