@@ -96,8 +96,8 @@ class FlashJITAttnBackend(AttentionBackend):
         return out.view(-1, heads * dim)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        raise RuntimeError(f"flashjit's SGLang backend serves decode batches; a {forward_batch.forward_mode.name} "
-                           "batch reached it. Give prefill another backend: --decode-attention-backend flashjit "
+        raise RuntimeError(f"flashjit's SGLang backend serves decode batches, not {forward_batch.forward_mode.name} "
+                           "ones: give prefill another backend, --decode-attention-backend flashjit "
                            "--prefill-attention-backend fa3 (or flashinfer, triton)")
 
 

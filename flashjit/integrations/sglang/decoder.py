@@ -107,6 +107,8 @@ class PoolDecoder:
         self.max_q_len, self.arch = max_q_len, arch
         self.engine = engine or default_engine()
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # the buffers' device, as BatchDecode's
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._make_decoder = make_decoder
         self._eager = {form: make_decoder(self.engine, self.device) for form in self.forms}
         self._graph: dict | None = None

@@ -199,7 +199,7 @@ def test_idle_steps_plan_nothing_and_other_modes_are_refused(engine):
     slots, _ = admit(runner, [4])
     with pytest.raises(RuntimeError, match="plans decode batches, not TARGET_VERIFY"):
         backend.init_forward_metadata(decode_batch(slots, [4], mode=ForwardMode.TARGET_VERIFY))
-    with pytest.raises(RuntimeError, match="serves decode batches; a EXTEND batch reached it.*--prefill-attention"):
+    with pytest.raises(RuntimeError, match="serves decode batches, not EXTEND ones: .*--prefill-attention-backend fa3"):
         backend.forward_extend(None, None, None, runner.model[0], SimpleNamespace(forward_mode=ForwardMode.EXTEND))
     with pytest.raises(ValueError, match="takes q, k, v alone; got sinks"):
         backend.forward_decode(None, None, None, runner.model[0], None, sinks=torch.zeros(8))
