@@ -233,3 +233,84 @@ def test_capture_and_replays_plan_each_padded_batch_into_the_graph_decoders(engi
         assert kv_lens == seq_lens + [1] * pad and ids == sum(reference, []) + padding_ids
         assert backend.forward_metadata.decoders[form].current_plan.page_ids is ids_buffer
     backend.init_forward_metadata_in_graph(view)  # nothing to record: the plan is made outside the graph
+
+
+# ---- forward_decode, with a float32 stand-in for the kernels ------------------------------------
+
+class ReferenceDecoder:
+    """BatchDecode's plan()/run() computed by flashjit.serving.reference (the kernels cannot run on
+    the CPU): what forward_decode hands the decoder is then checked by its result."""
+
+    def __init__(self, engine, device, use_cuda_graph=False, page_ids_buffer=None, **options):
+        self.use_cuda_graph = use_cuda_graph
+
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *, mask,
+             window_left, sm_scale, logits_soft_cap, kv_layout, **options):
+        self.batch_size = indptr.numel() - 1
+        self.table = (indptr, indices[: int(indptr[-1])].clone(), last_page_len)
+        self.options = dict(mask=mask, mask_params=None if window_left is None else {"window_left": window_left},
+                            sm_scale=sm_scale, kv_layout=kv_layout,
+                            variant="none" if logits_soft_cap is None else "soft_cap",
+                            variant_params=None if logits_soft_cap is None else {"logits_soft_cap": logits_soft_cap})
+
+    def run(self, q, kv_cache, *, out=None, k_scale=None, v_scale=None):
+        k, v = (c.float() * (1.0 if s is None else s) for c, s in zip(kv_cache, (k_scale, v_scale)))
+        from flashjit.serving.reference import decode_reference
+
+        result, _ = decode_reference(q, k, v, *self.table, **self.options)
+        return result.to(q.dtype)
+
+
+def attention_by_hand(q, keys, values, scale, window=None, cap=None):
+    """One decode query [heads, dim] over a request's keys and values [n, kv_heads, dim], in float32."""
+    group = q.shape[0] // keys.shape[1]
+    k, v = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
+    scores = torch.einsum("hd,nhd->hn", q.float(), k) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    if window is not None:
+        scores[:, : max(0, keys.shape[0] - 1 - window)] = float("-inf")
+    return torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("page_size, kv_dtype, scale", [(1, torch.bfloat16, None), (16, torch.bfloat16, None),
+                                                        (16, torch.float8_e4m3fn, 0.05)])
+def test_forward_decode_writes_the_new_tokens_and_attends_over_the_pool(engine, page_size, kv_dtype, scale):
+    model = torch.nn.ModuleList([RadixAttention(8, 128, 128 ** -0.5, 2, layer_id=0),
+                                 RadixAttention(8, 128, 128 ** -0.5, 2, layer_id=1, logit_cap=20.0,
+                                                sliding_window_size=40)])
+    runner = model_runner(page_size=page_size, kv_dtype=kv_dtype, model=model)
+    pool = runner.token_to_kv_pool
+    gen = torch.Generator().manual_seed(0)
+    for layer in model:
+        layer.k_scale = layer.v_scale = None if scale is None else torch.tensor(scale)
+        layer.k_scale_float = layer.v_scale_float = scale
+        for buffer in (pool.k_buffer[layer.layer_id], pool.v_buffer[layer.layer_id]):  # the cached prefixes
+            values = torch.randn(buffer.shape, generator=gen) / (1.0 if scale is None else scale)
+            buffer.copy_(values.to(kv_dtype).view(buffer.dtype))
+    backend = FlashJITAttnBackend(runner, decoder_options=dict(engine=engine, make_decoder=ReferenceDecoder,
+                                                               arch="sm_90"))
+    seq_lens = [1, 70, 16, 33]
+    slots, _ = admit(runner, seq_lens)
+    rows = runner.req_to_token_pool.req_to_token
+    batch = decode_batch(slots, seq_lens)
+    batch.out_cache_loc = torch.tensor([int(rows[s, n - 1]) for s, n in zip(slots.tolist(), seq_lens)])
+    batch.out_cache_loc_is_physical = False
+    backend.init_forward_metadata(batch)
+    for layer in model:
+        q = torch.randn(4, 8 * 128, generator=gen).bfloat16()
+        k, v = torch.randn(4, 2, 128, generator=gen).bfloat16(), torch.randn(4, 2, 128, generator=gen).bfloat16()
+        out = backend.forward_decode(q, k.clone(), v.clone(), layer, batch)
+        assert out.shape == (4, 8 * 128) and out.dtype == torch.bfloat16
+        keys = pool.get_key_buffer(layer.layer_id).float() * (1.0 if scale is None else scale)
+        values = pool.get_value_buffer(layer.layer_id).float() * (1.0 if scale is None else scale)
+        for i, (slot, n) in enumerate(zip(slots.tolist(), seq_lens)):
+            tokens = rows[slot, :n].long()
+            # the new token's key, where out_cache_loc points (to fp8's rounding: 3 mantissa bits)
+            tolerance = dict(rtol=0, atol=0) if scale is None else dict(rtol=2 ** -4, atol=scale * 2 ** -9)
+            assert torch.allclose(keys[tokens[-1]], k[i].float(), **tolerance)
+            expected = attention_by_hand(q[i].view(8, 128), keys[tokens], values[tokens], layer.scaling,
+                                         window=None if layer.sliding_window_size < 0 else layer.sliding_window_size,
+                                         cap=layer.logit_cap or None)
+            got = out[i].view(8, 128).float()
+            assert (got - expected).norm() / expected.norm() < 1e-2, f"layer {layer.layer_id}, request {i}"
