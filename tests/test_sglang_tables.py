@@ -268,3 +268,11 @@ def test_forms_and_their_settings_are_checked():
         PoolDecoder(SHAPE, [], CPU, make_decoder=Recorded)
     with pytest.raises(ValueError, match="max_q_len: expected an int in 1..16"):
         PoolDecoder(SHAPE, [FULL], CPU, make_decoder=Recorded, max_q_len=17)
+
+
+def test_an_empty_step_plans_no_request(engine):
+    decoder = PoolDecoder(SHAPE, [FULL], CPU, engine=engine, make_decoder=Recorded)
+    req_to_token, none = torch.zeros(4, 64, dtype=torch.int32), torch.zeros(0, dtype=torch.int64)
+    assert decoder.plan(req_to_token, none, none, none).decoders[FULL].batch_size == 0
+    decoder.init_graphs(4, 4)
+    assert decoder.plan_graph(req_to_token, none, none, none).decoders[FULL].batch_size == 0
