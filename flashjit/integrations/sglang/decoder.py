@@ -204,8 +204,8 @@ class PoolDecoder:
 
     def run(self, step: Step, form: LayerForm, q, k_buffer, v_buffer, *, out=None, k_scale=None, v_scale=None):
         """Attention of q ([tokens, qo_heads, head_dim]) for a layer of `form` over its pool
-        buffers (read in place); returns out. An fp8 pool needs k_scale and v_scale (floats or
-        float32 tensors): it holds K / k_scale and V / v_scale."""
+        buffers (read in place); returns out. An fp8 pool holds K / k_scale and V / v_scale
+        (floats or float32 tensors; None: 1)."""
         decoder = step.decoders.get(form)
         if decoder is None:
             validation.fail("form", f"one of the planned forms {list(step.decoders)}", form)

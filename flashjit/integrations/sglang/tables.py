@@ -122,7 +122,8 @@ def paged_kv(buffer: torch.Tensor, page_size: int, layout: str = "NHD") -> torch
         return buffer.unsqueeze(1)
     whole = buffer.shape[0] // page_size * page_size  # a tail short of a page holds no page of any request
     if not buffer[:whole].is_contiguous():
-        validation.fail("kv buffer (NHD)", "a contiguous [slots, kv_heads, head_dim] tensor", f"strides {buffer.stride()}")
+        validation.fail("kv buffer (NHD)", "a contiguous [slots, kv_heads, head_dim] tensor",
+                        f"strides {buffer.stride()}")
     return buffer[:whole].view(whole // page_size, page_size, *buffer.shape[1:])
 
 
