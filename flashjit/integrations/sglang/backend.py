@@ -140,6 +140,7 @@ def settings_of(model_runner) -> RunnerSettings:
         kv_dtype=_dtype_name(pool.dtype),
         page_size=int(model_runner.page_size),
         layers=tuple(layer_settings(model_runner.model)),
+        translated_ids=bool(getattr(getattr(model_runner, "kv_index_translator", None), "is_translating", False)),
     )
 
 

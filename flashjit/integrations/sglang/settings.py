@@ -52,6 +52,7 @@ class RunnerSettings:
     kv_dtype: str
     page_size: int
     layers: tuple[LayerSettings, ...]
+    translated_ids: bool = False  # req_to_token holds virtual ids SGLang translates (a unified pool)
 
 
 def refusals(s: RunnerSettings) -> list[str]:
@@ -79,6 +80,10 @@ def refusals(s: RunnerSettings) -> list[str]:
     elif s.pool_layout not in POOL_LAYOUTS:
         why.append(f"KV pool layout {s.pool_layout!r}: accepted {', '.join(POOL_LAYOUTS)} "
                    "(SGLANG_USE_HND_KVCACHE selects hnd)")
+    if s.translated_ids:
+        why.append("req_to_token holds virtual KV ids that SGLang translates to pool slots (a unified hybrid "
+                   "allocator or a fused speculative draft): accepted plain pool slots, as MHATokenToKVPool's "
+                   "token allocator hands them out")
     if s.pool_quantized:
         why.append("a quantized KV-cache recipe (packed data and scale buffers): accepted --kv-cache-dtype auto, "
                    "bf16, fp16, fp8_e4m3 or fp8_e5m2")

@@ -121,6 +121,7 @@ def test_the_backend_serves_each_layers_form_and_prewarms_its_kernels(engine, fa
     (dict(use_mla_backend=True), "multi-head latent attention"),
     (dict(server_args=SimpleNamespace(dcp_size=2)), "--dcp-size 2"),
     (dict(dtype=torch.float32), "--dtype float32: accepted bfloat16, float16"),
+    (dict(kv_index_translator=SimpleNamespace(is_translating=True)), "req_to_token holds virtual KV ids"),
     (dict(model=layers(dim=80)), "layer\\(s\\) 0, 1: head_dim 80: accepted 64, 96, 128, 256, 512"),
     (dict(model=layers(heads=8, kv_heads=3)), "8 query heads over 3 KV heads"),
     (dict(model=layers(attn_type=AttentionType.ENCODER_ONLY)), "attention type encoder_only"),
