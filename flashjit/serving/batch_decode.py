@@ -94,9 +94,13 @@ class BatchDecode:
         the page ids' range)."""
         import torch
 
+        from . import torch_ops
+
         self.engine = engine or default_engine()
         self.device, self._arch = decoder_device(torch, device, arch)
         self._device_index = self.device.index
+        self._compiling = torch.compiler.is_compiling  # True while torch.compile traces run()
+        self._op_handle = torch_ops.register(self)  # how torch.ops.flashjit.decode finds this decoder
         self._load_kernel = load_kernel or Kernel.loaded
         self._current_stream = current_stream or stream_getter()
         self.use_cuda_graph = use_cuda_graph
@@ -376,7 +380,14 @@ class BatchDecode:
         A plan without query tokens (an empty batch, e.g. a data-parallel rank with no decodes this
         step) checks the tensors and returns the empty out (and lse) without a launch; in CUDA-graph
         mode it launches its fixed grid, whose items are then all padding, so the capture holds it.
+
+        Under torch.compile, run() is the operator torch.ops.flashjit.decode (serving/torch_ops.py),
+        which runs the plan current when the compiled code runs; plan() stays outside the compiled code.
         """
+        if self._compiling():  # (the operator's kernel is this method, called outside any tracing)
+            from .torch_ops import decode as traced_decode
+
+            return traced_decode(self._op_handle, q, kv_cache, out, lse, return_lse, k_scale, v_scale)
         plan = self._plan
         if plan is None:
             raise RuntimeError("BatchDecode.run() called before plan()")
@@ -403,6 +414,10 @@ class BatchDecode:
             m.out, m.out_stride, m.lse = out_pointer, out_stride, lse_pointer
             merge(stream)
         return (out, lse) if return_lse else out
+
+    def query_form(self):
+        """(dtype, qo heads, head_dim) that q and out must have under the current plan; None before one."""
+        return None if self._plan is None else self._plan.query_form[2:]
 
     def _point_at_cache(self, kv_cache, a, plan: Plan):
         """Point the arguments at K and V; the cache they point at already is recognised in a few tests."""
