@@ -415,6 +415,13 @@ class BatchDecode:
             merge(stream)
         return (out, lse) if return_lse else out
 
+    def point_variant_at(self, name: str, tensor) -> None:
+        """Point the current plan's tensor variant parameter `name` (e.g. "sinks") at another tensor of
+        the planned one's dtype, shape and device, without planning again: layers that each have their
+        own sinks share one plan. run() reads it from its next launch on (a captured run() keeps the
+        one it was captured with); the caller keeps the tensor alive while it is in use."""
+        variant_args.repoint_tensor(self._plan, name, tensor)
+
     def query_form(self):
         """(dtype, qo heads, head_dim) that q and out must have under the current plan; None before one."""
         return None if self._plan is None else self._plan.query_form[2:]
