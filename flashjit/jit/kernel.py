@@ -19,6 +19,7 @@ import ctypes
 import dataclasses
 import threading
 
+from .. import cuda_flavour
 from ..errors import KernelNotPrewarmed
 from ..masks.registry import MaskDef
 from .abi import PLAN_MAX_BATCH, plan_batch_limit, plan_smem_bytes
@@ -133,6 +134,7 @@ class Kernel:
         return found if found is not None else self._load(device_index)
 
     def _load(self, device_index: int) -> LoadedKernel:
+        cuda_flavour.require_cupy()
         import cupy
         import torch
 
