@@ -28,10 +28,12 @@ def test_the_table_has_each_flashjit_path_against_sdpa_and_best():
 
 
 def test_best_is_never_a_hub_kernel_and_unknown_names_are_refused():
+    from flashjit.integrations.transformers import paged_name
+
     table, notes = tg.implementations(["best", "sdpa", "flashjit_graph"], None)
     attn, graphs = table["best"]
-    assert attn in ("paged|sdpa", "paged|flash_attention_2", "paged|flash_attention_3") and graphs
-    assert table["flashjit_graph"] == ("paged|fjit_graph", True) and table["sdpa"] == ("paged|sdpa", False)
+    assert attn in (paged_name("sdpa"), paged_name("flash_attention_2"), paged_name("flash_attention_3")) and graphs
+    assert table["flashjit_graph"] == (paged_name("fjit_graph"), True) and table["sdpa"] == (paged_name("sdpa"), False)
     assert "/" not in attn and any(n.startswith("best") for n in notes)
     with pytest.raises(SystemExit, match="unknown 'flash_attention'"):
         tg.implementations(["flash_attention"], None)
