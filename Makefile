@@ -54,7 +54,8 @@ $(LATEST)/.installed: $(BIN)/.installed-test
 	touch $@
 
 test-transformers-latest: $(LATEST)/.installed
-	PYTHONPATH=$(LATEST) $(BIN)/python -m pytest -q tests/test_transformers_integration.py tests/test_transformers_benchmark.py
+	PYTHONPATH=$(LATEST) $(BIN)/python -m pytest -q tests/test_transformers_integration.py tests/test_transformers_variants.py \
+		tests/test_transformers_benchmark.py
 
 clean:
 	rm -rf $(VENV) $(CU13) $(LATEST)
