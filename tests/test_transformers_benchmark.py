@@ -1,5 +1,5 @@
 """benchmarks/transformers_generate.py's pure parts on the CPU: the implementations it resolves
-(no hub kernels), its time budget, and the tokens/s table docs/integrations.md shows."""
+(no hub kernels), its time budget, and the tokens/s table docs/performance.md shows."""
 
 from __future__ import annotations
 
