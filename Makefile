@@ -12,6 +12,7 @@ BIN      := $(VENV)/bin
 TORCH    ?= torch==2.13.0
 FLAVOUR  ?= cu12
 CU13     := .venv-cu13
+TRANSFORMERS_OLDEST ?= transformers==5.17.0
 TRANSFORMERS_LATEST ?= transformers==5.23.0
 LATEST   := .transformers-latest
 
@@ -23,8 +24,10 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -e '.[$(FLAVOUR)]'
 	touch $@
 
+# The suite runs against the oldest transformers the integration supports; test-transformers-latest
+# against the newest.
 $(BIN)/.installed-test: $(BIN)/.installed
-	$(BIN)/pip install -e '.[$(FLAVOUR),test]'
+	$(BIN)/pip install -e '.[$(FLAVOUR),test]' '$(TRANSFORMERS_OLDEST)'
 	touch $@
 
 install: $(BIN)/.installed
@@ -48,7 +51,7 @@ $(CU13)/.installed: $(BIN)/.installed-test
 test-cu13: $(CU13)/.installed
 	FLASHJIT_CU13_PYTHON=$(CU13)/bin/python $(BIN)/python -m pytest -q tests/test_cuda_flavour.py
 
-# The newest supported transformers in a folder ahead of .venv's (the oldest, 5.17, is .venv's own).
+# The newest supported transformers in a folder ahead of .venv's on the path (.venv holds the oldest).
 $(LATEST)/.installed: $(BIN)/.installed-test
 	$(BIN)/pip install --no-deps --target $(LATEST) '$(TRANSFORMERS_LATEST)'
 	touch $@

@@ -177,8 +177,8 @@ def write_plot(rows, path: str, ceiling_gbs: float | None = None, title: str = "
         ax.set_title(panel)
         ax.set_ylabel("GB/s (K/V attended + q + out)")
         ax.grid(True, which="both", alpha=0.3)
-    handles = [Line2D([], [], color=colors[n], linewidth=3, label=n if drawn else f"{n} (no point: failed or not run on this shape)")
-               for n, drawn in names]
+    handles = [Line2D([], [], color=colors[n], linewidth=3,
+                      label=n if drawn else f"{n} (no point: failed or not run on this shape)") for n, drawn in names]
     handles += [Line2D([], [], color="black", linestyle=line, marker=marker, label=mode)
                 for mode, (line, marker) in STYLES.items()]
     if ceiling_gbs:
