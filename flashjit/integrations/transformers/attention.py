@@ -1,5 +1,5 @@
 """PagedAttention: the per-layer attention function of transformers' continuous batching
-(transformers 5.17), serving decode and short multi-token steps with a BatchDecode.
+(transformers 5.17 through 5.23), serving decode and short multi-token steps with a BatchDecode.
 
 transformers calls fn(module, query [1, Hq, T, D], key/value [1, Hkv, T, D], attention_mask,
 scaling=, cache=PagedAttentionCache, cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, ...)
