@@ -144,16 +144,16 @@ def doctor_rows(nvrtc: tuple[int, int] | None) -> tuple[list[tuple[str, str]], b
     installed = installed_versions(CUPY_DISTRIBUTIONS + NVRTC_DISTRIBUTIONS)
     cupys = [f"{name} {installed[name]}" for name in CUPY_DISTRIBUTIONS if name in installed]
     wheels = nvrtc_wheel_libraries()
-    rows = [("torch cuda", torch_version or "none (a CPU build)"),
-            ("cupy packages", ", ".join(cupys) or "NOT INSTALLED"),
-            ("nvrtc wheels", ", ".join(f"CUDA {cuda}: {path}" for cuda, path in sorted(wheels.items())) or "none")]
+    rows = [("torch-cuda", torch_version or "none (a CPU build)"),
+            ("cupy-packages", ", ".join(cupys) or "NOT INSTALLED"),
+            ("nvrtc-wheels", ", ".join(f"CUDA {cuda}: {path}" for cuda, path in sorted(wheels.items())) or "none")]
     problems = agreement(torch_version, installed, nvrtc)
     cupy_flavour = cupy_flavours(installed)
     if problems:
         remove = " ".join(f.cupy for f in cupy_flavour)
         fix = f"pip uninstall {remove}; {install_hint()}" if remove else install_hint()
-        rows.append(("cuda flavour", f"MISMATCH: {'; '.join(problems)}. Fix: {fix}"))
+        rows.append(("cuda-flavour", f"MISMATCH: {'; '.join(problems)}. Fix: {fix}"))
     else:
         extra = cupy_flavour[0].extra if cupy_flavour else flavour_for(torch_version).extra
-        rows.append(("cuda flavour", f"{extra}: torch, CuPy and NVRTC agree"))
+        rows.append(("cuda-flavour", f"{extra}: torch, CuPy and NVRTC agree"))
     return rows, not problems
