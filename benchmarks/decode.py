@@ -176,7 +176,7 @@ def run_rows(bench: Bench, cases, args, result: dict) -> dict:
         print(f"# ERROR {error}")
     print("\n" + markdown_table(rows))
     if args.plot:
-        print(write_plot(rows, args.plot, bench.ceiling_gbs))
+        print(write_plot(rows, args.plot, bench.ceiling_gbs, gpu=result.get("device", "")))
     return result
 
 

@@ -114,11 +114,26 @@ def plot_points(rows) -> dict:
 
 
 STYLES = {"eager": ("-", "o"), "graph": ("--", "x")}
+PANELS_PER_LINE = 3
 
 
-def write_plot(rows, path: str, ceiling_gbs: float | None = None, title: str = "") -> str:
+def panel_lines(count: int) -> list[int]:
+    """Panels on each line of the figure: at most PANELS_PER_LINE, the lines as even as they can be,
+    so no place of the grid is left empty (the panels of a shorter line are wider)."""
+    lines = math.ceil(count / PANELS_PER_LINE)
+    return [count // lines + (1 if i < count % lines else 0) for i in range(lines)]
+
+
+def legend_names(rows, panels) -> list[tuple[str, bool]]:
+    """Every implementation measured in any row, each with whether it has a point in the plot (a
+    peer timed only on other shapes is still named, as such)."""
+    drawn = {name for series in panels.values() for name, _ in series}
+    return [(name, name in drawn) for name in impl_names(rows)]
+
+
+def write_plot(rows, path: str, ceiling_gbs: float | None = None, title: str = "", gpu: str = "") -> str:
     """Draws plot_points(rows) into a PNG at path (a colour per implementation, solid eager, dashed
-    graph); returns what it did: written, or why not."""
+    graph; GB/s axes from zero; the GPU named in the title); returns what it did: written, or why not."""
     panels = plot_points(rows)
     if not panels:
         return f"plot: no row of the default shape ({BASE_FAMILY}) was timed; nothing drawn"
@@ -132,17 +147,21 @@ def write_plot(rows, path: str, ceiling_gbs: float | None = None, title: str = "
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    names = impl_names(rows)
-    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
-    columns = min(3, len(panels))
-    lines = math.ceil(len(panels) / columns)
-    figure, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 4.2 * lines), squeeze=False)
-    for ax, (panel, series) in zip(axes.flat, panels.items()):
+    names = legend_names(rows, panels)
+    colors = {name: f"C{i % 10}" for i, (name, _) in enumerate(names)}
+    lines = panel_lines(len(panels))
+    width = math.lcm(*lines)  # grid columns: each line's panels split them evenly
+    figure = plt.figure(figsize=(5.2 * max(lines), 4.2 * len(lines)))
+    grid = figure.add_gridspec(len(lines), width)
+    places = [grid[line, i * width // count:(i + 1) * width // count]
+              for line, count in enumerate(lines) for i in range(count)]
+    for place, (panel, series) in zip(places, panels.items()):
+        ax = figure.add_subplot(place)
         mixed = panel == MIXED_PANEL
         cases = sorted({(x, case) for points in series.values() for x, _, case in points})
-        place = {case: i for i, (_, case) in enumerate(cases)}  # mixed rows: one place each, by mean length
+        position = {case: i for i, (_, case) in enumerate(cases)}  # mixed rows: one place each, by mean length
         for (name, mode), points in series.items():
-            xs = [place[case] if mixed else x for x, _, case in points]
+            xs = [position[case] if mixed else x for x, _, case in points]
             line, marker = STYLES[mode]
             ax.plot(xs, [y for _, y, _ in points], linestyle="none" if mixed else line, marker=marker,
                     color=colors[name])
@@ -154,18 +173,19 @@ def write_plot(rows, path: str, ceiling_gbs: float | None = None, title: str = "
         else:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens per request)")
+        ax.set_ylim(bottom=0)
         ax.set_title(panel)
         ax.set_ylabel("GB/s (K/V attended + q + out)")
         ax.grid(True, which="both", alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    handles = [Line2D([], [], color=colors[n], linewidth=3, label=n) for n in names]
+    handles = [Line2D([], [], color=colors[n], linewidth=3,
+                      label=n if drawn else f"{n} (no point: failed or not run on this shape)") for n, drawn in names]
     handles += [Line2D([], [], color="black", linestyle=line, marker=marker, label=mode)
                 for mode, (line, marker) in STYLES.items()]
     if ceiling_gbs:
         handles.append(Line2D([], [], color="gray", linestyle=":", label=f"copy ceiling {ceiling_gbs:.0f} GB/s"))
     figure.legend(handles=handles, loc="lower center", ncol=min(5, len(handles)), fontsize="small")
-    figure.suptitle(title or f"decode bandwidth by context length, {BASE_FAMILY}")
+    heading = title or f"decode bandwidth by context length, {BASE_FAMILY}"
+    figure.suptitle(f"{heading}, {gpu}" if gpu else heading)
     figure.tight_layout(rect=(0, 0.04 + 0.03 * math.ceil(len(handles) / 5), 1, 0.96))
     figure.savefig(path, dpi=120)
     plt.close(figure)

@@ -20,16 +20,16 @@ and every one of those tokens must pass the greedy oracle
 the same tokens, within 4x the logit error the plain bf16 forward makes there. An implementation
 whose tokens fail is reported, not timed; the table gives the positions the oracle decided.
 
-Implementations: flashjit_graph ("paged|fjit_graph", register(cuda_graphs=True) with
-use_cuda_graph=True: transformers captures every padded step size, prefill included, and
-replays it), flashjit ("paged|fjit", eager), sdpa ("paged|sdpa", eager: transformers' default
-for it), sdpa_graph ("paged|sdpa" with use_cuda_graph=True: the fastest configuration transformers
-5.17 offers sdpa, its decode and prefill steps captured and replayed), flash
-("paged|flash_attention_2" or _3, when the flash-attn package is installed; kernels from the hub
-are never fetched: HF_HUB_OFFLINE is set), and best: flash where installed, else sdpa_graph. A
-CUDA-graph call captures its graphs inside the timed generate_batch (transformers makes them per
-manager), as a server would at start. Each flashjit column is compared with every peer run and
-with the fastest of them in the row.
+Implementations (named "paged|NAME" up to transformers 5.18, "NAME" from 5.19): flashjit_graph
+(fjit_graph, register(cuda_graphs=True) with use_cuda_graph=True: transformers captures every
+padded step size, prefill included, and replays it), flashjit (fjit, eager), sdpa (eager:
+transformers' default for it), sdpa_graph (sdpa with use_cuda_graph=True: the fastest
+configuration transformers offers sdpa, its decode and prefill steps captured and replayed), flash
+(flash_attention_2 or _3, when the flash-attn package is installed; kernels from the hub are never
+fetched: HF_HUB_OFFLINE is set), and best: flash where installed, else sdpa_graph. A CUDA-graph
+call captures its graphs inside the timed generate_batch (transformers makes them per manager), as
+a server would at start. Each flashjit column is compared with every peer run and with the fastest
+of them in the row.
 --budget-s: an implementation is not started when the time spent so far plus the longest one yet
 would pass the budget (the table says so); the order of --impls is the order of priority.
 All share transformers' per-step host work (it builds each step's key index in Python), so the
@@ -77,16 +77,18 @@ def installed_flash():
     """transformers' name of the flash-attn package installed here (no hub kernels), or None."""
     from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
 
+    from flashjit.integrations.transformers import paged_name
+
     if is_flash_attn_3_available():
-        return "paged|flash_attention_3"
+        return paged_name("flash_attention_3")
     if is_flash_attn_2_available():
-        return "paged|flash_attention_2"
+        return paged_name("flash_attention_2")
     return None
 
 
 def implementations(names, torch):
     """name -> (attn_implementation, use_cuda_graph), and notes for those left out or resolved."""
-    from flashjit.integrations.transformers import register
+    from flashjit.integrations.transformers import paged_name, register
 
     table, notes = {}, []
     for name in names:
@@ -97,16 +99,16 @@ def implementations(names, torch):
         elif name == "flashjit":
             table[name] = (register(), False)
         elif name == "sdpa":
-            table[name] = ("paged|sdpa", False)
+            table[name] = (paged_name("sdpa"), False)
         elif name == "sdpa_graph":
-            table[name] = ("paged|sdpa", True)
+            table[name] = (paged_name("sdpa"), True)
         elif name in ("flash", "best"):
             flash = installed_flash()
             if flash is not None:
                 table[name] = (flash, True)  # transformers' block-table decode and graphs
                 notes.append(f"{name}: {flash} with CUDA graphs")
             elif name == "best":
-                table[name] = ("paged|sdpa", True)
+                table[name] = (paged_name("sdpa"), True)
                 notes.append("best: no flash-attn package here (hub kernels are not fetched), so paged|sdpa "
                              "with CUDA graphs")
             else:

@@ -580,12 +580,24 @@ def test_plot_is_skipped_with_a_message_without_matplotlib(monkeypatch, tmp_path
     assert "nothing drawn" in report.write_plot([row(family="other")], str(path))
 
 
+@pytest.mark.parametrize("count, lines", [(1, [1]), (3, [3]), (4, [2, 2]), (5, [3, 2]), (6, [3, 3]), (7, [3, 2, 2])])
+def test_plot_panels_fill_their_lines_with_no_empty_place(count, lines):
+    assert report.panel_lines(count) == lines and sum(lines) == count and max(lines) <= report.PANELS_PER_LINE
+
+
+def test_the_plot_legend_names_every_implementation_measured():
+    rows = [row(), row(case="d96", family="other", impls={"flashjit": {"us": 5.0}, "fa3-splits32": {"us": 6.0}})]
+    names = report.legend_names(rows, report.plot_points(rows))
+    assert ("fa3-splits32", False) in names and ("flashjit", True) in names
+    assert [n for n, _ in names] == report.impl_names(rows)
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "plot.png"
     rows = [row(case="b16 L2048", mean=2048.0), row(), row(case="b1 L8192", batch=1),
             row(case="64 req", batch=64, mean=5000.0, uniform=False)]
-    assert report.write_plot(rows, str(path), ceiling_gbs=4200.0) == f"plot written to {path}"
+    assert report.write_plot(rows, str(path), ceiling_gbs=4200.0, gpu="NVIDIA H200") == f"plot written to {path}"
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

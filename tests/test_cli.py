@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import logging
+import re
 import shutil
 import subprocess
 import sys
@@ -201,11 +202,13 @@ def test_doctor(tmp_path):
     assert code == 0, out
     lines = dict(line.split(None, 1) for line in out.splitlines() if line.split(None, 1)[0] != "test")
     assert lines["flashjit"] == __version__
-    for key in ("python", "torch", "cupy", "jinja2", "nvrtc", "gpu"):
+    for key in ("python", "torch", "cupy", "jinja2", "nvrtc", "gpu", "torch-cuda", "cupy-packages", "nvrtc-wheels",
+                "cuda-flavour"):
         assert key in lines
     assert lines["nvrtc"][0].isdigit()
+    assert lines["cuda-flavour"].endswith("torch, CuPy and NVRTC agree")  # this machine: a CPU torch, one CuPy
     assert f"{tmp_path / 'c'} (writable)" in out
-    assert "test compile  ok: decode_d64_bf16" in out
+    assert re.search(r"^test compile +ok: decode_d64_bf16", out, re.MULTILINE)
 
 
 def test_run_example_without_gpu_skips_the_gpu_step(cache, tiny_manifest, monkeypatch):

@@ -141,7 +141,6 @@ def test_a_request_without_pages_attends_to_nothing(cpu_wrappers):
 NOT_IMPLEMENTED = [
     (dict(pos_encoding_mode="ROPE_LLAMA"), "pos_encoding_mode='ROPE_LLAMA'"),
     (dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode='ALIBI'"),
-    (dict(logits_soft_cap=30.0), "logits_soft_cap=30.0"),
     (dict(rope_scale=8.0), "rope_scale=8.0"),
     (dict(rope_theta=5e5), "rope_theta=500000.0"),
     (dict(q_data_type=torch.float8_e4m3fn), "q_data_type=torch.float8_e4m3fn"),
@@ -274,9 +273,8 @@ def test_page_size_one_caches_may_leave_out_the_page_dimension(cpu_wrappers, lau
 
 
 @pytest.mark.parametrize("extra, message", [
-    (dict(sinks=torch.zeros(HEADS)), "sinks="),
-    (dict(q_len_per_req=2), "q_len_per_req=2"),
     (dict(skip_softmax_threshold_scale_factor=0.1), "skip_softmax_threshold_scale_factor=0.1"),
+    (dict(kv_cache_sf=torch.ones(3)), "kv_cache_sf="),
 ])
 def test_run_refuses_other_kernels_arguments(cpu_wrappers, launches, extra, message):
     wrapper, indices = planned()

@@ -1,5 +1,5 @@
 """benchmarks/transformers_generate.py's pure parts on the CPU: the implementations it resolves
-(no hub kernels), its time budget, and the tokens/s table docs/integrations.md shows."""
+(no hub kernels), its time budget, and the tokens/s table docs/performance.md shows."""
 
 from __future__ import annotations
 
@@ -64,14 +64,16 @@ def test_an_implementation_whose_tokens_fail_the_oracle_is_not_timed(monkeypatch
 
 
 def test_best_is_never_a_hub_kernel_and_unknown_names_are_refused():
+    from flashjit.integrations.transformers import paged_name
+
     table, notes = tg.implementations(["best", "sdpa", "sdpa_graph"], None)
-    assert table["sdpa_graph"] == ("paged|sdpa", True)  # transformers' fastest sdpa: CUDA graphs
+    assert table["sdpa_graph"] == (paged_name("sdpa"), True)  # transformers' fastest sdpa: CUDA graphs
     assert "sdpa_graph" in tg.DEFAULT_IMPLS.split(",")
     attn, graphs = table["best"]
-    assert attn in ("paged|sdpa", "paged|flash_attention_2", "paged|flash_attention_3") and graphs
-    assert table["sdpa"] == ("paged|sdpa", False)
+    assert attn in (paged_name("sdpa"), paged_name("flash_attention_2"), paged_name("flash_attention_3")) and graphs
+    assert table["sdpa"] == (paged_name("sdpa"), False)
     if torch.cuda.is_available():
-        assert tg.implementations(["flashjit_graph"], None)[0]["flashjit_graph"] == ("paged|fjit_graph", True)
+        assert tg.implementations(["flashjit_graph"], None)[0]["flashjit_graph"] == (paged_name("fjit_graph"), True)
     else:  # flashjit's attention says what is missing when it is registered
         with pytest.raises(RuntimeError, match="no CUDA device: flashjit's paged attention needs one"):
             tg.implementations(["flashjit_graph"], None)

@@ -16,12 +16,17 @@ from flashjit.integrations.transformers import (PagedAttention, ReferenceDecode,
                                                 check_transformers_api, register)
 from flashjit.integrations.transformers import gathered  # noqa: E402
 from flashjit.integrations.transformers.attention import key_positions  # noqa: E402
+from flashjit.integrations.transformers.cache_layout import layer_cache  # noqa: E402
 from flashjit.integrations.transformers.step_tables import page_ids, step_tables  # noqa: E402
 
 try:
     check_transformers_api()
 except ImportError as e:  # another transformers than the adapter reads: its refusal is tested below
     pytest.skip(str(e), allow_module_level=True)
+
+from flashjit.integrations.transformers import paged_name  # noqa: E402
+
+PAGED_SDPA = paged_name("sdpa")  # transformers' own paged SDPA: the tokens every run is compared with
 
 
 def full_read_index(block_tables, kv_lens, block_size):
@@ -92,10 +97,9 @@ def test_a_ring_takes_each_new_tokens_write_slot_in_place_of_the_sentinel():
     sentinel = 99
     read = torch.tensor([5, 6, sentinel, 7, sentinel, sentinel])
     write = torch.tensor([40, 41, 42, 98, 98])  # padded with trash slots
-    cache = SimpleNamespace(sentinel_index=sentinel)
-    assert key_positions(read, write, 8, cache).tolist() == [5, 6, 40, 7, 41, 42]
-    assert key_positions(read, write, None, cache) is read
-    assert key_positions(read[:0], write, 8, cache) is write
+    assert key_positions(read, write, 8, sentinel).tolist() == [5, 6, 40, 7, 41, 42]
+    assert key_positions(read, write, None, sentinel) is read
+    assert key_positions(read[:0], write, 8, sentinel) is write
 
 
 def test_the_gathered_mask_is_lower_right_causal_with_a_window_of_w_keys():
@@ -123,8 +127,10 @@ class HandMadeCache(SimpleNamespace):
     """The PagedAttentionCache attributes the adapter reads (a subclass, so it takes weak references)."""
 
 
-def hand_made_step(kv_lens, q_lens, *, layers=2, heads=(4, 2), head_dim=64, bs=16, seed=0):
-    """A full-attention cache with random past keys and the kwargs transformers would pass."""
+def hand_made_step(kv_lens, q_lens, *, layers=2, heads=(4, 2), head_dim=64, bs=16, seed=0, layout="5.17"):
+    """A full-attention cache with random past keys and the kwargs transformers would pass, in
+    transformers 5.17's layout (flat per-layer caches) or 5.18's (an allocator's per-layer views,
+    the value view one page shorter than the key view)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-kv // bs) for kv in kv_lens) + 2
     order = torch.randperm(num_blocks - 2, generator=g).tolist()
@@ -134,19 +140,34 @@ def hand_made_step(kv_lens, q_lens, *, layers=2, heads=(4, 2), head_dim=64, bs=1
         tables_of.append(order[at:at + n])
         at += n
     shape = (num_blocks * bs, heads[1], head_dim)
-    cache = HandMadeCache(layer_index_to_group_indices={i: (0, i) for i in range(layers)},
-                            sliding_windows={i: 1 for i in range(layers)}, block_size=bs, sentinel_index=-1,
-                            key_cache=[torch.randn(shape, generator=g) for _ in range(layers)],
-                            value_cache=[torch.randn(shape, generator=g) for _ in range(layers)])
+    keys = [torch.randn(shape, generator=g) for _ in range(layers)]
+    values = [torch.randn(shape, generator=g) for _ in range(layers)]
+    if layout == "5.17":
+        cache = HandMadeCache(layer_index_to_group_indices={i: (0, i) for i in range(layers)},
+                              sliding_windows={i: 1 for i in range(layers)}, block_size=bs, sentinel_index=-1,
+                              key_cache=keys, value_cache=values)
+    else:
+        spare = torch.randn(bs, heads[1], head_dim, generator=g)
+        views = {i: (torch.cat((keys[i], spare)), values[i]) for i in range(layers)}  # K one page longer
+        allocator = SimpleNamespace(index=0, layer_indices=list(range(layers)), layer_type="full_attention",
+                                    tokens_per_page=bs, sentinel_index=1, _kv_token_views=views)
+        cache = HandMadeCache(layer_to_allocator={i: allocator for i in range(layers)})
     read = full_read_index(tables_of, kv_lens, bs)
     cu_k = cumulative(kv_lens)
     write = torch.cat([read[cu_k[r + 1] - q:cu_k[r + 1]] for r, q in enumerate(q_lens)])
     tokens = sum(q_lens)
+    cu_k_kwarg = torch.tensor(cu_k, dtype=torch.int32)
     kwargs = dict(cache=cache, cu_seq_lens_q=torch.tensor(cumulative(q_lens), dtype=torch.int32),
-                  cu_seq_lens_k=torch.tensor(cu_k, dtype=torch.int32), read_index=[read], write_index=[write])
+                  cu_seq_lens_k=cu_k_kwarg if layout == "5.17" else {"full_attention": cu_k_kwarg},
+                  read_index=[read], write_index=[write])
     qkv = [(torch.randn(1, heads[0], tokens, head_dim, generator=g), torch.randn(1, heads[1], tokens, head_dim, generator=g),
             torch.randn(1, heads[1], tokens, head_dim, generator=g)) for _ in range(layers)]
     return cache, kwargs, qkv, read
+
+
+def layer_keys_values(cache, layer):
+    where = layer_cache(cache, layer)
+    return where.keys, where.values
 
 
 def dense_attention(q, cache, layer, read, kv_lens, q_lens, scale):
@@ -154,20 +175,22 @@ def dense_attention(q, cache, layer, read, kv_lens, q_lens, scale):
     out, cu_k, cu_q = [], cumulative(kv_lens), cumulative(q_lens)
     for r in range(len(kv_lens)):
         idx = read[cu_k[r]:cu_k[r + 1]]
-        k, v = cache.key_cache[layer][idx], cache.value_cache[layer][idx]
+        keys, values = layer_keys_values(cache, layer)
+        k, v = keys[idx], values[idx]
         out.append(gathered.attend(q[cu_q[r]:cu_q[r + 1]], k, v, scale, None))
     return torch.cat(out)
 
 
-def test_one_plan_per_step_serves_every_layer_and_writes_the_new_keys():
+@pytest.mark.parametrize("layout", ["5.17", "5.18"])
+def test_one_plan_per_step_serves_every_layer_and_writes_the_new_keys(layout):
     CountingReference.instances.clear()
     kv_lens, q_lens = [5, 33, 20], [1, 1, 4]
-    cache, kwargs, qkv, read = hand_made_step(kv_lens, q_lens)
+    cache, kwargs, qkv, read = hand_made_step(kv_lens, q_lens, layout=layout)
     attention = PagedAttention(CountingReference)
     for layer, (q, k, v) in enumerate(qkv):
         out, weights = attention(SimpleNamespace(layer_idx=layer), q, k, v, None, scaling=0.125, **kwargs)
         assert weights is None
-        assert torch.equal(cache.key_cache[layer][kwargs["write_index"][0]], k[0].transpose(0, 1))
+        assert torch.equal(layer_keys_values(cache, layer)[0][kwargs["write_index"][0]], k[0].transpose(0, 1))
         expected = dense_attention(q[0].transpose(0, 1), cache, layer, read, kv_lens, q_lens, 0.125)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert attention.plans == 1 and len(CountingReference.instances) == 1
@@ -201,19 +224,58 @@ def test_the_attention_function_does_not_keep_a_finished_managers_cache_alive():
     assert alive() is None
 
 
-def test_a_step_mixing_decodes_and_a_long_chunk_matches_dense_attention():
+@pytest.mark.parametrize("layout", ["5.17", "5.18"])
+def test_a_step_mixing_decodes_and_a_long_chunk_matches_dense_attention(layout):
     kv_lens, q_lens = [7, 40, 18], [1, 30, 2]
-    cache, kwargs, qkv, read = hand_made_step(kv_lens, q_lens, layers=1)
+    cache, kwargs, qkv, read = hand_made_step(kv_lens, q_lens, layers=1, layout=layout)
     q, k, v = qkv[0]
     out, _ = PagedAttention(ReferenceDecode)(SimpleNamespace(layer_idx=0), q, k, v, None, scaling=0.1, **kwargs)
     expected = dense_attention(q[0].transpose(0, 1), cache, 0, read, kv_lens, q_lens, 0.1)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def capped_sinks_attention(q, k, v, scale, softcap, sinks):
+    """One request's attention, lower-right causal, with Gemma 2's soft cap and gpt-oss's sinks, written out."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("nhd,khd->hnk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    n, kv = q.shape[0], k.shape[0]
+    future = torch.arange(kv)[None, :] > torch.arange(kv - n, kv)[:, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float()[:, None, None].expand(-1, n, 1)), dim=-1)
+    return torch.einsum("hnk,khd->nhd", torch.softmax(scores, -1)[..., :kv], v)
+
+
+@pytest.mark.parametrize("layout", ["5.17", "5.18"])
+@pytest.mark.parametrize("softcap, with_sinks", [(20.0, False), (None, True), (5.0, True)])
+def test_soft_capping_and_each_layers_sinks_are_served_with_one_plan_a_step(layout, softcap, with_sinks):
+    """Gemma 2's softcap kwarg and gpt-oss's per-layer sinks (module.sinks, or s_aux), on decode rows
+    and on a long chunk's gathered fallback alike."""
+    kv_lens, q_lens = [7, 40, 18], [1, 30, 2]  # the 30-token chunk takes the fallback
+    cache, kwargs, qkv, read = hand_made_step(kv_lens, q_lens, layout=layout)
+    attention = PagedAttention(ReferenceDecode)
+    sinks = [torch.randn(4, dtype=torch.bfloat16) * 2 if with_sinks else None for _ in qkv]
+    extra = {} if softcap is None else {"softcap": softcap}
+    for layer, (q, k, v) in enumerate(qkv):
+        module = SimpleNamespace(layer_idx=layer, sinks=sinks[layer])
+        out, _ = attention(module, q, k, v, None, scaling=0.125, **kwargs, **extra)
+        keys, values = layer_keys_values(cache, layer)
+        q_rows, cu_k, cu_q = q[0].transpose(0, 1), cumulative(kv_lens), cumulative(q_lens)
+        for r in range(len(kv_lens)):
+            idx = read[cu_k[r]:cu_k[r + 1]]
+            expected = capped_sinks_attention(q_rows[cu_q[r]:cu_q[r + 1]], keys[idx], values[idx], 0.125, softcap,
+                                              sinks[layer])
+            torch.testing.assert_close(out[cu_q[r]:cu_q[r + 1]], expected, atol=1e-5, rtol=1e-5)
+    assert attention.plans == 1
+
+
 @pytest.mark.parametrize("extra, module_attrs, feature", [
-    ({"softcap": 50.0}, {}, "soft-capping"),
-    ({"s_aux": torch.zeros(4)}, {}, "sinks"),
-    ({}, {"sinks": torch.zeros(4)}, "sinks"),
+    ({"softcap": -1.0}, {}, "soft cap"),
+    ({"s_aux": torch.zeros(3)}, {}, "sinks other than one logit per query head"),
+    ({}, {"sinks": torch.zeros(5)}, "sinks"),
     ({"dropout": 0.1}, {}, "dropout"),
 ])
 def test_features_flashjit_lacks_are_refused_by_name_before_any_write(extra, module_attrs, feature):
@@ -235,7 +297,7 @@ def test_head_dims_and_groups_the_kernels_lack_are_refused():
 
 def test_the_default_name_is_one_transformers_serves_as_registered():
     name = register(backend_factory=ReferenceDecode)
-    assert name == "paged|fjit" and "flash" not in name
+    assert name == paged_name("fjit") and "flash" not in name
     assert isinstance(transformers.AttentionInterface._global_mapping[name], PagedAttention)
 
 
@@ -246,7 +308,7 @@ def test_without_a_cuda_device_register_raises_naming_what_is_missing():
                                            r"register\(backend_factory=ReferenceDecode\) serves the float32 "
                                            r"reference instead$"):
         register("fjit_no_cuda")
-    assert "paged|fjit_no_cuda" not in transformers.AttentionInterface._global_mapping
+    assert paged_name("fjit_no_cuda") not in transformers.AttentionInterface._global_mapping
 
 
 def test_a_call_without_a_paged_cache_and_bad_names_are_refused():
@@ -300,7 +362,7 @@ def generate(model, implementation, max_batch_tokens, num_return_sequences=1):
 @pytest.mark.parametrize("max_batch_tokens", [64, 12])  # whole prompts with long ones gathered; 12-token chunks
 def test_generate_batch_with_the_reference_backend_gives_paged_sdpa_tokens(family, window, max_batch_tokens):
     model = tiny_model(family, window)
-    expected = generate(model, "paged|sdpa", max_batch_tokens)
+    expected = generate(model, PAGED_SDPA, max_batch_tokens)
     CountingReference.instances.clear()
     got = generate(model, register("jit_cpu_reference", backend_factory=CountingReference),
                    max_batch_tokens)
@@ -311,7 +373,7 @@ def test_generate_batch_with_the_reference_backend_gives_paged_sdpa_tokens(famil
 
 def test_forked_requests_give_paged_sdpa_tokens():
     model = tiny_model("llama")
-    expected = generate(model, "paged|sdpa", 64, num_return_sequences=2)
+    expected = generate(model, PAGED_SDPA, 64, num_return_sequences=2)
     got = generate(model, register("jit_cpu_reference", backend_factory=ReferenceDecode), 64, num_return_sequences=2)
     assert len(got) == 8 and got == expected
 
@@ -328,7 +390,7 @@ def test_the_greedy_oracle_accepts_paged_sdpas_tokens_and_rejects_changed_ones()
     exact.set_attn_implementation("sdpa")
     plain = copy.deepcopy(exact).to(torch.bfloat16)
     model = copy.deepcopy(plain)
-    model.set_attn_implementation("paged|sdpa")
+    model.set_attn_implementation(PAGED_SDPA)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(50, 80))]
     config = transformers.GenerationConfig(max_new_tokens=16, eos_token_id=None, pad_token_id=0, do_sample=False)
     out = model.generate_batch(prompts, generation_config=config, progress_bar=False,
@@ -400,7 +462,7 @@ def test_device_step_tables_cut_every_request_into_pieces_over_its_page_prefixes
 @pytest.mark.parametrize("max_batch_tokens", [64, 12])
 def test_cuda_graph_steps_with_the_reference_backend_give_paged_sdpa_tokens(piece, max_batch_tokens):
     model = tiny_model("llama")
-    expected = generate(model, "paged|sdpa", max_batch_tokens)
+    expected = generate(model, PAGED_SDPA, max_batch_tokens)
     name = register("jit_cpu_graph", backend_factory=ReferenceDecode, cuda_graphs=True, max_decode_q_len=piece)
     assert generate(model, name, max_batch_tokens) == expected
 
@@ -412,3 +474,21 @@ def test_cuda_graph_steps_refuse_sliding_window_layers_by_name():
         PagedAttention(ReferenceDecode, cuda_graphs=True)(SimpleNamespace(layer_idx=0), *qkv[0], None, **kwargs)
     with pytest.raises(ValueError, match="cuda_graphs"):
         PagedAttention(cuda_graphs=1)
+
+
+@pytest.mark.parametrize("version", ["5.16.0", "5.24.0", "6.0.0"])
+def test_releases_outside_the_supported_range_are_refused_naming_it(monkeypatch, version):
+    import sys
+
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)  # (the module imported now)
+    with pytest.raises(ImportError, match=f"transformers>=5.17,<5.24; transformers {version} is installed"):
+        check_transformers_api()
+
+
+def test_the_5_18_layout_cuts_keys_and_values_to_the_pages_they_share():
+    cache, _, _, _ = hand_made_step([5, 9], [1, 1], layers=2, layout="5.18")
+    first, second = layer_cache(cache, 0), layer_cache(cache, 1)
+    assert first.keys.shape == first.values.shape and first.keys.shape[0] % first.block_size == 0
+    assert (first.group, first.first_in_group, second.first_in_group, first.ring) == (0, True, False, None)
+    k_pages, v_pages = second.pages(first.block_size)
+    assert k_pages.shape == v_pages.shape == (first.keys.shape[0] // 16, 16, 2, 64)

@@ -30,6 +30,7 @@ def nvrtc_library() -> str:
 
 
 def cmd_doctor(args) -> int:
+    from .. import cuda_flavour
     from ..jit.cache import KernelCache
     from ..jit.compile import compile_source, nvrtc_version
     from ..jit.render import render
@@ -39,11 +40,16 @@ def cmd_doctor(args) -> int:
     ok = True
     rows = [("flashjit", __version__), ("python", f"{platform.python_version()} ({sys.executable})")]
     rows += [(module, module_version(module)) for module in ("torch", "cupy", "jinja2")]
+    nvrtc = None
     try:
-        rows.append(("nvrtc", ".".join(map(str, nvrtc_version())) + f" ({nvrtc_library()})"))
+        nvrtc = nvrtc_version()
+        rows.append(("nvrtc", ".".join(map(str, nvrtc)) + f" ({nvrtc_library()})"))
     except Exception as exc:
         ok = False
-        rows.append(("nvrtc", f"NOT FOUND ({type(exc).__name__}: {exc}); install nvidia-cuda-nvrtc-cu12"))
+        rows.append(("nvrtc", f"NOT FOUND ({type(exc).__name__}: {exc}); {cuda_flavour.install_hint()}"))
+    flavour_rows, flavour_ok = cuda_flavour.doctor_rows(nvrtc)  # torch's CUDA, CuPy's and NVRTC's agree?
+    rows += flavour_rows
+    ok = ok and flavour_ok
 
     arch = None
     try:

@@ -10,21 +10,21 @@ import dataclasses
 import functools
 import hashlib
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-from .. import env
+from .. import cuda_flavour, env
 from ..errors import CompileError
 
 BASE_OPTIONS = ("--std=c++17", "--use_fast_math")
 # Installed distributions that decide which NVRTC compiles: CuPy finds NVRTC through
 # cuda-pathfinder, which prefers these wheels over a system CUDA toolkit.
-NVRTC_DISTRIBUTIONS = ("nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc")
-COMPILER_DISTRIBUTIONS = ("cupy-cuda12x", "cupy-cuda13x", "cupy", "cuda-pathfinder") + NVRTC_DISTRIBUTIONS
+NVRTC_DISTRIBUTIONS = cuda_flavour.NVRTC_DISTRIBUTIONS
+COMPILER_DISTRIBUTIONS = cuda_flavour.CUPY_DISTRIBUTIONS + ("cuda-pathfinder",) + NVRTC_DISTRIBUTIONS
 
 
 def nvrtc_version() -> tuple[int, int]:
+    cuda_flavour.require_cupy()
     from cupy.cuda import nvrtc
 
     return tuple(nvrtc.getVersion())
@@ -37,32 +37,16 @@ def compiler_fingerprint() -> str:
     The cache index keys on it, so a CuPy or NVRTC upgrade misses the index and falls back to the
     full key (which holds the real NVRTC version) instead of serving a stale cubin. It reads the
     versions of COMPILER_DISTRIBUTIONS from the *.dist-info folder names on sys.path (~0.3 ms, once
-    per process; importlib.metadata alone costs ~20 ms to import). With no NVRTC wheel installed,
-    NVRTC comes from a CUDA toolkit, and its location (CUDA_HOME, CUDA_PATH, /usr/local/cuda
-    resolved, which names the version on standard installs) stands in for its version.
+    per process). With no NVRTC wheel installed, NVRTC comes from a CUDA toolkit, and its location
+    (CUDA_HOME, CUDA_PATH, /usr/local/cuda resolved, which names the version on standard installs)
+    stands in for its version.
     """
-    wanted = {_normalize_distribution(name): name for name in COMPILER_DISTRIBUTIONS}
-    prefixes = tuple({name[:4] for name in wanted})
-    found: dict[str, str] = {}
-    for folder in sys.path:
-        try:
-            names = os.listdir(folder or ".")
-        except OSError:  # zip files, missing folders
-            continue
-        for name in names:
-            if name.lower().startswith(prefixes) and name.endswith((".dist-info", ".egg-info")):
-                dist, _, version = name.rsplit(".", 1)[0].partition("-")
-                found.setdefault(wanted.get(_normalize_distribution(dist), ""), version)
-    found.pop("", None)
+    found = cuda_flavour.installed_versions(COMPILER_DISTRIBUTIONS)
     parts = [f"{name}={found[name]}" for name in COMPILER_DISTRIBUTIONS if name in found]
     if not any(name in found for name in NVRTC_DISTRIBUTIONS):
         toolkit = [*env.cuda_toolkit(), "/usr/local/cuda"]
         parts.append("toolkit=" + ",".join(os.path.realpath(p) if p else "" for p in toolkit))
     return ";".join(parts)
-
-
-def _normalize_distribution(name: str) -> str:
-    return name.lower().replace("-", "_").replace(".", "_")  # PEP 503, as dist-info folder names spell it
 
 
 def compile_options(arch: str) -> tuple[str, ...]:
@@ -78,6 +62,7 @@ class CompiledKernel:
 def compile_source(source: str, arch: str, name: str, *, failed_source_dir=None,
                    extra_options: tuple[str, ...] = ()) -> CompiledKernel:
     """Compile to a cubin; on failure save the source and raise CompileError with the log."""
+    cuda_flavour.require_cupy()
     from cupy.cuda import nvrtc
 
     options = list(compile_options(arch) + tuple(extra_options))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import threading
 
+from .. import cuda_flavour
 from ..errors import KernelNotPrewarmed
 from .arch import DEFAULT_DYNAMIC_SHARED_BYTES, device_arch, runs_on
 
@@ -78,6 +79,7 @@ def load_functions(cubin: bytes, device_index: int, entries, spec_name: str, arc
     one per-device load every family's kernel does. Refuses (KernelNotPrewarmed) during CUDA-graph
     capture, where modules cannot be loaded (before_capture: what to run first), and on a device of
     another arch than the cubin's."""
+    cuda_flavour.require_cupy()
     import cupy
     import torch
 

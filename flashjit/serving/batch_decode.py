@@ -294,7 +294,14 @@ class BatchDecode(Decoder):
         A plan without query tokens (an empty batch, e.g. a data-parallel rank with no decodes this
         step) checks the tensors and returns the empty out (and lse) without a launch; in CUDA-graph
         mode it launches its fixed grid, whose items are then all padding, so the capture holds it.
+
+        Under torch.compile, run() is the operator torch.ops.flashjit.decode (serving/torch_ops.py),
+        which runs the plan current when the compiled code runs; plan() stays outside the compiled code.
         """
+        if self._compiling():  # (the operator's kernel is this method, called outside any tracing)
+            from .torch_ops import decode as traced_decode
+
+            return traced_decode(self._op_handle, q, kv_cache, out, lse, return_lse, k_scale, v_scale)
         plan = self._plan
         if plan is None:
             raise RuntimeError("BatchDecode.run() called before plan()")
@@ -321,6 +328,17 @@ class BatchDecode(Decoder):
             m.out, m.out_stride, m.lse = out_pointer, out_stride, lse_pointer
             merge(stream)
         return (out, lse) if return_lse else out
+
+    def point_variant_at(self, name: str, tensor) -> None:
+        """Point the current plan's tensor variant parameter `name` (e.g. "sinks") at another tensor of
+        the planned one's dtype, shape and device, without planning again: layers that each have their
+        own sinks share one plan. run() reads it from its next launch on (a captured run() keeps the
+        one it was captured with); the caller keeps the tensor alive while it is in use."""
+        variant_args.repoint_tensor(self._plan, name, tensor)
+
+    def query_form(self):
+        """(dtype, qo heads, head_dim) that q and out must have under the current plan; None before one."""
+        return None if self._plan is None else self._plan.query_form[2:]
 
     def _point_at_cache(self, kv_cache, a, plan: Plan):
         """Point the arguments at K and V; the cache they point at already is recognised in a few tests."""

@@ -235,8 +235,14 @@ class BatchDecodeMLA(Decoder):
         float or a float32 tensor of one value on the device, read at launch (so CUDA-graph
         replays see its current value). In CUDA-graph mode q/out may have up to the capacity's rows.
         Allocates only out/lse when they are not given; never synchronizes (except once to check the
-        values of a scale tensor it has not seen).
+        values of a scale tensor it has not seen). Under torch.compile, run() is the operator
+        torch.ops.flashjit.mla_decode (serving/torch_ops.py), which runs the plan current when it runs.
         """
+        if self._compiling():  # (the operator's kernel is this method, called outside any tracing)
+            from .torch_ops import mla_decode as traced_mla_decode
+
+            return traced_mla_decode(self._op_handle, q_nope, q_pe, ckv_cache, kpe_cache, out, lse, return_lse,
+                                     ckv_scale, kpe_scale)
         plan = self._current()
         a = plan.args
         a.q_nope, a.q_nope_stride, a.q_nope_head_stride = self._rows("q_nope", q_nope, LATENT_DIM, plan)
@@ -261,6 +267,10 @@ class BatchDecodeMLA(Decoder):
         if plan.max_rows:  # a plan without query tokens launches nothing (outside CUDA-graph mode)
             plan.launch(self._current_stream(self._device_index))
         return (out, lse) if return_lse else out
+
+    def query_form(self):
+        """(dtype, heads, 512) that q_nope and out must have under the current plan; None before one."""
+        return None if self._plan is None else (self._plan.setup.q_dtype, self._plan.setup.num_heads, LATENT_DIM)
 
     def _rows(self, name: str, t, width: int, plan: MLAPlan) -> tuple[int, int, int]:
         """(data_ptr, token stride, head stride) of q_nope, q_pe or out: [rows, heads, width] of the

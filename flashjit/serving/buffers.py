@@ -86,6 +86,10 @@ class PlanBuffers:
             slot.value = value
         return self._decode_params
 
+    def set_param_value(self, index: int, value) -> None:
+        """Rewrite one parameter value of decode_params (index: in the kernel's order, mask's then variant's)."""
+        self._mask_values[index].value = value
+
     def params_with(self, struct: ctypes.Structure) -> ctypes.Array:
         """A void*[] of struct, then the mask parameters' value slots of decode_params: the GPU
         planner's parameters, which read the values the decode launch does."""

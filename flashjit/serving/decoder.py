@@ -28,9 +28,13 @@ class Decoder:
                  load_kernel, current_stream, host_planner: HostPlanner | None, page_id_range: PageIdRange | None):
         import torch
 
+        from . import torch_ops
+
         self.device, self._arch = decoder_device(torch, device, arch, type(self).__name__)  # first: a refused device changes nothing
         self.engine = engine or default_engine()
         self._device_index = self.device.index
+        self._compiling = torch.compiler.is_compiling  # True while torch.compile traces run()
+        self._op_handle = torch_ops.register(self)  # how torch.ops.flashjit's operators find this decoder
         self._load_kernel = load_kernel or Kernel.loaded
         self._current_stream = current_stream or stream_getter()
         self.use_cuda_graph = use_cuda_graph

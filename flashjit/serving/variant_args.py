@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from .. import validation
+from ..masks.params import TENSOR_KINDS
 
 
 def resolve(variant, variant_params, logits_soft_cap, sinks) -> tuple[str, dict | None]:
@@ -41,3 +42,24 @@ def memo_key(params: dict | None):
     if all(type(value) in (int, float) for value in params.values()):
         return tuple(sorted((name, type(value), value) for name, value in params.items()))
     return None
+
+
+def repoint_tensor(plan, name: str, tensor) -> None:
+    """Point the plan's tensor variant parameter `name` at tensor, of the planned one's dtype, shape
+    and device: the next launch reads it, with no new plan (layers with their own sinks share one)."""
+    import torch
+
+    if plan is None:
+        raise RuntimeError(f"no plan yet: {name} is re-pointed after plan()")
+    kernel = plan.setup.kernel
+    tensors = [p.name for p in kernel.variant.params if p.kind in TENSOR_KINDS]
+    if name not in tensors:
+        validation.fail("name", f"a tensor parameter of the planned variant {kernel.variant.name!r}: {tensors}", name)
+    planned = plan.setup.variant_params[name]
+    if not (isinstance(tensor, torch.Tensor) and tensor.dtype == planned.dtype and tensor.shape == planned.shape
+            and tensor.device == planned.device and tensor.is_contiguous()):
+        got = f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}" if isinstance(tensor, torch.Tensor) else tensor
+        validation.fail(name, f"a contiguous {planned.dtype} tensor {tuple(planned.shape)} on {planned.device}, "
+                        "as planned", got)
+    index = len(kernel.mask.params) + [p.name for p in kernel.variant.params].index(name)
+    plan.buffers.set_param_value(index, tensor.data_ptr())

@@ -55,18 +55,40 @@ def cache_form(batch, form):
     return torch.stack([batch.k_cache, batch.v_cache], dim=1)  # [pages, 2, ...]
 
 
-def test_signatures_are_flashinfers():
+# Where ours follows FlashInfer 0.7 over 0.6: run()'s q_len_per_req defaults to None ("the plan's"; 0.6: 1),
+# and fast_decode_plan's global_override_indptr_cpu comes after 0.7's new q_len_per_req.
+CHANGED_DEFAULTS = {("run", "q_len_per_req")}
+CHANGED_POSITIONS = {("fast_decode_plan", "global_override_indptr_cpu")}
+
+
+def test_signatures_take_every_call_flashinfers_take():
+    """Every argument of the installed FlashInfer's wrappers is ours too, at the same position where
+    it may be positional, with the same default. 0.7's plan() takes its options through *args and
+    **kwargs: they are read from its _plan_impl (their positional order is a CPU test's)."""
     pairs = [(compat.BatchDecodeWithPagedKVCacheWrapper, flashinfer.BatchDecodeWithPagedKVCacheWrapper),
              (compat.CUDAGraphBatchDecodeWithPagedKVCacheWrapper, flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper)]
     for ours, theirs in pairs:
         for name in ("__init__", "plan", "run", "forward", "forward_return_lse", "reset_workspace_buffer"):
             if name in vars(theirs):
-                assert _parameters(getattr(ours, name)) == _parameters(getattr(theirs, name)), (theirs.__name__, name)
-    assert _parameters(compat.fast_decode_plan) == _parameters(flashinfer.fast_decode_plan)
+                _assert_accepts(name, getattr(ours, name), getattr(theirs, name))
+    _assert_accepts("fast_decode_plan", compat.fast_decode_plan, flashinfer.fast_decode_plan)
 
 
-def _parameters(fn):
-    return [(p.name, p.kind, p.default) for p in inspect.signature(inspect.unwrap(fn)).parameters.values()]
+def _assert_accepts(name, ours, theirs):
+    given = list(inspect.signature(inspect.unwrap(theirs)).parameters.values())
+    if name == "plan" and any(p.kind is p.VAR_POSITIONAL for p in given):
+        impl = inspect.unwrap(flashinfer.BatchDecodeWithPagedKVCacheWrapper._plan_impl)
+        given = list(inspect.signature(impl).parameters.values())
+    mine = inspect.signature(ours).parameters
+    positional = [p.name for p in mine.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    for index, p in enumerate(given):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        assert p.name in mine, (name, p.name)
+        if p.kind is p.POSITIONAL_OR_KEYWORD and (name, p.name) not in CHANGED_POSITIONS:
+            assert positional.index(p.name) == index, (name, p.name, "position")
+        if p.default is not p.empty and (name, p.name) not in CHANGED_DEFAULTS:
+            assert mine[p.name].default == p.default, (name, p.name)
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
@@ -230,3 +252,48 @@ def test_graph_replays_read_page_ids_written_in_place(workspace, form, planner):
     real = sum(1 for n in GRAPH_STEPS[-1] if n)
     assert_close((out[:real], lse[:real]), eager_flashinfer(workspace, q, k, v, indptr, ids, last, real),
                  torch.float16)
+
+
+# ---- FlashInfer 0.7's arguments, and the variants served --------------------------------------------
+
+@pytest.mark.parametrize("cap", [30.0, 50.0])
+def test_logits_soft_cap_matches_flashinfer(workspace, cap):
+    batch = make_batch(KV_LENS, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=128, page_size=16,
+                       dtype=torch.float16, seed=11)
+    batch.q.mul_(8)  # logits large enough for the cap to matter
+    kv_cache = cache_form(batch, "tuple")
+    options = {"logits_soft_cap": cap}
+    assert_close(decode_with(compat, workspace, batch, kv_cache, options),
+                 decode_with(flashinfer, workspace, batch, kv_cache, options), torch.float16)
+
+
+def test_run_sinks_match_the_reference_layer_after_layer(workspace):
+    batch = make_batch(KV_LENS, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=128, page_size=16,
+                       dtype=torch.bfloat16, seed=12)
+    wrapper = compat.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(batch.indptr, batch.indices, batch.last_page_len, HEADS, KV_HEADS, 128, 16,
+                 q_data_type=torch.bfloat16)
+    for layer in range(3):  # each layer its own sinks: one plan, re-pointed
+        sinks = torch.randn(HEADS, device="cuda", generator=torch.Generator("cuda").manual_seed(layer)) * 3
+        out, lse = wrapper.run(batch.q, (batch.k_cache, batch.v_cache), sinks=sinks, return_lse=True)
+        ref, ref_lse = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices,
+                                        batch.last_page_len, variant="sinks", variant_params={"sinks": sinks})
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(lse, ref_lse * LOG2E, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("options, mask", [(dict(q_len_per_req=3), "causal"),
+                                           (dict(q_len_per_req=2, is_causal=False), "none"),
+                                           (dict(q_len_per_req=2, window_left=64), "sliding_window")])
+def test_0_7_multi_token_plans_match_the_reference(workspace, options, mask):
+    q_len = options["q_len_per_req"]
+    batch = make_batch(KV_LENS[1:], num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=128, page_size=16,
+                       dtype=torch.bfloat16, q_lens=q_len, seed=13)
+    wrapper = compat.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    wrapper.plan(batch.indptr, batch.indices, batch.last_page_len, HEADS, KV_HEADS, 128, 16,
+                 q_data_type=torch.bfloat16, **options)
+    out = wrapper.run(batch.q, (batch.k_cache, batch.v_cache))
+    params = {"window_left": options["window_left"]} if "window_left" in options else None
+    ref, _ = decode_reference(batch.q, batch.k_cache, batch.v_cache, batch.indptr, batch.indices, batch.last_page_len,
+                              qo_indptr=batch.qo_indptr, mask=mask, mask_params=params)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)

@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 from flashjit.integrations.transformers.greedy_oracle import check_sequences  # noqa: E402
 
-from flashjit.integrations.transformers import PagedAttention, ReferenceDecode, register  # noqa: E402
+from flashjit.integrations.transformers import PagedAttention, ReferenceDecode, paged_name, register  # noqa: E402
 from flashjit.integrations.transformers import check_transformers_api  # noqa: E402
 from flashjit.integrations.transformers.attention import flashjit_backend  # noqa: E402
 from flashjit.serving.exactness import assert_exact, tolerance  # noqa: E402
@@ -46,9 +46,24 @@ def model_of(family: str, window: int | None = None, layers: int = 4):
     torch.manual_seed(0)
     common = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
                   num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048)
+    reference = "sdpa"
     if family == "llama":
         config = transformers.LlamaConfig(**common)
         model = transformers.LlamaForCausalLM(config)
+    elif family == "gemma2":  # logit soft-capping; eager is the reference attention that caps
+        config = transformers.Gemma2Config(**common, sliding_window=window, attn_logit_softcapping=2.0,
+                                           final_logit_softcapping=None, query_pre_attn_scalar=128)
+        model, reference = transformers.Gemma2ForCausalLM(config), "eager"
+        with torch.no_grad():
+            for layer in model.model.layers:  # logits well past the cap
+                layer.self_attn.q_proj.weight.mul_(30)
+                layer.self_attn.k_proj.weight.mul_(30)
+    elif family == "gpt_oss":  # learned sinks, different in every layer
+        config = transformers.GptOssConfig(**common, num_local_experts=4, num_experts_per_tok=2, sliding_window=window)
+        model, reference = transformers.GptOssForCausalLM(config), "eager"
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape) * 2)
     else:
         config = transformers.Qwen2Config(**common, use_sliding_window=window is not None, sliding_window=window,
                                           max_window_layers=layers // 2)
@@ -56,7 +71,7 @@ def model_of(family: str, window: int | None = None, layers: int = 4):
     model = model.to(device="cuda").eval()
     exact, plain = copy.deepcopy(model), copy.deepcopy(model).to(torch.float16)
     for m in (exact, plain):
-        m.set_attn_implementation("sdpa")
+        m.set_attn_implementation(reference)
     return model.to(torch.float16), exact, plain
 
 
@@ -83,19 +98,27 @@ def generate(model, implementation, max_batch_tokens, num_return_sequences=1, ne
     return dict(sorted(results.items()))
 
 
-def assert_oracle_accepts(outputs, exact, plain, new_tokens=40):
+def assert_oracle_accepts(outputs, exact, plain, new_tokens=40, min_decisive=MIN_DECISIVE):
     assert outputs and all(len(generated) == new_tokens for _, generated in outputs.values())
     decisive, positions, failures = check_sequences(exact, plain, outputs)
     assert not failures, f"{len(failures)} tokens are no float32 argmax: " + "; ".join(failures[:5])
-    assert decisive >= MIN_DECISIVE * positions, f"only {decisive} of {positions} positions were decisive"
+    assert decisive >= min_decisive * positions, f"only {decisive} of {positions} positions were decisive"
 
 
 @pytest.mark.parametrize("family, window", [("llama", None), ("qwen2", None), ("qwen2", 64)])
 @pytest.mark.parametrize("max_batch_tokens", [512, 12])  # whole prompts; 12-token chunks over a past (multi-token)
 def test_greedy_tokens_are_float32_argmaxes_as_paged_sdpas_are(family, window, max_batch_tokens):
     model, exact, plain = model_of(family, window)
-    assert_oracle_accepts(generate(model, "paged|sdpa", max_batch_tokens), exact, plain)
+    assert_oracle_accepts(generate(model, paged_name("sdpa"), max_batch_tokens), exact, plain)
     assert_oracle_accepts(generate(model, register("jit_gpu_test"), max_batch_tokens), exact, plain)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("max_batch_tokens", [512, 12])
+def test_soft_capped_and_sink_models_give_float32_argmaxes(family, max_batch_tokens):
+    """Gemma 2's soft cap and gpt-oss's per-layer sinks on the kernels' variants, sliding layers included."""
+    model, exact, plain = model_of(family, window=64)
+    assert_oracle_accepts(generate(model, register(f"jit_{family}"), max_batch_tokens), exact, plain, min_decisive=1 / 3)
 
 
 def test_forked_requests_give_float32_argmaxes():
@@ -178,6 +201,22 @@ def assert_same_rows(got, expected):
     its float32 result to the same type once more): a bound from the dtype, row by row."""
     rows = lambda t: t.reshape(-1, t.shape[-2], t.shape[-1])  # noqa: E731 (each row one head's head_dim)
     assert_exact(rows(got), None, rows(expected).float(), None, tolerance(got.dtype))
+
+
+@pytest.mark.parametrize("softcap, with_sinks", [(30.0, False), (None, True), (10.0, True)])
+def test_soft_cap_and_sinks_match_the_reference_backend_on_one_step(softcap, with_sinks):
+    kv_lens, q_lens = [20, 900, 64], [1, 200, 2]  # a long chunk (the gathered fallback) beside decodes
+    sinks = torch.randn(32, device="cuda") * 2 if with_sinks else None
+    module = SimpleNamespace(layer_idx=0, sinks=sinks)
+    extra = {} if softcap is None else {"softcap": softcap}
+    cache, kwargs, (q, k, v) = one_step(kv_lens, q_lens)
+    q.mul_(4)  # logits past the cap
+    original = (cache.key_cache[0].clone(), cache.value_cache[0].clone())
+    got, _ = PagedAttention()(module, q, k, v, None, scaling=0.088, **kwargs, **extra)
+    cache.key_cache[0].copy_(original[0])
+    cache.value_cache[0].copy_(original[1])
+    expected, _ = PagedAttention(ReferenceDecode)(module, q, k, v, None, scaling=0.088, **kwargs, **extra)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
 def test_capture_without_cuda_graphs_mode_is_refused_by_name():

@@ -1,4 +1,4 @@
-"""FlashInfer 0.6's paged decode API over flashjit: `import flashjit.compat.flashinfer as flashinfer`.
+"""FlashInfer's paged decode API (0.6 and 0.7) over flashjit: `import flashjit.compat.flashinfer as flashinfer`.
 
 BatchDecodeWithPagedKVCacheWrapper, CUDAGraphBatchDecodeWithPagedKVCacheWrapper and
 fast_decode_plan take FlashInfer's arguments and return FlashInfer's results (LSE in base 2); what

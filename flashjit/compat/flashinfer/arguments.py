@@ -1,4 +1,4 @@
-"""FlashInfer 0.6's decode arguments in BatchDecode's terms, and the refusals of what flashjit lacks.
+"""FlashInfer's decode arguments (0.6 and 0.7) in BatchDecode's terms, and the refusals of what flashjit lacks.
 
 Pure functions of the arguments: the wrappers call them before they change anything, so a refused
 plan() or run() leaves the previous plan in place. Each refusal of a feature flashjit does not have
@@ -31,13 +31,14 @@ def checked_kv_layout(kv_layout) -> str:
     return kv_layout
 
 
-def check_backend(backend, jit_args) -> None:
+def check_backend(backend, jit_args, jit_kwargs=None) -> None:
     if backend == "trtllm-gen":
         not_implemented("backend", backend, f"its block_tables/seq_lens plan is not served; use one of {BACKENDS}")
     if backend not in BACKENDS:
         validation.fail("backend", f"one of {BACKENDS} (flashjit picks its kernel for each)", repr(backend))
-    if jit_args is not None:
-        not_implemented("jit_args", "<custom kernel>", "register a flashjit mask instead (docs/masks.md)")
+    for name, value in (("jit_args", jit_args), ("jit_kwargs", jit_kwargs)):
+        if value is not None:
+            not_implemented(name, "<custom kernel>", "register a flashjit mask or variant instead (docs/masks.md)")
 
 
 def torch_dtype(name: str, value):
@@ -65,11 +66,12 @@ def plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type=None) -> tuple
     return q_dtype, kv_dtype
 
 
-def plan_options(*, page_size: int, pos_encoding_mode="NONE", window_left=NO_WINDOW, logits_soft_cap=None,
-                 sm_scale=None, rope_scale=None, rope_theta=None, fixed_split_size=None,
-                 disable_split_kv=False, block_tables=None, seq_lens=None) -> dict:
-    """BatchDecode.plan()'s keywords (mask, window_left, sm_scale, chunk_tokens, disable_split_kv)
-    for FlashInfer's plan() arguments."""
+def plan_options(*, page_size: int, pos_encoding_mode="NONE", window_left=NO_WINDOW, window_right=0,
+                 logits_soft_cap=None, sm_scale=None, rope_scale=None, rope_theta=None, fixed_split_size=None,
+                 disable_split_kv=False, block_tables=None, seq_lens=None, q_len_per_req=1, is_causal=None,
+                 use_token_head_sf=False) -> dict:
+    """BatchDecode.plan()'s keywords (mask, window_left, q_len, logits_soft_cap, sm_scale, chunk_tokens,
+    disable_split_kv) for FlashInfer's plan() arguments."""
     if pos_encoding_mode not in POS_ENCODING_MODES:
         validation.fail("pos_encoding_mode", f"one of {POS_ENCODING_MODES}", repr(pos_encoding_mode))
     if pos_encoding_mode != "NONE":
@@ -77,29 +79,54 @@ def plan_options(*, page_size: int, pos_encoding_mode="NONE", window_left=NO_WIN
     for name, value in (("rope_scale", rope_scale), ("rope_theta", rope_theta)):
         if value is not None:
             not_implemented(name, value, "it belongs to pos_encoding_mode='ROPE_LLAMA'; pass None")
-    # FlashInfer caps the logits only for a cap > 0: None, 0 and below leave them alone.
-    if logits_soft_cap is not None and _real(logits_soft_cap) and logits_soft_cap > 0:
-        not_implemented("logits_soft_cap", logits_soft_cap, "flashjit has no soft-capping variant yet; pass None or 0")
     if logits_soft_cap is not None and not _real(logits_soft_cap):
         validation.fail("logits_soft_cap", "None or a float", repr(logits_soft_cap))
     if block_tables is not None:
         not_implemented("block_tables", "<tensor>", "trtllm-gen's page table; flashjit reads indptr and indices")
     if seq_lens is not None:
         not_implemented("seq_lens", "<tensor>", "flashjit derives the lengths from indptr and last_page_len")
+    if use_token_head_sf is not False:
+        not_implemented("use_token_head_sf", use_token_head_sf, "per-(token, head) fp8 scales are not read; "
+                        "flashjit's fp8 caches take k_scale/v_scale per tensor or per KV head")
     if not isinstance(disable_split_kv, bool):
         validation.fail("disable_split_kv", "True or False", repr(disable_split_kv))
-    options = {"disable_split_kv": disable_split_kv, "sm_scale": sm_scale}
-    options.update(window_options(window_left))
+    # FlashInfer caps the logits only for a cap > 0: None, 0 and below leave them alone.
+    capped = logits_soft_cap is not None and logits_soft_cap > 0
+    options = {"disable_split_kv": disable_split_kv, "sm_scale": sm_scale,
+               "logits_soft_cap": float(logits_soft_cap) if capped else None}
+    causal = query_mask(q_len_per_req, is_causal, window_right)
+    if not causal and q_len_per_req > 1 and window_left != NO_WINDOW:
+        not_implemented("is_causal", False, "flashjit's sliding window is causal; pass is_causal=None or True "
+                        "with window_left >= 0")
+    options.update(window_options(window_left, causal))
+    options["q_len"] = q_len_per_req
     options["chunk_tokens"] = None if disable_split_kv else chunk_tokens(fixed_split_size, page_size)
     return options
 
 
-def window_options(window_left) -> dict:
-    """The mask for FlashInfer's window_left: -1 reads every key, w >= 0 the keys at most w back."""
+def query_mask(q_len_per_req, is_causal, window_right) -> bool:
+    """Whether a request's query tokens see each other causally (FlashInfer 0.7's q_len_per_req,
+    is_causal and window_right). is_causal defaults to q_len_per_req > 1, as in FlashInfer;
+    window_right 0 bounds the keys at the query's own position, -1 not at all."""
+    if not isinstance(q_len_per_req, numbers.Integral) or isinstance(q_len_per_req, bool) or q_len_per_req < 1:
+        validation.fail("q_len_per_req", "an int >= 1 (query tokens per request)", repr(q_len_per_req))
+    if window_right not in (0, -1) or isinstance(window_right, bool):
+        not_implemented("window_right", window_right, "keys after the query are not read; pass 0 (up to the "
+                        "query's position) or -1 (no right bound)")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        validation.fail("is_causal", "None, True or False", repr(is_causal))
+    if window_right == -1 and is_causal:
+        validation.fail("window_right", "0 with is_causal=True (a causal mask bounds the keys at the query)", -1)
+    return (q_len_per_req > 1 and window_right == 0) if is_causal is None else is_causal
+
+
+def window_options(window_left, causal: bool = False) -> dict:
+    """The mask for FlashInfer's window_left (-1 reads every key, w >= 0 the keys at most w back) and
+    whether a request's query tokens are causal. flashjit's sliding window is causal."""
     if not isinstance(window_left, numbers.Integral) or isinstance(window_left, bool) or window_left < NO_WINDOW:
         validation.fail("window_left", f"{NO_WINDOW} (no window) or an int >= 0", repr(window_left))
     if window_left == NO_WINDOW:
-        return {"mask": "none", "window_left": None}
+        return {"mask": "causal" if causal else "none", "window_left": None}
     return {"mask": "sliding_window", "window_left": int(window_left)}
 
 
@@ -119,17 +146,20 @@ def _real(value) -> bool:
 
 # ---- run ---------------------------------------------------------------------------------------
 
-def check_run_extras(args: tuple, *, sinks=None, q_len_per_req=1, skip_softmax_threshold_scale_factor=None) -> None:
+def check_run_extras(args: tuple, planned_q_len: int, *, q_len_per_req=None, skip_softmax_threshold_scale_factor=None,
+                     kv_cache_sf=None) -> None:
     """run()'s arguments for FlashInfer's other kernels: refused unless they ask for nothing."""
     if args:
         not_implemented("*args", f"{len(args)} values", "they are a custom kernel's (jit_args) or fp8 queries' scales")
-    if sinks is not None:
-        not_implemented("sinks", "<tensor>", "learned sink logits are not served by flashjit's decode yet")
-    if q_len_per_req not in (None, 1):
-        not_implemented("q_len_per_req", q_len_per_req, "flashjit's multi-token decode is BatchDecode.plan(q_len=)")
+    if q_len_per_req is not None and q_len_per_req != planned_q_len:
+        validation.fail("q_len_per_req", f"None or plan()'s q_len_per_req={planned_q_len} (pass it to plan(), as "
+                        "FlashInfer 0.7 does)", repr(q_len_per_req))
     if skip_softmax_threshold_scale_factor is not None:
         not_implemented("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor,
                         "flashjit computes exact attention")
+    if kv_cache_sf is not None:
+        not_implemented("kv_cache_sf", "<scale factors>", "NVFP4 KV caches are not read; flashjit's caches are "
+                        "fp16, bf16 or fp8 with k_scale/v_scale")
 
 
 def run_scales(q_scale, k_scale, v_scale) -> tuple:

@@ -1,6 +1,7 @@
-"""FlashInfer 0.6's paged decode wrappers over BatchDecode: the same signatures, defaults and
-conventions, so code written for `flashinfer.BatchDecodeWithPagedKVCacheWrapper` runs by changing
-the import.
+"""FlashInfer's paged decode wrappers (0.6 and 0.7 signatures) over BatchDecode: the same arguments,
+defaults and conventions, so code written for `flashinfer.BatchDecodeWithPagedKVCacheWrapper` runs by
+changing the import. plan() takes 0.7's keywords (q_len_per_req, is_causal, window_right) and 0.6's
+positional options after page_size; run() takes 0.7's sinks per call.
 
 Where the conventions differ, the wrappers convert: FlashInfer's LSE is base 2 (flashjit's natural
 log), its fixed_split_size counts pages (flashjit's chunk_tokens, tokens), its window_left=-1 means
@@ -37,13 +38,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
-                 paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None) -> None:
+                 paged_kv_last_page_len_buffer=None, backend: str = "auto", jit_args=None, jit_kwargs=None) -> None:
         """As FlashInfer's. use_tensor_cores is recorded (flashjit picks tensor cores per kernel);
         backend may be "auto", "fa2" or "fa3" (one kernel family here). With use_cuda_graph the
         batch size is fixed at len(paged_kv_last_page_len_buffer), and the kernels read the page ids
         from paged_kv_indices_buffer (int32, on the workspace's device) in place."""
         arguments.checked_kv_layout(kv_layout)
-        arguments.check_backend(backend, jit_args)
+        arguments.check_backend(backend, jit_args, jit_kwargs)
         self.device = float_workspace_buffer.device
         graph_options = {}
         if use_cuda_graph:
@@ -79,6 +80,10 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
         self._scales_in_use = None
         self._planned = None  # the last plan's (q dtype, cache dtype, plan options): what run() and forward() check
+        # The last plan() call's arguments, planned again with the sinks of the first run() given them;
+        # from then on every plan() plans for sinks, and each run() points the kernel at its own.
+        self._plan_call = None
+        self._sinks = None  # the sinks tensor the kernel reads (kept alive here), None for a plan without
 
     @property
     def use_tensor_cores(self) -> bool:
@@ -104,18 +109,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
              page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
              q_data_type="float16", kv_data_type=None, o_data_type=None, data_type=None, sm_scale=None,
              rope_scale=None, rope_theta=None, non_blocking: bool = True, block_tables=None, seq_lens=None,
-             fixed_split_size=None, disable_split_kv: bool = False) -> None:
+             fixed_split_size=None, disable_split_kv: bool = False, q_len_per_req: int = 1, *,
+             window_right: int = 0, is_causal=None, use_token_head_sf: bool = False) -> None:
         """FlashInfer's plan(): indptr [batch+1], indices (page ids), last_page_len [batch] (int32;
         CPU tensors take flashjit's fast path). Reads the page ids' range back to check them (one
         wait for the stream); fast_decode_plan does not. In CUDA-graph mode copies indptr and
         last_page_len into their buffers and indices into paged_kv_indices_buffer, unless indices is
-        (a prefix of) that buffer. A request without pages attends to nothing (its output is 0)."""
+        (a prefix of) that buffer. A request without pages attends to nothing (its output is 0).
+        q_len_per_req: query tokens per request, causal among themselves unless is_causal=False
+        (window_right=-1 also lifts the bound at the query's position); logits_soft_cap > 0 caps
+        the logits (Gemma 2)."""
         q_dtype, kv_dtype = arguments.plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type)
         options = arguments.plan_options(
             page_size=page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-            logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, block_tables=block_tables,
-            seq_lens=seq_lens)
+            window_right=window_right, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+            rope_theta=rope_theta, fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+            block_tables=block_tables, seq_lens=seq_lens, q_len_per_req=q_len_per_req, is_causal=is_causal,
+            use_token_head_sf=use_token_head_sf)
         batch_size = len(last_page_len)
         self._check_graph_batch(batch_size, indices)
         indices = self._device_page_ids(indices, non_blocking)
@@ -148,25 +158,53 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
     def _plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
               kv_dtype, options: dict, check_page_ids: bool) -> None:
+        call = (indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype,
+                options, check_page_ids)
+        self._plan_with(call, self._sinks)
+        self._plan_call = call
+
+    def _plan_with(self, call: tuple, sinks) -> None:
+        indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype, options, \
+            check_page_ids = call
         self._decoder.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                            q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=self._kv_layout,
-                           check_page_ids=check_page_ids, **options)
+                           check_page_ids=check_page_ids, sinks=sinks, **options)
         self._planned = (q_dtype, kv_dtype, options)
+
+    def _use_sinks(self, sinks) -> None:
+        """Serve run()'s sinks: the planned kernel re-pointed at them, or (for a plan made without
+        sinks, or with sinks and now without) the last plan() made again."""
+        current = self._sinks
+        if sinks is current:
+            return
+        if sinks is not None and current is not None:
+            self._decoder.point_variant_at("sinks", sinks)
+        else:
+            if self._decoder.use_cuda_graph and _capturing(self.device):
+                arguments.not_implemented("sinks", "<changed during a CUDA-graph capture>", "a plan for sinks (or "
+                                          "without them) is made outside the capture: run() once eagerly first")
+            self._plan_with(self._plan_call, sinks)
+        self._sinks = sinks
 
     # ---- run ----------------------------------------------------------------------------------
 
     def run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None, lse=None,
-            return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=1,
-            skip_softmax_threshold_scale_factor=None):
+            return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, q_len_per_req=None,
+            skip_softmax_threshold_scale_factor=None, kv_cache_sf=None):
         """FlashInfer's run(): q [batch, qo_heads, head_dim]; paged_kv_cache a (k, v) pair or one
         [pages, 2, ...] tensor in the wrapper's layout. Returns out, and with return_lse the base-2
         LSE [batch, qo_heads] (written into lse when given, as FlashInfer does even without
         return_lse). q_scale and k_scale scale the logits, v_scale the output; each may be a float
-        or (k/v) a float32 tensor of 1 or num_kv_heads values. enable_pdl is accepted and unused."""
+        or (k/v) a float32 tensor of 1 or num_kv_heads values. enable_pdl is accepted and unused.
+        sinks: a float32 logit per query head joining each row's softmax denominator (gpt-oss); the
+        first run() with sinks after a plan without them plans again (outside a CUDA-graph capture),
+        later ones only point the kernel at theirs. q_len_per_req: None or plan()'s value."""
         if self._planned is None:
             raise RuntimeError("run() called before plan()")
-        arguments.check_run_extras(args, sinks=sinks, q_len_per_req=q_len_per_req,
-                                   skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor)
+        arguments.check_run_extras(args, self._planned[2]["q_len"], q_len_per_req=q_len_per_req,
+                                   skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                                   kv_cache_sf=kv_cache_sf)
+        self._use_sinks(sinks)
         planned_window = self._planned[2]["window_left"]
         planned_window = arguments.NO_WINDOW if planned_window is None else planned_window
         if window_left is not None and window_left != planned_window:
@@ -206,15 +244,24 @@ class BatchDecodeWithPagedKVCacheWrapper:
         options = arguments.plan_options(page_size=1, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                                          logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                                          rope_theta=rope_theta)
-        planned = self._planned[2]
-        given = {"window_left": window_left, "sm_scale": sm_scale}
-        for name, keys in (("window_left", ("mask", "window_left")), ("sm_scale", ("sm_scale",))):
+        planned = dict(self._planned[2])
+        if planned["mask"] == "causal":  # forward() has no q_len_per_req: compare the window alone
+            planned["mask"] = "none"
+        given = {"window_left": window_left, "sm_scale": sm_scale, "logits_soft_cap": logits_soft_cap}
+        for name, keys in (("window_left", ("mask", "window_left")), ("sm_scale", ("sm_scale",)),
+                           ("logits_soft_cap", ("logits_soft_cap",))):
             if any(options[key] != planned[key] for key in keys):
                 arguments.not_implemented(name, given[name], "forward() must repeat plan()'s value here "
                                           "(the kernel is planned for it); pass it to plan()")
 
     def end_forward(self) -> None:
         """FlashInfer's deprecated no-op."""
+
+
+def _capturing(device) -> bool:
+    import torch
+
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class CUDAGraphBatchDecodeWithPagedKVCacheWrapper(BatchDecodeWithPagedKVCacheWrapper):
@@ -234,7 +281,7 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
                      page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1, logits_soft_cap=None,
                      q_data_type=None, kv_data_type=None, data_type=None, sm_scale=None, rope_scale=None,
                      rope_theta=None, non_blocking: bool = True, fixed_split_size=None, disable_split_kv: bool = False,
-                     global_override_indptr_cpu=None) -> None:
+                     q_len_per_req: int = 1, global_override_indptr_cpu=None) -> None:
     """FlashInfer's fast_decode_plan(wrapper, ...), used as `wrapper.plan = partial(fast_decode_plan,
     wrapper)`: plan() without its copies and checks. In CUDA-graph mode the page table is the one
     the caller wrote into the wrapper's buffers: the kernels read the ids from
@@ -251,7 +298,7 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
     options = arguments.plan_options(
         page_size=page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
         logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-        fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+        fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, q_len_per_req=q_len_per_req)
     batch_size = len(last_page_len)
     self._check_graph_batch(batch_size, indices)
     host_indptr = indptr if global_override_indptr_cpu is None else global_override_indptr_cpu

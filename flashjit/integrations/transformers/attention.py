@@ -1,5 +1,5 @@
 """PagedAttention: the per-layer attention function of transformers' continuous batching
-(transformers 5.17), serving decode and short multi-token steps with a BatchDecode.
+(transformers 5.17 through 5.23), serving decode and short multi-token steps with a BatchDecode.
 
 transformers calls fn(module, query [1, Hq, T, D], key/value [1, Hkv, T, D], attention_mask,
 scaling=, cache=PagedAttentionCache, cu_seq_lens_q, cu_seq_lens_k, read_index, write_index, ...)
@@ -33,6 +33,7 @@ from ...kernels.decode.spec import MAX_Q_LEN
 from . import gathered
 from .features import UnsupportedAttention, refuse_unsupported
 from .graph_step import GraphDecoder
+from .cache_layout import LayerCache, layer_cache
 from .step_tables import StepTables, page_ids, step_tables
 
 
@@ -54,6 +55,7 @@ class GroupStep:
     cu_k: list  # and its cumulative key lengths
     key_index: torch.Tensor  # the cache slot of every key position of the step, after the new tokens
     token_rows: torch.Tensor | None  # tables.token_rows on the device
+    sinks: torch.Tensor | None = None  # the sinks the backend's kernel points at (each layer re-points it to its own)
 
 
 class PagedAttention:
@@ -90,6 +92,7 @@ class PagedAttention:
         # the GPU's memory) is freed with the manager, not kept by the registered function.
         self._cache_of = lambda: None
         self.plans = 0  # steps planned (all groups), for tests and logs
+        self._sinks: dict = {}  # layer -> (weak parameter, its version, float32 copy the kernels read)
 
     # transformers' signature; torch.compile leaves it alone (it reads lengths on the host)
     @torch.compiler.disable
@@ -99,7 +102,7 @@ class PagedAttention:
         if cache is None:
             raise ValueError("paged attention called without `cache`: it serves transformers' continuous batching "
                              "(model.generate_batch / ContinuousBatchingManager), not a plain forward")
-        refuse_unsupported(module, query, key, value, dropout, kwargs)
+        variant = refuse_unsupported(module, query, key, value, dropout, kwargs)
         capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing and not self.cuda_graphs:
             raise RuntimeError(
@@ -107,9 +110,8 @@ class PagedAttention:
                 "register it with register(cuda_graphs=True) to serve transformers' graphs (the page table is "
                 "then computed on the GPU), or use ContinuousBatchingConfig(use_cuda_graph=False)")
         layer = module.layer_idx
-        group, in_group = cache.layer_index_to_group_indices[layer]
-        window = cache.sliding_windows[layer]
-        ring = window if window > 1 else None
+        where = layer_cache(cache, layer)
+        group, ring = where.group, where.ring
         asked = kwargs.get("sliding_window")
         if asked is not None and asked != ring:
             raise ValueError(f"layer {layer}: the module asks for sliding_window={asked}, its cache group keeps "
@@ -117,22 +119,25 @@ class PagedAttention:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
 
+        if kwargs.get("block_table") is not None:
+            raise UnsupportedAttention(layer, "transformers' decode fast path (block_table)", "block_table")
         cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
         if isinstance(cu_k, dict):
-            cu_k = cu_k["sliding_attention" if ring else "full_attention"]
+            cu_k = cu_k[where.layer_type]
         read_index, write_index = kwargs["read_index"][group], kwargs["write_index"][group]
-        k_cache, v_cache = cache.key_cache[in_group], cache.value_cache[in_group]
+        k_cache, v_cache = where.keys, where.values
         new_k, new_v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
         q_all = query[0].transpose(0, 1)  # [T, Hq, D]
+        sinks = None if variant.sinks is None else self._float_sinks(layer, variant.sinks, q_all.device, capturing)
         if self.cuda_graphs:
             if ring:
                 raise UnsupportedAttention(layer, "sliding-window layers in CUDA graphs (cuda_graphs=True)", ring)
-            return self._graph_step(cache, group, in_group == 0, cu_q, cu_k, read_index, write_index, q_all, new_k,
-                                    new_v, k_cache, v_cache, scaling, capturing), None
+            return self._graph_step(cache, where, cu_q, cu_k, read_index, write_index, q_all, new_k, new_v, scaling,
+                                    capturing, variant.softcap, sinks), None
 
-        step = self._step(cache, group, in_group == 0, (cu_q, cu_k, read_index, write_index),
+        step = self._step(cache, where, (cu_q, cu_k, read_index, write_index),
                           (scaling, q_all.shape[1], new_k.shape[1], q_all.shape[2], q_all.dtype, k_cache.dtype,
-                           q_all.shape[0]), ring, k_cache.device)
+                           q_all.shape[0], variant.softcap, sinks is not None), sinks)
         tables = step.tables
         # A ring may overwrite keys a long request still reads: those are gathered before the write.
         cu_q_host, cu_k_host = step.cu_q, step.cu_k
@@ -144,9 +149,11 @@ class PagedAttention:
         k_cache.index_copy_(0, write_index, new_k)
         v_cache.index_copy_(0, write_index, new_v)
 
-        page_size = 1 if ring else cache.block_size
-        pages = (k_cache.view(-1, page_size, *k_cache.shape[1:]), v_cache.view(-1, page_size, *v_cache.shape[1:]))
+        pages = where.pages(1 if ring else where.block_size)
         backend = self._backends[(id(cache), group)]
+        if tables.served and sinks is not None and step.sinks is not sinks:  # the group planned with another layer's
+            backend.point_variant_at("sinks", sinks)
+            step.sinks = sinks
         if tables.covers_all_rows and not long_kv:
             return backend.run(q_all.contiguous(), pages), None
         out = q_all.new_zeros(q_all.shape)
@@ -157,20 +164,34 @@ class PagedAttention:
                 out.index_copy_(0, step.token_rows, backend.run(q_all.index_select(0, step.token_rows), pages))
         for r, k, v in long_kv:
             rows = slice(cu_q_host[r], cu_q_host[r + 1])
-            out[rows] = gathered.attend(q_all[rows], k, v, scaling, ring)
+            out[rows] = gathered.attend(q_all[rows], k, v, scaling, ring, variant.softcap, sinks)
         return out, None
+
+    def _float_sinks(self, layer: int, sinks: torch.Tensor, device, capturing: bool) -> torch.Tensor:
+        """The layer's sinks as the kernels read them (float32, contiguous, on the queries' device),
+        converted once and kept while the parameter is unchanged (a capture reuses the eager copy)."""
+        known = self._sinks.get(layer)
+        if known is not None and known[0]() is sinks and known[1] == sinks._version:
+            return known[2]
+        if capturing:
+            raise RuntimeError(f"layer {layer}: a CUDA-graph capture of sinks this attention has not converted "
+                               "eagerly (transformers runs each step size eagerly before capturing it)")
+        converted = sinks.detach().to(device=device, dtype=torch.float32).contiguous()
+        self._sinks[layer] = (weakref.ref(sinks), sinks._version, converted)
+        return converted
 
     # ---- CUDA-graph steps -------------------------------------------------------------------
 
-    def _graph_step(self, cache, group, first_in_group, cu_q, cu_k, read_index, write_index, q_all, new_k, new_v,
-                    k_cache, v_cache, scaling, capturing):
+    def _graph_step(self, cache, where, cu_q, cu_k, read_index, write_index, q_all, new_k, new_v, scaling, capturing,
+                    softcap, sinks):
         """One layer of a step served on the GPU alone: the group's first layer writes the page table
         and queues the planner, every layer writes its new K/V and runs."""
         if self._cache_of() is not cache:
             self._graph_decoders.clear()
             self._cache_of = weakref.ref(cache)
         rows, requests = q_all.shape[0], cu_q.numel() - 1
-        key = (group, rows, requests)
+        key = (where.group, rows, requests, softcap, sinks is not None)
+        k_cache, v_cache, block_size = where.keys, where.values, where.block_size
         decoder = self._graph_decoders.get(key)
         if decoder is None:
             if capturing:  # transformers runs each size eagerly before capturing it: this one it did not
@@ -178,61 +199,64 @@ class PagedAttention:
                                    "this attention has not run eagerly: its first plan compiles and copies from "
                                    "the host, which a capture cannot hold")
             form = dict(num_qo_heads=q_all.shape[1], num_kv_heads=new_k.shape[1], head_dim=q_all.shape[2],
-                        mask="causal", q_dtype=q_all.dtype, kv_dtype=k_cache.dtype, sm_scale=float(scaling))
+                        mask="causal", q_dtype=q_all.dtype, kv_dtype=k_cache.dtype, sm_scale=float(scaling),
+                        logits_soft_cap=softcap, sinks=sinks)
             decoder = self._graph_decoders[key] = GraphDecoder(
                 self._backend_factory, k_cache.device, rows=rows, requests=requests, piece=self.max_decode_q_len,
-                cache_blocks=k_cache.shape[0] // cache.block_size, page_size=cache.block_size, plan_form=form)
-        if first_in_group:
+                cache_blocks=k_cache.shape[0] // block_size, page_size=block_size, plan_form=form)
+        if where.first_in_group:
             decoder.prepare(cu_q, cu_k, read_index if read_index.numel() else write_index)
             self.plans += 1
         k_cache.index_copy_(0, write_index, new_k)
         v_cache.index_copy_(0, write_index, new_v)
-        pages = (k_cache.view(-1, cache.block_size, *k_cache.shape[1:]),
-                 v_cache.view(-1, cache.block_size, *v_cache.shape[1:]))
-        return decoder.run(q_all.contiguous(), pages, out=q_all.new_zeros(q_all.shape))
+        if sinks is not None:  # each layer's own: the captured launch keeps the pointer of its layer
+            decoder.decoder.point_variant_at("sinks", sinks)
+        return decoder.run(q_all.contiguous(), where.pages(block_size), out=q_all.new_zeros(q_all.shape))
 
     # ---- planning ---------------------------------------------------------------------------
 
-    def _step(self, cache, group: int, first_in_group: bool, sources: tuple, form: tuple, ring: int | None,
-              device) -> GroupStep:
+    def _step(self, cache, where: LayerCache, sources: tuple, form: tuple, sinks) -> GroupStep:
         """The group's plan for this step: made by its first layer, or by any layer that sees other tensors."""
         if self._cache_of() is not cache:  # a new manager: its groups and pages are new
             self._backends.clear()
             self._steps.clear()
             self._cache_of = weakref.ref(cache)
-        key = (id(cache), group)
+        key = (id(cache), where.group)
         known = self._steps.get(key)
-        if (not first_in_group and known is not None and known.form == form
+        if (not where.first_in_group and known is not None and known.form == form
                 and all(a is b for a, b in zip(known.sources, sources))):
             return known
-        step = self._plan(cache, key, sources, form, ring, device)
+        step = self._plan(where, key, sources, form, sinks)
         self._steps[key] = step
         return step
 
-    def _plan(self, cache, key, sources, form, ring, device) -> GroupStep:
+    def _plan(self, where: LayerCache, key, sources, form, sinks) -> GroupStep:
         cu_q, cu_k, read_index, write_index = sources
-        scaling, qo_heads, kv_heads, head_dim, q_dtype, kv_dtype, query_rows = form
+        scaling, qo_heads, kv_heads, head_dim, q_dtype, kv_dtype, query_rows, softcap, _ = form
         lengths = torch.cat((cu_q.reshape(-1), cu_k.reshape(-1))).tolist()  # the step's one wait for the GPU
         half = cu_q.numel()
         cu_q_host, cu_k_host = lengths[:half], lengths[half:]
-        page_size = 1 if ring else cache.block_size
-        key_index = key_positions(read_index, write_index, ring, cache)
+        ring, device = where.ring, where.keys.device
+        page_size = 1 if ring else where.block_size
+        key_index = key_positions(read_index, write_index, ring, where.sentinel)
         tables = step_tables(cu_q_host, cu_k_host, page_size, self.max_decode_q_len, query_rows, ring)
         backend = self._backends.get(key)
         if backend is None:
             backend = self._backends[key] = self._backend_factory(device)
         if tables.served:
             mask = dict(mask="sliding_window", window_left=ring - 1) if ring else dict(mask="causal")
+            if softcap is not None or sinks is not None:  # (keywords a backend without variants never sees)
+                mask.update(logits_soft_cap=softcap, sinks=sinks)
             backend.plan(tables.indptr, page_ids(key_index, tables, page_size), tables.last_page_len, qo_heads,
                          kv_heads, head_dim, page_size, qo_indptr=tables.qo_indptr, q_dtype=q_dtype, kv_dtype=kv_dtype,
                          sm_scale=float(scaling), check_page_ids=self.check_page_ids, **mask)
         self.plans += 1
         rows = None if tables.token_rows is None else tables.token_rows.to(device, non_blocking=True)
         return GroupStep(sources=sources, form=form, tables=tables, cu_q=cu_q_host, cu_k=cu_k_host,
-                         key_index=key_index, token_rows=rows)
+                         key_index=key_index, token_rows=rows, sinks=sinks)
 
 
-def key_positions(read_index: torch.Tensor, write_index: torch.Tensor, ring: int | None, cache) -> torch.Tensor:
+def key_positions(read_index: torch.Tensor, write_index: torch.Tensor, ring: int | None, sentinel: int) -> torch.Tensor:
     """The cache slot of every key position of the step, as it will be once the new tokens are written.
 
     Full attention: transformers' read index lists each request's sequence, new tokens included.
@@ -244,4 +268,4 @@ def key_positions(read_index: torch.Tensor, write_index: torch.Tensor, ring: int
         return write_index
     if ring is None:
         return read_index
-    return read_index.masked_scatter(read_index == cache.sentinel_index, write_index)
+    return read_index.masked_scatter(read_index == sentinel, write_index)

@@ -1,7 +1,12 @@
-"""What a layer asks of its attention that flashjit does not do: each is refused by name, before
-any state changes, so a model is never served silently wrong."""
+"""What a layer asks of its attention: the variant flashjit serves it with (soft cap, sinks), and
+what flashjit does not do, refused by name before any state changes, so a model is never served
+silently wrong."""
 
 from __future__ import annotations
+
+import typing
+
+import torch
 
 from ...kernels.decode.spec import HEAD_DIMS, MAX_GROUP_SIZE
 
@@ -17,15 +22,25 @@ class UnsupportedAttention(NotImplementedError):
                          f"{FALLBACK_HINT}")
 
 
-def refuse_unsupported(module, query, key, value, dropout: float, kwargs: dict) -> None:
-    """Raises UnsupportedAttention for soft-capping, learned sinks, dropout, unequal q/v head dims,
-    or heads and head_dim the kernels are not generated for (BatchDecode refuses other dtypes)."""
+class LayerVariant(typing.NamedTuple):
+    """How a layer's scores become weights: Gemma 2's logit soft cap, gpt-oss's learned sinks."""
+
+    softcap: float | None
+    sinks: torch.Tensor | None  # the layer's parameter as given (one logit per query head)
+
+
+def refuse_unsupported(module, query, key, value, dropout: float, kwargs: dict) -> LayerVariant:
+    """The layer's soft cap and sinks (served by the kernels' variants); raises UnsupportedAttention
+    for dropout, unequal q/v head dims, or heads and head_dim the kernels are not generated for
+    (BatchDecode refuses other dtypes)."""
     layer = getattr(module, "layer_idx", None)
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedAttention(layer, "attention logit soft-capping (softcap)", kwargs["softcap"])
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
-        raise UnsupportedAttention(layer, "learned attention sinks (s_aux)", tuple(getattr(sinks, "shape", ())))
+    softcap = kwargs.get("softcap")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise UnsupportedAttention(layer, "a soft cap that is not a float > 0", softcap)
+    sinks = kwargs.get("s_aux", getattr(module, "sinks", None))
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != query.shape[1]):
+        raise UnsupportedAttention(layer, f"sinks other than one logit per query head ({query.shape[1]})",
+                                   tuple(getattr(sinks, "shape", ())))
     if dropout:
         raise UnsupportedAttention(layer, "attention dropout (training)", dropout)
     head_dim, v_head_dim = query.shape[-1], value.shape[-1]
@@ -38,3 +53,4 @@ def refuse_unsupported(module, query, key, value, dropout: float, kwargs: dict) 
     if qo_heads % kv_heads or qo_heads // kv_heads > MAX_GROUP_SIZE:
         raise UnsupportedAttention(layer, f"{qo_heads} query heads over {kv_heads} KV heads (a whole GQA group "
                                    f"of at most {MAX_GROUP_SIZE})", (qo_heads, kv_heads))
+    return LayerVariant(None if softcap is None else float(softcap), sinks)

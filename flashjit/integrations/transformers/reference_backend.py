@@ -44,12 +44,27 @@ class ReferenceDecode:
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, *, qo_indptr=None, mask: str = "none", window_left: int | None = None,
-             sm_scale: float | None = None, **_options):
+             sm_scale: float | None = None, logits_soft_cap: float | None = None, sinks=None, **_options):
         params = None if window_left is None else {"window_left": window_left}
+        variant_params = {}
+        if logits_soft_cap:
+            variant_params["logits_soft_cap"] = logits_soft_cap
+        if sinks is not None:
+            variant_params["sinks"] = sinks
+        variant = {(): "none", ("logits_soft_cap",): "soft_cap", ("sinks",): "sinks"}.get(
+            tuple(variant_params), "soft_cap_sinks")
         self._plan = dict(indptr=indptr, indices=indices, last_page_len=last_page_len, qo_indptr=qo_indptr,
-                          mask=mask, mask_params=params, sm_scale=sm_scale, page_size=page_size)
+                          mask=mask, mask_params=params, sm_scale=sm_scale, page_size=page_size, variant=variant,
+                          variant_params=variant_params)
         self.plans += 1
         return self
+
+    def point_variant_at(self, name: str, tensor):
+        """BatchDecode's: the plan's tensor variant parameter `name` is tensor from now on."""
+        if name not in self._plan["variant_params"]:
+            raise ValueError(f"name: expected a tensor parameter of the planned variant {self._plan['variant']!r}, "
+                             f"got {name!r}")
+        self._plan["variant_params"][name] = tensor
 
     def run(self, q, kv_cache, *, out=None):
         p = self._plan
@@ -60,7 +75,7 @@ class ReferenceDecode:
             raise ValueError(f"kv_cache: expected NHD pages of {p['page_size']} tokens, got shape {tuple(k.shape)}")
         result, _ = decode_reference(q, k, v, p["indptr"], p["indices"], p["last_page_len"],
                                      qo_indptr=p["qo_indptr"], mask=p["mask"], mask_params=p["mask_params"],
-                                     sm_scale=p["sm_scale"])
+                                     sm_scale=p["sm_scale"], variant=p["variant"], variant_params=p["variant_params"])
         result = result.to(q.dtype)
         if self.graph_page_table is not None:  # rows past the plan's tokens are left alone, as BatchDecode does
             rows = int(p["qo_indptr"][-1])

@@ -6,32 +6,51 @@ import inspect
 
 from .attention import PagedAttention
 
-# The continuous-batching API the adapter reads (PagedAttentionCache's flat per-layer caches,
-# read_index / write_index lists per layer group): transformers 5.17. Later 5.x releases pack the
-# layers of a block into one tensor and pass the indices through cache.update(kwargs) instead.
-SUPPORTED_TRANSFORMERS = ">=5.17,<5.18"
+# The continuous-batching APIs the adapter reads (cache_layout.py): transformers 5.17's flat
+# per-layer caches with read_index / write_index in PagedAttentionCache.update, and 5.18's and later
+# allocator-carved cache tensor with the indices passed through update(..., kwargs).
+SUPPORTED_TRANSFORMERS = ">=5.17,<5.24"
+OLDEST, NEWEST = (5, 17), (5, 23)
+# From 5.19 on, "paged|" is dropped from implementation names, and the continuous-batching manager
+# accepts only paged|eager, sdpa and flash implementations: register() lets it accept flashjit's too.
+UNPREFIXED_FROM = (5, 19)
+
+
+def transformers_version(transformers) -> tuple[int, int]:
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def paged_name(implementation: str) -> str:
+    """transformers' own attention `implementation` ("sdpa", "flash_attention_2") under the name the
+    installed release serves continuous batching with: "paged|" before it up to 5.18, bare from 5.19."""
+    transformers = check_transformers_api()
+    return f"paged|{implementation}" if transformers_version(transformers) < UNPREFIXED_FROM else implementation
 
 
 def check_transformers_api():
-    """The installed transformers module, when its continuous batching has the 5.17 form; else an
-    ImportError naming the installed version and the supported range."""
+    """The installed transformers module, when it is a release the adapter reads (5.17 through 5.23)
+    and its PagedAttentionCache.update has one of the two forms; else an ImportError naming the
+    installed version and the supported range."""
     try:
         import transformers
         from transformers.generation.continuous_batching.cache import PagedAttentionCache
     except ImportError as e:
         raise ImportError(f"flashjit.integrations.transformers needs transformers{SUPPORTED_TRANSFORMERS} "
                           f"(pip install 'flashjit[transformers]'): {e}") from e
-    update = inspect.signature(PagedAttentionCache.update).parameters
-    if not {"read_index", "write_index"} <= set(update):
-        raise ImportError(f"flashjit.integrations.transformers supports transformers{SUPPORTED_TRANSFORMERS}, whose "
-                          f"PagedAttentionCache.update takes read_index and write_index; transformers "
-                          f"{transformers.__version__} has update{inspect.signature(PagedAttentionCache.update)}")
+    version = transformers_version(transformers)
+    update = set(inspect.signature(PagedAttentionCache.update).parameters)
+    if not OLDEST <= version <= NEWEST or not ({"read_index", "write_index"} <= update or "kwargs" in update):
+        raise ImportError(f"flashjit.integrations.transformers supports transformers{SUPPORTED_TRANSFORMERS}; "
+                          f"transformers {transformers.__version__} is installed, with PagedAttentionCache."
+                          f"update{inspect.signature(PagedAttentionCache.update)}")
     return transformers
 
 
 def register(name: str = "fjit", **options) -> str:
-    """Registers a PagedAttention(**options) as "paged|NAME" and returns that name, for
-    model.set_attn_implementation() or from_pretrained(attn_implementation=...).
+    """Registers a PagedAttention(**options) as "paged|NAME" (transformers 5.17, 5.18) or "NAME"
+    (5.19 on, which drops the prefix) and returns that name, for model.set_attn_implementation()
+    or from_pretrained(attn_implementation=...).
 
     The name must not contain "flash": transformers reads such names as FlashAttention variants
     (and looks for their kernels on the hub); "org/name" reads as a hub kernel."""
@@ -39,6 +58,33 @@ def register(name: str = "fjit", **options) -> str:
         raise ValueError(f"name: expected a non-empty attention name without '|', '/', ':' or 'flash' (transformers "
                          f"reads names containing 'flash' as FlashAttention and 'org/name' as a hub kernel), got {name!r}")
     transformers = check_transformers_api()
-    full_name = f"paged|{name}"
-    transformers.AttentionInterface.register(full_name, PagedAttention(**options))
+    attention = PagedAttention(**options)
+    if transformers_version(transformers) < UNPREFIXED_FROM:
+        full_name = f"paged|{name}"
+    else:
+        full_name = name
+        _accept_in_continuous_batching(full_name)
+    transformers.AttentionInterface.register(full_name, attention)
     return full_name
+
+
+def _accept_in_continuous_batching(name: str) -> None:
+    """Let transformers' continuous-batching manager keep `name` as the model's attention: it reads
+    the paged cache itself, as paged|eager does. The manager's check of the implementation is wrapped
+    once; the wrapper passes flashjit's registered names through and everything else to the check."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    check = ContinuousBatchingManager.switch_to_cb_friendly_attn
+    names = getattr(check, "flashjit_names", None)
+    if names is None:
+        names = set()
+
+        def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+            if model.config._attn_implementation in names:
+                return None
+            return check(self, model, *args, **kwargs)
+
+        switch_to_cb_friendly_attn.flashjit_names = names
+        switch_to_cb_friendly_attn.__doc__ = check.__doc__
+        ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
+    names.add(name)
