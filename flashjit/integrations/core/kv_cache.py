@@ -89,6 +89,8 @@ def write_kv(cache: KVPair, key: torch.Tensor, value: torch.Tensor, slot_mapping
         new = new[:tokens]
         if view.dtype != new.dtype:
             new = _to_cache_dtype(new, view.dtype, scale)
+        if view.element_size() == 1:  # fp8: stored as bytes (index_put takes every integer type)
+            view, new = view.view(torch.uint8), new.view(torch.uint8)
         view[blocks, offsets] = new
 
 
