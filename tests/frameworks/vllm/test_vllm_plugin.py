@@ -276,3 +276,64 @@ def test_builder_refuses_non_causal_steps(builder_for):
 def test_impl_refuses_alibi_naming_it():
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         FlashJITImpl(HEADS, HEAD_SIZE, 0.125, KV_HEADS, [0.5] * HEADS, None, "auto")
+
+
+# ---- the impl, on CPU tensors: the cache writer and a prefill-only forward ---------------------
+
+def scales(k=1.0, v=1.0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(_q_scale=torch.tensor([1.0]), _k_scale=torch.tensor([k]), _v_scale=torch.tensor([v]))
+
+
+def vllm_kv_cache(num_blocks, dtype=torch.bfloat16):
+    """A layer's cache as vLLM 0.33 binds it in its default LBNHC layout: storage [blocks, block, kv heads,
+    2 * head] seen as [blocks, kv heads, block, 2 * head]."""
+    return torch.zeros(num_blocks, BLOCK_SIZE, KV_HEADS, 2 * HEAD_SIZE, dtype=dtype).permute(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "fp8"])
+def test_do_kv_cache_update_writes_k_and_v_side_by_side(cache_dtype):
+    impl = FlashJITImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None, cache_dtype)
+    kv_cache = vllm_kv_cache(8, torch.uint8 if cache_dtype == "fp8" else torch.bfloat16)
+    key, value = torch.randn(3, KV_HEADS, HEAD_SIZE).bfloat16(), torch.randn(3, KV_HEADS, HEAD_SIZE).bfloat16()
+    impl.do_kv_cache_update(scales(0.5, 0.25), key, value, kv_cache, torch.tensor([17, 18, 100]))
+    stored = kv_cache.permute(0, 2, 1, 3)  # [blocks, block, kv heads, 2 * head]
+    if cache_dtype == "fp8":
+        stored = stored.view(torch.float8_e4m3fn).float() * torch.cat([torch.full((HEAD_SIZE,), 0.5),
+                                                                       torch.full((HEAD_SIZE,), 0.25)])
+    tol = dict(rtol=0.07, atol=0.02) if cache_dtype == "fp8" else dict(rtol=0, atol=0)
+    for token, slot in enumerate([17, 18, 100]):
+        block, offset = divmod(slot, BLOCK_SIZE)
+        assert torch.allclose(stored[block, offset, :, :HEAD_SIZE].float(), key[token].float(), **tol)
+        assert torch.allclose(stored[block, offset, :, HEAD_SIZE:].float(), value[token].float(), **tol)
+
+
+def test_profiling_forward_without_metadata_gives_zeros():
+    impl = FlashJITImpl(HEADS, HEAD_SIZE, 0.125, KV_HEADS, None, None, "auto")
+    out = torch.ones(4, HEADS, HEAD_SIZE)
+    assert not impl.forward(scales(), out, None, None, vllm_kv_cache(2), None, out).any()
+
+
+def test_prefill_only_forward_matches_dense_causal_attention(builder_for):
+    from flashjit.integrations.core import ReferencePrefill
+
+    builder = builder_for(make_config("PIECEWISE"))
+    impl = FlashJITImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None, "auto")
+    m = common_attn_metadata([40], [40], num_blocks=8)
+    m.block_table_tensor = torch.tensor([[5, 2, 7]], dtype=torch.int32)  # distinct blocks: no slot is written twice
+    meta = builder.build(0, m)
+    assert meta.step.rows.num_decodes == 0 and not meta.step.decoders
+    kv_cache = vllm_kv_cache(8)
+    q = torch.randn(40, HEADS, HEAD_SIZE).bfloat16()
+    k, v = torch.randn(40, KV_HEADS, HEAD_SIZE).bfloat16(), torch.randn(40, KV_HEADS, HEAD_SIZE).bfloat16()
+    slots = (m.block_table_tensor[0, torch.arange(40) // BLOCK_SIZE].long() * BLOCK_SIZE
+             + torch.arange(40) % BLOCK_SIZE)
+    impl.do_kv_cache_update(scales(), k, v, kv_cache, slots)
+    impl.layer_attention(BLOCK_SIZE, q.dtype).prefill = ReferencePrefill()  # vllm_flash_attn needs a GPU
+    out = impl.forward(scales(), q, k, v, kv_cache, meta, torch.zeros_like(q))
+    group = HEADS // KV_HEADS
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(group, 1)) * HEAD_SIZE ** -0.5
+    scores = scores.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float().repeat_interleave(group, 1))
+    assert torch.allclose(out.float(), want, atol=2e-2)
