@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from flashjit.integrations.core.decoders import graph_capacity
 from flashjit.integrations.core import (DecodeForm, LayerAttention, ReferencePrefill, StepPlanner, device_page_table,
                                         host_page_table, shared_leading_blocks, split_kv_cache, split_rows, write_kv)
 from flashjit.jit.kernel import LoadedKernel
@@ -184,8 +185,9 @@ def test_graph_steps_use_one_decoder_per_padded_size(planner_for):
     listed = table[0, :3].tolist() + table[1, :2].tolist() + table[2, :1].tolist()
     assert planner.page_ids[:6].tolist() == listed  # the graph decoders read them where the planner wrote them
     again = planner.plan(**step_inputs(seq[:2], [2, 1], table[:2]), seq_lens_cpu=torch.tensor(seq[:2]),
-                         graph_tokens_for=lambda n: 4)
-    assert again.decoders[FORM] is decoder and decoder.batch_size == 2
+                         graph_tokens_for=lambda n: 3)
+    assert again.decoders[FORM] is decoder and decoder.batch_size == 2  # graphs of 3 tokens: the decoder of 4
+    assert again.decode_tokens == 3 and [graph_capacity(n) for n in (1, 2, 3, 24, 32, 33)] == [1, 2, 4, 32, 32, 64]
     mixed = planner.plan(**step_inputs([40, 200], [1, 30], table[:2]), seq_lens_cpu=torch.tensor([40, 200]))
     assert mixed.graph_tokens is None and mixed.decoders[FORM] is planner.forms[FORM].eager
     with pytest.raises(ValueError, match="max_graph_tokens"):

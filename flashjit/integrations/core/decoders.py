@@ -1,9 +1,10 @@
 """FormDecoders: the BatchDecodes that serve one DecodeForm's layers, planned once a step.
 
 Eager steps plan one decoder (share_prefixes=None: plan() finds shared leading blocks). A step
-that a framework replays in a CUDA graph uses a decoder of its own per padded size (graphs capture
-fixed grids; a small graph should not launch a large one's), each made and planned once before its
-capture. Graph decoders read their page ids from one buffer the step owner writes in place, and
+that a framework replays in a CUDA graph uses a graph decoder sized for it: graphs capture fixed
+grids, so a small graph should not launch the largest one's, yet a decoder per captured size would
+hold dozens of plan buffers. Graph decoders come in powers of two of query tokens (a step of 24
+uses the one of 32), each made and planned once, before the first capture it serves. Graph decoders read their page ids from one buffer the step owner writes in place, and
 either plan on the host with the shared-prefix kernel (forms that share, with the host's lengths)
 or keep flashjit's GPU planner (replan(): the lengths stay on the device).
 """
@@ -16,6 +17,11 @@ from ...serving.batch_decode import BatchDecode, default_engine
 from .forms import DecodeForm
 from .page_tables import DevicePageTable, HostPageTable
 from .rows import check_decode_q_len
+
+
+def graph_capacity(tokens: int) -> int:
+    """The query tokens of the graph decoder that serves graphs of `tokens`: the next power of two."""
+    return 1 << max(tokens - 1, 0).bit_length()
 
 
 class FormDecoders:
@@ -59,8 +65,9 @@ class FormDecoders:
         return self.eager
 
     def graph_decoder(self, tokens: int) -> BatchDecode:
-        """The decoder of graphs of `tokens` padded query tokens (made and planned once on first use,
-        which a framework makes before it captures that size)."""
+        """The decoder of graphs of `tokens` padded query tokens: the one of the next power of two
+        (made and planned on first use, which a framework makes before it captures that size)."""
+        tokens = graph_capacity(tokens)
         decoder = self.graphs.get(tokens)
         if decoder is None:
             if self.page_ids_buffer is None:
@@ -96,8 +103,8 @@ class FormDecoders:
         if page_table is None:
             raise RuntimeError("this form's graph decoders plan on the host (shared-prefix kernel): give host lengths")
         rows = table.indptr.numel() - 1
-        if rows > tokens:
-            raise ValueError(f"a graph step of {tokens} tokens holds at most {tokens} requests, got {rows}")
+        if rows > graph_capacity(tokens):
+            raise ValueError(f"a graph step of {tokens} tokens holds at most {graph_capacity(tokens)} requests, got {rows}")
         page_table.batch.copy_(table.batch)
         page_table.indptr[: rows + 1].copy_(table.indptr)
         page_table.last_page_len[:rows].copy_(table.last_page_len)
