@@ -337,3 +337,26 @@ def test_prefill_only_forward_matches_dense_causal_attention(builder_for):
     scores = scores.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
     want = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float().repeat_interleave(group, 1))
     assert torch.allclose(out.float(), want, atol=2e-2)
+
+
+def test_builder_under_no_compile_needs_its_kernels_cached(monkeypatch, tmp_path, fake_nvrtc):
+    import flashjit
+    from flashjit.errors import KernelNotPrewarmed
+
+    def build(engine):
+        monkeypatch.setattr(FlashJITMetadataBuilder, "decoder_options",
+                            dict(arch="sm_90", load_kernel=fake_loaded, engine=engine))
+        config = make_config("PIECEWISE")
+        add_layers(config, ["model.layers.0.attn"])
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_SIZE,
+                                 dtype=torch.bfloat16)
+        return FlashJITMetadataBuilder(spec, ["model.layers.0.attn"], config, torch.device("cpu"))
+
+    monkeypatch.setenv("FLASHJIT_NO_COMPILE", "1")
+    with pytest.raises(KernelNotPrewarmed, match="decode_d64_bf16_kvbf16_causal_p16_g4_q1"):
+        build(flashjit.Engine(cache_dir=tmp_path))
+    assert not fake_nvrtc
+    build(flashjit.Engine(cache_dir=tmp_path, allow_compile=True))  # a deploy step fills the cache
+    compiled = len(fake_nvrtc)
+    build(flashjit.Engine(cache_dir=tmp_path))  # FLASHJIT_NO_COMPILE=1: every kernel from the cache
+    assert compiled == 2 and len(fake_nvrtc) == compiled
