@@ -247,3 +247,34 @@ def test_reference_prefill_matches_a_dense_causal_attention():
     visible = torch.arange(37)[None, :] <= torch.arange(17, 37)[:, None]
     want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
     assert torch.allclose(out[3:], want, atol=1e-4)
+
+
+# ---- MLA ------------------------------------------------------------------------------------------
+
+def fake_mla_loaded(kernel, device_index) -> LoadedKernel:
+    return LoadedKernel(None, 0xD0, None, 1, 132)
+
+
+def test_mla_decoders_plan_eager_and_graph_steps_from_a_block_table(engine, fake_nvrtc):
+    from flashjit.integrations.core.mla import MLADecoders, MLAForm, latent_cache
+
+    form = MLAForm(16, 64, "bfloat16", "bfloat16", 0.1352)
+    buffer = torch.zeros(4 * 10, dtype=torch.int32)
+    decoders = MLADecoders(form, CPU, max_decode_q_len=2, engine=engine, page_ids_buffer=buffer, arch="sm_90",
+                           load_kernel=fake_mla_loaded)
+    assert {r.spec.name for r in decoders.prewarm("sm_90")} == {
+        "mla_c512_r64_h16_bf16_kvbf16_p64_q1_sm90", "mla_c512_r64_h16_bf16_kvbf16_p64_q2_sm90"}
+    rng = np.random.default_rng(8)
+    seq, q = [300, 65, 1], [2, 1, 1]
+    table = block_table_of(seq, 64, 6, rng)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(q)]), dtype=torch.int32)
+    eager = decoders.plan_eager(host_page_table(table, torch.tensor(seq), qsl, 3, 64))
+    assert eager.current_plan.spec.max_q_len == 2 and eager.current_plan.num_tokens == 4
+    graph = decoders.plan_graph(3, host_page_table(table, torch.tensor(seq), qsl, 3, 64, out_indices=buffer))
+    assert graph is decoders.graphs[4] and buffer[:7].tolist() == table[0, :5].tolist() + [table[1, 0], table[1, 1]]
+    cache = torch.zeros(10, 64, 576, dtype=torch.uint8)
+    assert latent_cache(cache, "fp8").dtype == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="kv_c_and_k_pe_cache.*576"):
+        latent_cache(torch.zeros(10, 64, 512))
+    with pytest.raises(ValueError, match="max_decode_q_len.*1..4"):
+        MLADecoders(form, CPU, max_decode_q_len=5, engine=engine, arch="sm_90", load_kernel=fake_mla_loaded)

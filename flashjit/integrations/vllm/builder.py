@@ -18,7 +18,6 @@ vLLM's piecewise graphs, attention eager.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import ClassVar
 
 import torch
@@ -28,14 +27,10 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (AttentionCGSupport, AttentionMetadata, AttentionMetadataBuilder,
                                        CommonAttentionMetadata, max_decode_query_len)
 
-from ... import validation
+from ... import env, validation
 from ...jit.spec import MAX_Q_LEN
 from ..core import StepPlan, StepPlanner
 from .impl import FlashJITImpl
-
-DECODE_Q_LEN_ENV = "FLASHJIT_VLLM_DECODE_Q_LEN"
-SHARE_PREFIXES_ENV = "FLASHJIT_VLLM_SHARE_PREFIXES"
-
 
 @dataclasses.dataclass
 class FlashJITMetadata(AttentionMetadata):
@@ -45,24 +40,13 @@ class FlashJITMetadata(AttentionMetadata):
 
 
 def decode_q_len(vllm_config) -> int:
-    """Query tokens a request may have to run on flashjit: 1 + speculative tokens, raised by
-    FLASHJIT_VLLM_DECODE_Q_LEN (short prefill chunks then run on flashjit too), at most 16."""
+    """Query tokens a request may have to run on flashjit: 1 + speculative tokens, or
+    FLASHJIT_VLLM_DECODE_Q_LEN where larger (short prefill chunks then run on flashjit too)."""
     base = max_decode_query_len(vllm_config)
-    text = os.environ.get(DECODE_Q_LEN_ENV, "").strip()
-    try:
-        wanted = int(text) if text else base
-    except ValueError:
-        wanted = text
-    if not isinstance(wanted, int) or not base <= wanted <= MAX_Q_LEN:
-        validation.fail(DECODE_Q_LEN_ENV if text else "1 + num_speculative_tokens",
-                        f"an int in {base}..{MAX_Q_LEN} (flashjit's decode kernels take up to {MAX_Q_LEN} query tokens)",
-                        wanted)
-    return wanted
-
-
-def share_prefixes() -> bool:
-    """FLASHJIT_VLLM_SHARE_PREFIXES=0 turns shared-prefix decode off (plans then never wait for the GPU)."""
-    return os.environ.get(SHARE_PREFIXES_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    if base > MAX_Q_LEN:
+        validation.fail("1 + num_speculative_tokens", f"at most {MAX_Q_LEN} (query tokens flashjit's decode kernels "
+                        "take)", base)
+    return max(base, env.vllm_decode_q_len() or 1)
 
 
 class FlashJITMetadataBuilder(AttentionMetadataBuilder[FlashJITMetadata]):
@@ -102,7 +86,7 @@ class FlashJITMetadataBuilder(AttentionMetadataBuilder[FlashJITMetadata]):
         max_pages = min(graph_tokens, scheduler.max_num_seqs) * -(-max_len // block_size)
         options = dict(self.decoder_options)
         self.planner = StepPlanner(forms, device, block_size=block_size, max_decode_q_len=threshold,
-                                   max_graph_tokens=graph_tokens, max_pages=max_pages, share_prefixes=share_prefixes(),
+                                   max_graph_tokens=graph_tokens, max_pages=max_pages, share_prefixes=env.vllm_share_prefixes(),
                                    **options)
         arch = options.get("arch")
         if arch is None and torch.device(device).type == "cuda":

@@ -70,3 +70,28 @@ def refusal_reasons(*, head_size: int, dtype, kv_cache_dtype: str | None, block_
         reasons.append("adaptive speculative verification: FLASHJIT plans from the host's query lengths, "
                        "which adaptive verification changes on the device")
     return reasons
+
+
+MLA_HEAD_SIZE = 576  # kv_lora_rank 512 + rope 64
+MLA_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def mla_refusal_reasons(*, head_size: int, dtype, kv_cache_dtype: str | None, block_size: int | None,
+                        capability: tuple[int, int] | None, use_mla: bool, has_sink: bool = False,
+                        has_sliding_window: bool = False, **others) -> list[str]:
+    """FLASHJIT_MLA's reasons: the MLA shape flashjit's kernels take, and the settings FLASHJIT
+    refuses for the same reasons (others: refusal_reasons' keywords)."""
+    reasons = []
+    if not use_mla:
+        reasons.append("non-MLA attention: FLASHJIT_MLA serves MLA models (FLASHJIT serves the others)")
+    if head_size != MLA_HEAD_SIZE:
+        reasons.append(f"head_size {head_size}: FLASHJIT_MLA serves kv_lora_rank 512 + rope 64 = {MLA_HEAD_SIZE}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in MLA_KV_CACHE_DTYPES:
+        reasons.append(f"kv_cache_dtype {kv_cache_dtype!r}: FLASHJIT_MLA serves {', '.join(MLA_KV_CACHE_DTYPES)}")
+    if has_sink:
+        reasons.append("attention sinks: FLASHJIT_MLA serves MLA without sinks")
+    if has_sliding_window:
+        reasons.append("sliding window: FLASHJIT_MLA serves full MLA attention")
+    shared = refusal_reasons(head_size=SUPPORTED_HEAD_SIZES[0], dtype=dtype, kv_cache_dtype=None,
+                             block_size=block_size, capability=capability, **others)
+    return reasons + [reason for reason in shared if not reason.startswith("MLA")]

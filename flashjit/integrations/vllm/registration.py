@@ -11,6 +11,8 @@ import logging
 
 BACKEND_NAME = "FLASHJIT"
 BACKEND_CLASS = "flashjit.integrations.vllm.backend.FlashJITBackend"
+MLA_BACKEND_NAME = "FLASHJIT_MLA"
+MLA_BACKEND_CLASS = "flashjit.integrations.vllm.mla.FlashJITMLABackend"
 VLLM_MINOR = "0.33"
 
 logger = logging.getLogger("flashjit")
@@ -35,7 +37,7 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 def register(version: str | None = None) -> bool:
-    """Register FLASHJIT with vLLM (idempotent). True when FLASHJIT is registered on return; False
+    """Register FLASHJIT and FLASHJIT_MLA with vLLM (idempotent). True when they are registered on return; False
     when the installed vLLM is another minor release (logged with both versions)."""
     try:
         check_vllm_version(version)
@@ -44,6 +46,7 @@ def register(version: str | None = None) -> bool:
         return False
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_CLASS)
+    for name, path in ((BACKEND_NAME, BACKEND_CLASS), (MLA_BACKEND_NAME, MLA_BACKEND_CLASS)):
+        if name not in AttentionBackendEnum.__members__:
+            register_backend(name, path)
     return True

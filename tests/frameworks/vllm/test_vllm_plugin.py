@@ -250,9 +250,8 @@ def test_builder_plans_speculative_rows_on_flashjit(builder_for, monkeypatch):
     assert builder.reorder_batch_threshold == 4
     step = builder.build(0, common_attn_metadata([100, 200, 300, 700], [4, 4, 3, 100])).step
     assert step.rows.num_decodes == 3 and next(iter(step.decoders.values())).spec.max_q_len == 4
-    monkeypatch.setenv("FLASHJIT_VLLM_DECODE_Q_LEN", "17")
-    with pytest.raises(ValueError, match="FLASHJIT_VLLM_DECODE_Q_LEN.*1..16"):
-        builder_for(make_config("PIECEWISE"), names=("model.layers.9.attn",))
+    monkeypatch.setenv("FLASHJIT_VLLM_DECODE_Q_LEN", "17")  # not a count the kernels take: the default, warned
+    assert builder_for(make_config("PIECEWISE"), names=("model.layers.9.attn",)).reorder_batch_threshold == 1
 
 
 def test_full_graph_decode_steps_plan_the_graph_decoder_of_their_captured_size(builder_for):
@@ -360,3 +359,45 @@ def test_builder_under_no_compile_needs_its_kernels_cached(monkeypatch, tmp_path
     compiled = len(fake_nvrtc)
     build(flashjit.Engine(cache_dir=tmp_path))  # FLASHJIT_NO_COMPILE=1: every kernel from the cache
     assert compiled == 2 and len(fake_nvrtc) == compiled
+
+
+# ---- FLASHJIT_MLA -----------------------------------------------------------------------------
+
+def test_mla_backend_is_registered_and_selectable():
+    from flashjit.integrations.vllm.mla import FlashJITMLABackend, FlashJITMLAImpl, FlashJITMLAMetadataBuilder
+
+    config = AttentionConfig(backend="FLASHJIT_MLA")
+    assert config.backend.get_class() is FlashJITMLABackend and FlashJITMLABackend.is_mla()
+    assert FlashJITMLABackend.get_impl_cls() is FlashJITMLAImpl
+    assert FlashJITMLABackend.get_builder_cls() is FlashJITMLAMetadataBuilder
+    assert FlashJITMLAMetadataBuilder.get_cudagraph_support(None, None) is AttentionCGSupport.UNIFORM_BATCH
+
+
+def validate_mla(**changes):
+    from flashjit.integrations.vllm.mla import FlashJITMLABackend
+
+    settings = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=64, use_mla=True,
+                    has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+                    device_capability=H90, attn_type="decoder")
+    settings.update(changes)
+    return FlashJITMLABackend.validate_configuration(**settings)
+
+
+@pytest.mark.parametrize("changes", [{}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e5m2"},
+                                     {"block_size": 1}, {"block_size": 256}, {"dtype": torch.float16}])
+def test_mla_configurations_are_accepted(changes):
+    assert validate_mla(**changes) == []
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"use_mla": False, "head_size": 128}, "non-MLA attention"),
+    ({"head_size": 320}, "head_size 320: FLASHJIT_MLA serves kv_lora_rank 512 + rope 64 = 576"),
+    ({"use_sparse": True}, "sparse attention"),
+    ({"has_sink": True}, "attention sinks"),
+    ({"block_size": 512}, "block_size 512"),
+    ({"use_dcp": True}, "decode context parallelism"),
+    ({"use_per_head_quant_scales": True}, "per-head quant scales"),
+])
+def test_mla_refusals_name_the_setting(changes, reason):
+    reasons = validate_mla(**changes)
+    assert any(r.startswith(reason) for r in reasons), reasons
