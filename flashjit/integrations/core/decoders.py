@@ -59,9 +59,11 @@ class FormDecoders:
 
     def plan_eager(self, table: HostPageTable) -> BatchDecode:
         """Plan the eager decoder for a step's decode rows."""
-        share = None if self.share_prefixes else False
+        # Detection reads the page ids on the host (one wait); a form that cannot share waits for nothing.
+        shares = self.share_prefixes and self.form.may_share_prefixes
         self.eager.plan(table.indptr, table.indices, table.last_page_len, qo_indptr=table.qo_indptr,
-                        share_prefixes=share, check_page_ids=self.share_prefixes, **self.form.plan_kwargs(self.sinks))
+                        share_prefixes=None if shares else False, check_page_ids=shares,
+                        **self.form.plan_kwargs(self.sinks))
         return self.eager
 
     def graph_decoder(self, tokens: int) -> BatchDecode:
