@@ -278,3 +278,14 @@ def test_mla_decoders_plan_eager_and_graph_steps_from_a_block_table(engine, fake
         latent_cache(torch.zeros(10, 64, 512))
     with pytest.raises(ValueError, match="max_decode_q_len.*1..4"):
         MLADecoders(form, CPU, max_decode_q_len=5, engine=engine, arch="sm_90", load_kernel=fake_mla_loaded)
+
+
+def test_a_layer_whose_form_was_not_planned_is_refused_naming_it(planner_for):
+    rng = np.random.default_rng(9)
+    seq = [40, 17]
+    step = planner_for([FORM]).plan(**step_inputs(seq, [1, 1], block_table_of(seq, 16, 4, rng)),
+                                    seq_lens_cpu=torch.tensor(seq))
+    other = LayerAttention(DecodeForm(8, 2, 64, 16, "bfloat16", "bfloat16", 0.125, window_left=63))
+    cache, _ = vllm_cache(100, 16, 2, 64)
+    with pytest.raises(RuntimeError, match="window_left=63"):
+        other.forward(step, torch.zeros(2, 8, 64).bfloat16(), cache, torch.zeros(2, 8, 64).bfloat16())

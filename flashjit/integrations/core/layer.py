@@ -49,7 +49,10 @@ class LayerAttention:
         rows, form = step.rows, self.form
         fp8 = form.kv_is_fp8
         if rows.num_decodes:
-            decoder = step.decoders[form]
+            decoder = step.decoders.get(form)
+            if decoder is None:
+                raise RuntimeError(f"the step was planned for {list(step.decoders)}, not for this layer's {form}: "
+                                   "the planner must be given every layer's form")
             if self.sinks is not None:
                 step.sinks[form].copy_(self.sinks)  # read at launch: a graph replays the copy too
             n = step.decode_tokens
