@@ -10,7 +10,8 @@ import torch
 
 from flashjit.integrations.core.decoders import graph_capacity
 from flashjit.integrations.core import (DecodeForm, LayerAttention, ReferencePrefill, StepPlanner, device_page_table,
-                                        host_page_table, shared_leading_blocks, split_kv_cache, split_rows, write_kv)
+                                        host_page_table, prefill_rows, shared_leading_blocks, split_kv_cache,
+                                        split_rows, write_kv)
 from flashjit.jit.kernel import LoadedKernel
 
 CPU = torch.device("cpu")
@@ -233,12 +234,9 @@ def test_reference_prefill_matches_a_dense_causal_attention():
     table = block_table_of(seq, 16, 3, rng)
     cache, _ = vllm_cache(int(table.max()) + 1, 16, 2, 64, dtype=torch.float32)
     pair = split_kv_cache(cache, 64)
-    planner_inputs = step_inputs(seq, q, table)
-    from flashjit.integrations.core.step import StepPlanner as _SP
-
-    rows = _SP._prefill_rows(split_rows(planner_inputs["query_start_loc_cpu"], 2, 1), planner_inputs["query_start_loc"],
-                             planner_inputs["query_start_loc_cpu"], planner_inputs["seq_lens"], table, 2, 37,
-                             torch.tensor(seq))
+    inputs = step_inputs(seq, q, table)
+    rows = prefill_rows(split_rows(inputs["query_start_loc_cpu"], 2, 1), inputs["query_start_loc"],
+                        inputs["query_start_loc_cpu"], inputs["seq_lens"], table, 2, 37, torch.tensor(seq))
     query = torch.randn(23, 8, 64)
     out = ReferencePrefill()(query, pair, torch.empty(23, 8, 64), rows, sm_scale=0.125)
     k = torch.cat([pair.k[b] for b in table[1, :3]])[:37].repeat_interleave(4, dim=1)

@@ -23,7 +23,12 @@ from .kv_cache import KVPair
 def fa3_descales(rows, num_kv_heads: int, q_scale, k_scale, v_scale) -> dict:
     """FA3's q/k/v_descale arguments for an fp8 cache: [requests, kv_heads] views of per-tensor scales."""
     shape = (rows.num_rows, num_kv_heads)
-    expand = lambda s: None if s is None else torch.as_tensor(s, dtype=torch.float32, device=rows.seqused_k.device).reshape(-1)[:1].expand(shape)
+
+    def expand(scale):
+        if scale is None:
+            return None
+        return torch.as_tensor(scale, dtype=torch.float32, device=rows.seqused_k.device).reshape(-1)[:1].expand(shape)
+
     return dict(q_descale=expand(q_scale), k_descale=expand(k_scale), v_descale=expand(v_scale))
 
 

@@ -134,20 +134,21 @@ class StepPlanner:
                     decoders[form] = d.plan_graph(tokens, table) if graph else d.plan_eager(table)
         prefill = None
         if rows.num_prefills:
-            prefill = self._prefill_rows(rows, query_start_loc, query_start_loc_cpu, seq_lens, block_table,
-                                         num_reqs, max_seq_len, seq_lens_cpu)
+            prefill = prefill_rows(rows, query_start_loc, query_start_loc_cpu, seq_lens, block_table, num_reqs,
+                                   max_seq_len, seq_lens_cpu)
         sinks = {form: d.sinks for form, d in self.forms.items()}
         return StepPlan(rows, decoders, sinks, prefill, num_actual_tokens, tokens)
 
-    @staticmethod
-    def _prefill_rows(rows: RowSplit, query_start_loc, query_start_loc_cpu, seq_lens, block_table, num_reqs: int,
-                      max_seq_len: int, seq_lens_cpu) -> PrefillRows:
-        d = rows.num_decodes
-        offsets = np.asarray(query_start_loc_cpu[d: num_reqs + 1], dtype=np.int64)
-        cu_cpu = torch.from_numpy((offsets - offsets[0]).astype(np.int32))
-        cu = (query_start_loc[d: num_reqs + 1] - query_start_loc[d: d + 1]).to(torch.int32)
-        max_q = int(np.max(offsets[1:] - offsets[:-1]))
-        # A prefill row's key count is exact on the host wherever the framework gives one.
-        max_k = int(np.max(np.asarray(seq_lens_cpu[d:num_reqs]))) if seq_lens_cpu is not None else int(max_seq_len)
-        return PrefillRows(d, int(offsets[0]), int(offsets[-1]), cu, cu_cpu, seq_lens[d:num_reqs],
-                           block_table[d:num_reqs], max_q, max_k)
+
+def prefill_rows(rows: RowSplit, query_start_loc, query_start_loc_cpu, seq_lens, block_table, num_reqs: int,
+                 max_seq_len: int, seq_lens_cpu=None) -> PrefillRows:
+    """The PrefillRows of a step's rows from rows.num_decodes on (no value is read from the device)."""
+    d = rows.num_decodes
+    offsets = np.asarray(query_start_loc_cpu[d: num_reqs + 1], dtype=np.int64)
+    cu_cpu = torch.from_numpy((offsets - offsets[0]).astype(np.int32))
+    cu = (query_start_loc[d: num_reqs + 1] - query_start_loc[d: d + 1]).to(torch.int32)
+    max_q = int(np.max(offsets[1:] - offsets[:-1]))
+    # A prefill row's key count is exact on the host wherever the framework gives one.
+    max_k = int(np.max(np.asarray(seq_lens_cpu[d:num_reqs]))) if seq_lens_cpu is not None else int(max_seq_len)
+    return PrefillRows(d, int(offsets[0]), int(offsets[-1]), cu, cu_cpu, seq_lens[d:num_reqs],
+                       block_table[d:num_reqs], max_q, max_k)
