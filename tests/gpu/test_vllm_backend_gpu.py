@@ -158,8 +158,9 @@ def check_rows(case: Case, step_inputs, out, want, num_decode_tokens: int, label
 
 
 def layer_for(case: Case, prefill_kernel):
-    # tokenspeed-fa3 is built without soft-capping, and its fp8 path takes no sinks: those prefill
-    # rows take the reference (the decode rows, flashjit's, are what these tests check).
+    # tokenspeed-fa3 is built without soft-capping (flash_attn_config), and sinks over an fp8 cache
+    # are no path vLLM's FA3 tests either: those prefill rows take the reference (the decode rows,
+    # flashjit's, are what these tests check).
     fa3_lacks = case.form.capped or (case.form.has_sinks and case.form.kv_is_fp8)
     prefill = ReferencePrefill() if fa3_lacks else prefill_kernel
     return LayerAttention(case.form, cache_dtype=case.cache_dtype, prefill=prefill, sinks=case.sinks)
