@@ -6,7 +6,7 @@ indices, last_page_len), in the same order, so requests whose block tables start
 block ids (prefix caching: n > 1 samples, beams, shared system prompts) have page lists that start
 with the same ids, which plan() finds and reads once (docs/shared_prefix.md).
 
-host_page_table: the lengths on the host (one small copy of positions to the device, no wait).
+host_page_table: the lengths on the host (one copy of the rows' page counts to the device, no wait).
 device_page_table: the lengths on the device only (torch ops, no host synchronization), for a
 CUDA-graph decoder's GPU planner.
 """
@@ -61,10 +61,13 @@ def host_page_table(block_table: torch.Tensor, seq_lens_cpu, query_start_loc_cpu
     indptr = np.zeros(num_rows + 1, dtype=np.int32)
     np.cumsum(pages, out=indptr[1:])
     total = int(indptr[-1])
-    rows = np.repeat(np.arange(num_rows, dtype=np.int64), pages)
-    cols = np.arange(total, dtype=np.int64) - np.repeat(indptr[:-1].astype(np.int64), pages)
-    where = torch.from_numpy(np.stack([rows, cols])).to(block_table.device, non_blocking=True)
-    ids = block_table[where[0], where[1]].to(torch.int32)
+    # The gather's positions are made on the device from the rows' page counts: the host sends
+    # 2 x rows values, not one per page (a step of 256 requests over 32k keys lists 512k pages).
+    device = block_table.device
+    counts = torch.from_numpy(np.stack([pages, indptr[:-1]]).astype(np.int64)).to(device, non_blocking=True)
+    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), counts[0], output_size=total)
+    cols = torch.arange(total, device=device) - counts[1][rows]
+    ids = block_table[rows, cols].to(torch.int32)
     if out_indices is None:
         indices = ids
     else:
