@@ -126,8 +126,8 @@ def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, gr
     g = torch.Generator(device="cuda").manual_seed(2)
     q = torch.randn(tokens, shape.heads, shape.head_dim, generator=g, device="cuda").bfloat16()
     new_k = torch.randn(tokens, shape.kv_heads, shape.head_dim, generator=g, device="cuda").bfloat16()
-    layer.write_kv(kv_cache, new_k, torch.randn_like(new_k), torch.from_numpy(slot_mapping(requests, table, shape.block)).cuda(),
-                   *scales)
+    slots = torch.from_numpy(slot_mapping(requests, table, shape.block)).cuda()
+    layer.write_kv(kv_cache, new_k, torch.randn_like(new_k), slots, *scales)
     pair = split_kv_cache(kv_cache, shape.head_dim, cache_dtype)
     ref = reference(torch, pair, scales, inputs, q, sm_scale)
     sync = torch.cuda.synchronize

@@ -206,7 +206,8 @@ def test_samples_of_one_prompt_plan_the_shared_prefix_kernel(planner_for):
     pages = host_page_table(table, torch.tensor(seq), torch.arange(17), 16, 16)
     assert shared_leading_blocks(pages.indptr, pages.indices).tolist() == [8] * 15
     alone = planner_for([FORM], max_decode_q_len=1, share_prefixes=False)
-    assert not alone.plan(**step_inputs(seq, [1] * 16, table), seq_lens_cpu=torch.tensor(seq)).decoders[FORM].spec.shared_prefix
+    planned = alone.plan(**step_inputs(seq, [1] * 16, table), seq_lens_cpu=torch.tensor(seq))
+    assert not planned.decoders[FORM].spec.shared_prefix
 
 
 def test_forms_prewarm_every_kernel_their_plans_pick(planner_for, fake_nvrtc):

@@ -142,7 +142,8 @@ def reference(case: Case, step_inputs, q):
         variant = "soft_cap_sinks" if f.capped else "sinks"
         vparams["sinks"] = case.sinks
     out, _ = decode_reference(q, k, v, table.indptr, table.indices, table.last_page_len, qo_indptr=table.qo_indptr,
-                              mask=mask, mask_params=params, sm_scale=f.sm_scale, variant=variant, variant_params=vparams)
+                              mask=mask, mask_params=params, sm_scale=f.sm_scale, variant=variant,
+                              variant_params=vparams)
     return out
 
 

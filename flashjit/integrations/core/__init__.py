@@ -14,5 +14,6 @@ from .step import PrefillRows, StepPlan, StepPlanner, prefill_rows
 
 __all__ = ["DecodeForm", "DevicePageTable", "FP8_CACHE_DTYPES", "Fa3KVCachePrefill", "FormDecoders", "HostPageTable",
            "KVPair", "LayerAttention", "PrefillRows", "ReferencePrefill", "RowSplit", "StepPlan", "StepPlanner",
-           "default_prefill", "device_page_table", "host_page_table", "prefill_rows", "separate_kv_cache", "shared_leading_blocks",
+           "default_prefill", "device_page_table", "host_page_table", "prefill_rows", "separate_kv_cache",
+           "shared_leading_blocks",
            "split_kv_cache", "split_rows", "write_kv"]

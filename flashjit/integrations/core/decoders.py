@@ -4,9 +4,10 @@ Eager steps plan one decoder (share_prefixes=None: plan() finds shared leading b
 that a framework replays in a CUDA graph uses a graph decoder sized for it: graphs capture fixed
 grids, so a small graph should not launch the largest one's, yet a decoder per captured size would
 hold dozens of plan buffers. Graph decoders come in powers of two of query tokens (a step of 24
-uses the one of 32), each made and planned once, before the first capture it serves. Graph decoders read their page ids from one buffer the step owner writes in place, and
-either plan on the host with the shared-prefix kernel (forms that share, with the host's lengths)
-or keep flashjit's GPU planner (replan(): the lengths stay on the device).
+uses the one of 32), each made and planned once, before the first capture it serves. Graph
+decoders read their page ids from one buffer the step owner writes in place, and either plan on
+the host with the shared-prefix kernel (forms that share, with the host's lengths) or keep
+flashjit's GPU planner (replan(): the lengths stay on the device).
 """
 
 from __future__ import annotations
@@ -106,7 +107,8 @@ class FormDecoders:
             raise RuntimeError("this form's graph decoders plan on the host (shared-prefix kernel): give host lengths")
         rows = table.indptr.numel() - 1
         if rows > graph_capacity(tokens):
-            raise ValueError(f"a graph step of {tokens} tokens holds at most {graph_capacity(tokens)} requests, got {rows}")
+            raise ValueError(f"a graph step of {tokens} tokens holds at most {graph_capacity(tokens)} requests, "
+                             f"got {rows}")
         page_table.batch.copy_(table.batch)
         page_table.indptr[: rows + 1].copy_(table.indptr)
         page_table.last_page_len[:rows].copy_(table.last_page_len)

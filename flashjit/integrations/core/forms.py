@@ -38,8 +38,8 @@ class DecodeForm:
         object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype, "kv_dtype", KV_DTYPES))
         if self.window_left is not None and (not isinstance(self.window_left, int) or self.window_left < 0):
             validation.fail("window_left", "None or a non-negative int", self.window_left)
-        if self.logits_soft_cap is not None and not (isinstance(self.logits_soft_cap, (int, float))
-                                                     and math.isfinite(self.logits_soft_cap) and self.logits_soft_cap >= 0):
+        cap = self.logits_soft_cap
+        if cap is not None and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 0):
             validation.fail("logits_soft_cap", "None or a finite float >= 0 (0: none)", self.logits_soft_cap)
 
     @property

@@ -37,7 +37,8 @@ class RowSplit:
 
 def check_decode_q_len(max_decode_q_len: int) -> int:
     """The decode rows' query-token limit, checked against what the kernels take (1..16)."""
-    if not isinstance(max_decode_q_len, int) or isinstance(max_decode_q_len, bool) or not 1 <= max_decode_q_len <= MAX_Q_LEN:
+    n = max_decode_q_len
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_Q_LEN:
         validation.fail("max_decode_q_len", f"an int in 1..{MAX_Q_LEN} (query tokens the decode kernels take)",
                         max_decode_q_len)
     return max_decode_q_len

@@ -11,8 +11,8 @@ FLASHJIT_VLLM_DECODE_Q_LEN up to 16) come first (vLLM reorders the batch) and ru
 longer prefill rows run on vLLM's FlashAttention in the same forward. CUDA graphs: UNIFORM_BATCH,
 and varlen decode graphs up to the threshold: a FULL graph holds decode rows only, and flashjit's
 graph decoders re-plan for any composition up to the captured size (build() plans them before
-each replay; with speculative decoding's device-only lengths, on the GPU). Mixed batches run
-vLLM's piecewise graphs, attention eager.
+each replay; with speculative decoding's device-only lengths, the GPU-planned ones on the GPU).
+Mixed batches run vLLM's piecewise graphs, attention eager.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from ... import env, validation
 from ...jit.spec import MAX_Q_LEN
 from ..core import StepPlan, StepPlanner
 from .impl import FlashJITImpl
+
 
 @dataclasses.dataclass
 class FlashJITMetadata(AttentionMetadata):
@@ -86,8 +87,8 @@ class FlashJITMetadataBuilder(AttentionMetadataBuilder[FlashJITMetadata]):
         max_pages = min(graph_tokens, scheduler.max_num_seqs) * -(-max_len // block_size)
         options = dict(self.decoder_options)
         self.planner = StepPlanner(forms, device, block_size=block_size, max_decode_q_len=threshold,
-                                   max_graph_tokens=graph_tokens, max_pages=max_pages, share_prefixes=env.vllm_share_prefixes(),
-                                   **options)
+                                   max_graph_tokens=graph_tokens, max_pages=max_pages,
+                                   share_prefixes=env.vllm_share_prefixes(), **options)
         arch = options.get("arch")
         if arch is None and torch.device(device).type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)

@@ -20,7 +20,8 @@ def _name(dtype) -> str:
 
 
 def refusal_reasons(*, head_size: int, dtype, kv_cache_dtype: str | None, block_size: int | None,
-                    capability: tuple[int, int] | None, has_sink: bool = False, use_mla: bool = False, use_sparse: bool = False,
+                    capability: tuple[int, int] | None, has_sink: bool = False, use_mla: bool = False,
+                    use_sparse: bool = False,
                     use_mm_prefix: bool = False, attn_type: str = "decoder", use_rswa: bool = False,
                     use_non_causal: bool = False, use_batch_invariant: bool = False, use_pcp: bool = False,
                     use_dcp: bool = False, use_adaptive_verification: bool = False) -> list[str]:

@@ -22,9 +22,9 @@ class FlashJITImpl(AttentionImpl):
         refused = [name for name, value in (("alibi_slopes", alibi_slopes),) if value is not None]
         refused += sorted(name for name, value in unsupported.items() if value not in (None, False))
         if refused or attn_type != AttentionType.DECODER:
-            raise NotImplementedError(f"FLASHJIT does not serve {', '.join(refused) or 'attention type ' + str(attn_type)}"
-                                      " (it serves causal decoder attention with optional sliding window, soft-cap "
-                                      "and sinks)")
+            what = ", ".join(refused) or f"attention type {attn_type}"
+            raise NotImplementedError(f"FLASHJIT does not serve {what} (it serves causal decoder attention with "
+                                      "optional sliding window, soft-cap and sinks)")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

@@ -32,7 +32,8 @@ def check_vllm_version(version: str | None = None) -> str:
     if minor != VLLM_MINOR:
         raise UnsupportedVLLMVersion(
             f"flashjit's vLLM attention backend is written for vLLM {VLLM_MINOR}.x, and vLLM {version} is installed; "
-            f"install vllm=={VLLM_MINOR}.* (pip install 'flashjit[vllm]') or a flashjit release written for vLLM {minor}")
+            f"install vllm=={VLLM_MINOR}.* (pip install 'flashjit[vllm]') or a flashjit release written for "
+            f"vLLM {minor}")
     return str(version)
 
 

@@ -109,7 +109,8 @@ def test_supported_configurations_are_accepted(changes):
     ({"use_dcp": True}, "decode context parallelism"),
     ({"use_adaptive_verification": True}, "adaptive speculative verification"),
     ({"device_capability": DeviceCapability(7, 5)}, "compute capability 7.5: FLASHJIT needs 8.0"),
-    ({"kv_cache_dtype": "fp8", "device_capability": DeviceCapability(8, 9)}, "kv_cache_dtype 'fp8' on compute capability 8.9"),
+    ({"kv_cache_dtype": "fp8", "device_capability": DeviceCapability(8, 9)},
+     "kv_cache_dtype 'fp8' on compute capability 8.9"),
     ({"has_sink": True, "device_capability": DeviceCapability(8, 0)}, "attention sinks on compute capability 8.0"),
 ])
 def test_each_refused_setting_has_its_own_reason(changes, reason):
