@@ -1,28 +1,34 @@
 """Every environment variable flashjit reads, each through one typed accessor.
 
-=========================  ==================  ==========================================  ===========================
-Variable                   Accessor            Meaning                                     Unset or empty
-=========================  ==================  ==========================================  ===========================
-FLASHJIT_CACHE_DIR         cache_dir()         root of the kernel cache (``~`` expanded)   None: the user cache folder
-FLASHJIT_NO_COMPILE        no_compile()        flag: a kernel missing from the cache       off
-                                               raises KernelNotPrewarmed instead of being
-                                               compiled (``Engine(allow_compile=...)``
-                                               wins)
-FLASHJIT_LOCK_TIMEOUT      lock_timeout()      seconds to wait for another process's       120
-                                               build of the same artifact before building
-                                               anyway; a non-negative number
-FLASHJIT_TEMPLATE_PATH     template_path()     folders of extra mask templates, separated  no folders
-                                               by ``os.pathsep``
-FLASHJIT_HOST_NATIVE       host_native()       flag: build and use the C host helpers      on
-                                               (off: their numpy versions)
-CC                         cc()                the C compiler command of the host          ``cc``
-                                               helpers, shell-quoted words (e.g.
-                                               ``ccache gcc -m64``)
-CXX                        cxx()               the C++ compiler of the mask checker's      ``c++``
-                                               host replay (one program)
-CUDA_HOME, CUDA_PATH       cuda_toolkit()      CUDA toolkit folders; they name the NVRTC   ""
-                                               when no NVRTC wheel is installed
-=========================  ==================  ==========================================  ===========================
+============================  =====================  ==========================================  ===========================
+Variable                      Accessor               Meaning                                     Unset or empty
+============================  =====================  ==========================================  ===========================
+FLASHJIT_CACHE_DIR            cache_dir()            root of the kernel cache (``~`` expanded)   None: the user cache folder
+FLASHJIT_NO_COMPILE           no_compile()           flag: a kernel missing from the cache       off
+                                                     raises KernelNotPrewarmed instead of being
+                                                     compiled (``Engine(allow_compile=...)``
+                                                     wins)
+FLASHJIT_LOCK_TIMEOUT         lock_timeout()         seconds to wait for another process's       120
+                                                     build of the same artifact before building
+                                                     anyway; a non-negative number
+FLASHJIT_TEMPLATE_PATH        template_path()        folders of extra mask templates, separated  no folders
+                                                     by ``os.pathsep``
+FLASHJIT_HOST_NATIVE          host_native()          flag: build and use the C host helpers      on
+                                                     (off: their numpy versions)
+CC                            cc()                   the C compiler command of the host          ``cc``
+                                                     helpers, shell-quoted words (e.g.
+                                                     ``ccache gcc -m64``)
+CXX                           cxx()                  the C++ compiler of the mask checker's      ``c++``
+                                                     host replay (one program)
+CUDA_HOME, CUDA_PATH          cuda_toolkit()         CUDA toolkit folders; they name the NVRTC   ""
+                                                     when no NVRTC wheel is installed
+FLASHJIT_VLLM_DECODE_Q_LEN    vllm_decode_q_len()    the vLLM backend runs rows of up to this    None: 1 + the speculative
+                                                     many query tokens on flashjit (1..16),      tokens
+                                                     longer ones on FlashAttention
+FLASHJIT_VLLM_SHARE_PREFIXES  vllm_share_prefixes()  flag: the vLLM backend reads blocks that    on
+                                                     neighbouring requests share once (off: its
+                                                     plans never wait for the GPU)
+============================  =====================  ==========================================  ===========================
 
 A flag reads 1, true, yes, on as on and 0, false, no, off as off, in any case and with spaces around
 ignored (parse_flag). A value an accessor does not accept gives that variable's default and one
@@ -105,6 +111,23 @@ def cxx() -> str:
 def cuda_toolkit() -> tuple[str, str]:
     """($CUDA_HOME, $CUDA_PATH), each "" when unset."""
     return os.environ.get("CUDA_HOME", ""), os.environ.get("CUDA_PATH", "")
+
+
+def vllm_decode_q_len() -> int | None:
+    """FLASHJIT_VLLM_DECODE_Q_LEN, an int in 1..16; None when unset, empty or another value."""
+    text = os.environ.get("FLASHJIT_VLLM_DECODE_Q_LEN", "").strip()
+    if not text:
+        return None
+    if text.isdigit() and 1 <= int(text) <= 16:
+        return int(text)
+    _warn_once("FLASHJIT_VLLM_DECODE_Q_LEN", text, "is not a query-token count in 1..16; using 1 + the "
+               "speculative tokens")
+    return None
+
+
+def vllm_share_prefixes() -> bool:
+    """FLASHJIT_VLLM_SHARE_PREFIXES as a flag; on by default."""
+    return _flag("FLASHJIT_VLLM_SHARE_PREFIXES", default=True)
 
 
 def _flag(name: str, default: bool) -> bool:

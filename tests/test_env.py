@@ -160,3 +160,14 @@ def test_env_imports_nothing_from_flashjit_but_errors():
     imported += [a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names
                  if a.name.startswith("flashjit")]
     assert set(imported) <= {"errors"}, imported
+
+
+def test_vllm_backend_settings(monkeypatch, caplog):
+    assert env.vllm_decode_q_len() is None and env.vllm_share_prefixes()
+    monkeypatch.setenv("FLASHJIT_VLLM_DECODE_Q_LEN", " 4 ")
+    monkeypatch.setenv("FLASHJIT_VLLM_SHARE_PREFIXES", "off")
+    assert env.vllm_decode_q_len() == 4 and not env.vllm_share_prefixes()
+    for bad in ("17", "0", "four"):
+        monkeypatch.setenv("FLASHJIT_VLLM_DECODE_Q_LEN", bad)
+        assert env.vllm_decode_q_len() is None
+    assert "FLASHJIT_VLLM_DECODE_Q_LEN='four' is not a query-token count in 1..16" in caplog.text

@@ -1,0 +1,98 @@
+"""What FLASHJIT serves in vLLM, and a reason for every setting it refuses: vLLM prints the
+reasons of validate_configuration when it cannot use a backend. Framework-free (no vLLM import)."""
+
+from __future__ import annotations
+
+# The decode rows run on flashjit; a mixed step's prefill rows on vLLM's FlashAttention over the
+# same cache, so a setting is served when both take it: head sizes up to 256 (FA3), fp8 caches in
+# e4m3 with FA3 (compute capability 9.0), learned sinks on 9.0 and newer.
+SUPPORTED_HEAD_SIZES = (64, 96, 128, 256)
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3")
+FP8_CAPABILITIES = ((9, 0),)
+SINK_CAPABILITY = (9, 0)
+MAX_BLOCK_SIZE = 256
+MIN_CAPABILITY = (8, 0)
+
+
+def _name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def refusal_reasons(*, head_size: int, dtype, kv_cache_dtype: str | None, block_size: int | None,
+                    capability: tuple[int, int] | None, has_sink: bool = False, use_mla: bool = False,
+                    use_sparse: bool = False,
+                    use_mm_prefix: bool = False, attn_type: str = "decoder", use_rswa: bool = False,
+                    use_non_causal: bool = False, use_batch_invariant: bool = False, use_pcp: bool = False,
+                    use_dcp: bool = False, use_adaptive_verification: bool = False) -> list[str]:
+    """One reason per setting FLASHJIT does not serve, each naming the setting, its value and what
+    is accepted; empty when the configuration is served."""
+    reasons = []
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        reasons.append(f"head_size {head_size}: FLASHJIT serves {', '.join(map(str, SUPPORTED_HEAD_SIZES))} (its "
+                       "prefill rows run on vLLM's FlashAttention 3)")
+    if _name(dtype) not in SUPPORTED_DTYPES:
+        reasons.append(f"dtype {_name(dtype)}: FLASHJIT serves float16 and bfloat16 queries")
+    if kv_cache_dtype is not None and kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        reasons.append(f"kv_cache_dtype {kv_cache_dtype!r}: FLASHJIT serves {', '.join(SUPPORTED_KV_CACHE_DTYPES)} "
+                       "(fp8 in e4m3, which the prefill rows' FlashAttention 3 reads)")
+    if block_size is not None and not 1 <= block_size <= MAX_BLOCK_SIZE:
+        reasons.append(f"block_size {block_size}: FLASHJIT serves blocks of 1 to {MAX_BLOCK_SIZE} tokens")
+    if capability is not None:
+        cap = tuple(capability)
+        if cap < MIN_CAPABILITY:
+            reasons.append(f"compute capability {cap[0]}.{cap[1]}: FLASHJIT needs 8.0 or newer")
+        if (kv_cache_dtype in SUPPORTED_KV_CACHE_DTYPES and kv_cache_dtype.startswith("fp8")
+                and cap not in FP8_CAPABILITIES):
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} on compute capability {cap[0]}.{cap[1]}: the prefill "
+                           "rows' FlashAttention reads fp8 caches with FA3, on 9.0 only")
+        if has_sink and cap < SINK_CAPABILITY:
+            reasons.append(f"attention sinks on compute capability {cap[0]}.{cap[1]}: the prefill rows' "
+                           "FlashAttention takes sinks on 9.0 and newer")
+    if use_mla:
+        reasons.append("MLA: FLASHJIT serves multi-head and grouped-query attention")
+    if use_sparse:
+        reasons.append("sparse attention: FLASHJIT serves dense attention")
+    if use_mm_prefix:
+        reasons.append("multimodal prefix (bidirectional image tokens): FLASHJIT serves causal attention")
+    if str(attn_type).lower().rpartition(".")[2] != "decoder":
+        reasons.append(f"attention type {attn_type}: FLASHJIT serves decoder self-attention")
+    if use_rswa:
+        reasons.append("R-SWA (reference sliding window): FLASHJIT serves plain sliding windows")
+    if use_non_causal:
+        reasons.append("non-causal decoder attention: FLASHJIT serves causal attention")
+    if use_batch_invariant:
+        reasons.append("batch invariance (VLLM_BATCH_INVARIANT): not offered by FLASHJIT's vLLM backend")
+    if use_pcp:
+        reasons.append("prefill context parallelism: FLASHJIT serves one context shard (pcp size 1)")
+    if use_dcp:
+        reasons.append("decode context parallelism: FLASHJIT serves one context shard (dcp size 1)")
+    if use_adaptive_verification:
+        reasons.append("adaptive speculative verification: FLASHJIT plans from the host's query lengths, "
+                       "which adaptive verification changes on the device")
+    return reasons
+
+
+MLA_HEAD_SIZE = 576  # kv_lora_rank 512 + rope 64
+MLA_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def mla_refusal_reasons(*, head_size: int, dtype, kv_cache_dtype: str | None, block_size: int | None,
+                        capability: tuple[int, int] | None, use_mla: bool, has_sink: bool = False,
+                        has_sliding_window: bool = False, **others) -> list[str]:
+    """FLASHJIT_MLA's reasons: the MLA shape flashjit's kernels take, and the settings FLASHJIT
+    refuses for the same reasons (others: refusal_reasons' keywords)."""
+    reasons = []
+    if not use_mla:
+        reasons.append("non-MLA attention: FLASHJIT_MLA serves MLA models (FLASHJIT serves the others)")
+    if head_size != MLA_HEAD_SIZE:
+        reasons.append(f"head_size {head_size}: FLASHJIT_MLA serves kv_lora_rank 512 + rope 64 = {MLA_HEAD_SIZE}")
+    if kv_cache_dtype is not None and kv_cache_dtype not in MLA_KV_CACHE_DTYPES:
+        reasons.append(f"kv_cache_dtype {kv_cache_dtype!r}: FLASHJIT_MLA serves {', '.join(MLA_KV_CACHE_DTYPES)}")
+    if has_sink:
+        reasons.append("attention sinks: FLASHJIT_MLA serves MLA without sinks")
+    if has_sliding_window:
+        reasons.append("sliding window: FLASHJIT_MLA serves full MLA attention")
+    shared = refusal_reasons(head_size=SUPPORTED_HEAD_SIZES[0], dtype=dtype, kv_cache_dtype=None,
+                             block_size=block_size, capability=capability, **others)
+    return reasons + [reason for reason in shared if not reason.startswith("MLA")]
