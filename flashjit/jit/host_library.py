@@ -38,10 +38,11 @@ import threading
 from pathlib import Path
 
 from .. import env
-from . import keys, trusted_files
+from . import keys, trusted_files, trusted_writes
 from .abi import ITEM_INTS
 from .artifact import obtain
-from .cache import SCHEMA, KernelCache, LockBusy, atomic_file
+from .cache import SCHEMA, KernelCache, LockBusy
+from .trusted_writes import atomic_file
 
 log = logging.getLogger("flashjit")
 
@@ -180,7 +181,7 @@ def _library_folder(cache: KernelCache | None) -> tuple[Path, KernelCache | None
     and checked by the trust rule, else a private temp folder (no lock needed)."""
     if cache is not None and cache.writable:
         try:
-            folder = trusted_files.make_folders(cache.root, (f"v{SCHEMA}", "host"), follow=1)
+            folder = trusted_writes.make_folders(cache.root, (f"v{SCHEMA}", "host"), follow=1)
             if os.access(folder, os.W_OK):
                 return folder, cache
         except (OSError, trusted_files.Refused) as exc:
