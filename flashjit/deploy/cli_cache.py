@@ -113,7 +113,9 @@ def cmd_cache_export(args) -> int:
 
 
 def cmd_cache_import(args) -> int:
+    from ..jit.cache import KernelCache
     from .bundle import Limits, import_bundle
+    from .cli_kernels import host_planner_status
 
     limits = Limits(members=args.max_members if args.max_members is not None else Limits.members,
                     total_bytes=parse_size(args.max_size) if args.max_size is not None else Limits.total_bytes)
@@ -130,6 +132,8 @@ def cmd_cache_import(args) -> int:
     print(f"imported {len(report.imported)} entries ({len(report.present)} already present, "
           f"{len(report.rejected)} rejected) and {report.index_files} index files from {report.path} "
           f"into {report.cache_dir}")
+    # A strict server builds nothing: the C planner it loads is built here, beside the kernels.
+    print(f"host planner: {host_planner_status(KernelCache(args.cache_dir))}")
     return 1 if report.rejected or report.index_kept else 0
 
 

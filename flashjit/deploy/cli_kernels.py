@@ -116,7 +116,7 @@ def cmd_prewarm(args) -> int:
                if r.source == "compiled" and engine.cache.load(engine.get_kernel(r.spec).key) is None}
     print(prewarm_summary(results, wall, unsaved))
     print(f"cache: {engine.cache.root}" + ("" if engine.cache.writable else " (not writable: kept in memory only)"))
-    print(f"host planner: {host_planner_status(engine)}")
+    print(f"host planner: {host_planner_status(engine.cache)}")
     if unsaved:
         error(f"{len(unsaved)} kernels compiled but not saved in the kernel cache at {engine.cache.root} (read-only "
               "or full: see the warning); a later process or `flashjit cache export` will not find them")
@@ -124,11 +124,11 @@ def cmd_prewarm(args) -> int:
     return 0
 
 
-def host_planner_status(engine) -> str:
+def host_planner_status(cache) -> str:
     """Builds plan()'s C helper into the cache too, so the first plan() of a server does not."""
     from ..jit.host_library import load
 
-    return "built (C)" if load("host_plan", engine.cache) is not None else "numpy (no C helper: see the warning)"
+    return "built (C)" if load("host_plan", cache) is not None else "numpy (no C helper: see the warning)"
 
 
 # ---- show -------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def cmd_run_example(args) -> int:
     results, wall = prewarm_specs(engine, specs, args.jobs)
     print(prewarm_summary(results, wall))
     print(f"cache: {engine.cache.root}")
-    print(f"host planner: {host_planner_status(engine)}")
+    print(f"host planner: {host_planner_status(engine.cache)}")
     if not smoke_test.gpu_available():
         print("no CUDA GPU: skipped the GPU decode step (kernels were compiled and cached only)")
         return 0

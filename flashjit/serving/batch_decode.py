@@ -104,7 +104,7 @@ class BatchDecode:
                                    page_ids_buffer)
         self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
         if host_planner is None:
-            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
+            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache, self.engine.allow_compile))
         self._host_planner = host_planner
         self._lse_dtype = torch.float32
         self._plan: Plan | None = None  # the current plan; each successful plan() replaces it whole

@@ -103,7 +103,7 @@ class BatchDecodeMLA:
                                    page_ids_buffer)
         self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
         if host_planner is None:
-            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache))
+            host_planner = HostPlanner(load_host_library("host_plan", self.engine.cache, self.engine.allow_compile))
         self._host_planner = host_planner
         self._device_index = self.device.index
         self._lse_dtype = torch.float32
