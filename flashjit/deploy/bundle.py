@@ -41,7 +41,7 @@ from ..jit.trusted_writes import output_file
 from ..errors import CacheError
 from .bundle_meta import check_entry
 from .bundle_stream import (HEADER, MAX_BYTES, UNREADABLE, BundleError, BundleReader, Limits, Refusal, by_entry,
-                            open_bundle)
+                            open_bundle, quoted, shown)
 
 __all__ = ["BUNDLE_FORMAT", "HEADER", "MAX_BYTES", "BundleError", "ExportReport", "ImportReport", "Limits",
            "export_bundle", "import_bundle"]
@@ -225,13 +225,13 @@ def _check(reader: BundleReader) -> _Checked:
 def _check_header(header, path):
     if not isinstance(header, dict):
         raise BundleError(f"{path}: {HEADER} is not a JSON object")
-    made_by = header.get("flashjit", "an unknown flashjit")
+    made_by = shown(header.get("flashjit", "an unknown flashjit"), 40)
     if header.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{path}: bundle format {header.get('format')!r} (made by flashjit {made_by}) is not the "
-                          f"format {BUNDLE_FORMAT} this flashjit ({__version__}) reads; nothing was imported")
+        raise BundleError(f"{path}: bundle format {quoted(header.get('format'), 40)} (made by flashjit {made_by}) is "
+                          f"not the format {BUNDLE_FORMAT} this flashjit ({__version__}) reads; nothing was imported")
     if header.get("schema") != SCHEMA:
-        raise BundleError(f"{path}: the bundle holds cache schema v{header.get('schema')} (made by flashjit "
-                          f"{made_by}); this flashjit ({__version__}) reads v{SCHEMA}; nothing was imported. "
+        raise BundleError(f"{path}: the bundle holds cache schema v{quoted(header.get('schema'), 40)} (made by "
+                          f"flashjit {made_by}); this flashjit ({__version__}) reads v{SCHEMA}; nothing was imported. "
                           f"Export it again with flashjit {__version__}")
 
 
