@@ -220,3 +220,19 @@ def test_kernels_that_pack_heads_have_a_packed_entry_point_alike_but_for_its_att
         assert bodies["flashjit_decode_packed"] == plain.replace("decode::attend(", "decode::attend_packed(").replace(
             "prefetch_plan<1>", "prefetch_plan<cfg::OWN_HEAD_PACK>")
         assert "decode::attend_packed(" in bodies["flashjit_decode_packed"]
+
+
+@pytest.mark.parametrize("body", [
+    '{% include "SELF" %}',  # a template that includes itself
+    "{% macro again(n) %}{{ again(n + 1) }}{% endmacro %}{{ again(0) }}",  # a macro without a base case
+], ids=["include", "macro"])
+def test_endless_recursion_is_one_error_naming_the_template(isolated_masks, tmp_path, body):
+    path = tmp_path / "endless.cuh.j2"
+    text = '{% extends "masks/base.cuh.j2" %}\n{% block visible %}' + body + "{% endblock %}\n"
+    path.write_text(text.replace("SELF", str(path)))
+    register_mask("endless", path)
+    with pytest.raises(TemplateError) as info:
+        render(DecodeSpec(64, mask="endless", arch="sm_90"))
+    message = str(info.value)
+    assert str(path) in message and "recurs" in message and "\n" not in message and len(message) < 600, message
+    assert not isinstance(info.value.__cause__, RecursionError) or info.value.__suppress_context__

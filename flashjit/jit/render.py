@@ -148,6 +148,10 @@ def render(spec: DecodeSpec | MLASpec, mask: MaskDef | None = None,
                             f"uses {mask.template!r}, variant {variant.name!r} uses {variant.template!r})") from exc
     except jinja2.TemplateError as exc:
         raise TemplateError(f"{_template_location(exc)}: {exc.message or exc} (rendering {spec.name})") from exc
+    except RecursionError:
+        raise TemplateError(f"rendering {spec.name} recursed without end: a template includes or extends itself, or a "
+                            f"macro calls itself without stopping (mask {mask.name!r}: {mask.template}; variant "
+                            f"{variant.name!r}: {variant.template})") from None
 
 
 def render_merge_states(spec: MergeSpec) -> str:
@@ -159,3 +163,5 @@ def render_merge_states(spec: MergeSpec) -> str:
     except jinja2.TemplateError as exc:
         raise TemplateError(f"{_template_location(exc)}: {getattr(exc, 'message', None) or exc} "
                             f"(rendering {spec.name})") from exc
+    except RecursionError:
+        raise TemplateError(f"rendering {spec.name} from {MERGE_STATES_TEMPLATE} recursed without end") from None

@@ -152,8 +152,7 @@ class DecodeSpec(CacheAndArch):
             raise SpecError("shared_prefix", self.shared_prefix, "False, or True for tensor cores over a 16-bit cache")
         from ..masks.registry import masks  # late import: the registry imports nothing from here
 
-        if self.mask not in masks:
-            raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)")
+        masks.get(self.mask)  # SpecError naming the masks, and any plugin or template folder that failed to load
         from ..masks.variants import variants
 
         if self.variant not in variants:
