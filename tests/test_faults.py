@@ -317,6 +317,7 @@ def test_read_only_cache_serves_what_it_holds_and_warns_once(warm, cache_dir, mo
         return real_write_bytes(path, data)
 
     monkeypatch.setattr(trusted_writes, "write_file", lambda path, data: read_only(path, data))
+    monkeypatch.setattr(trusted_writes, "probe", lambda folder: read_only(folder / ".probe", b""))
     engine = Engine(cache_dir=cache_dir)
     assert engine.cache.writable is False
     assert engine.get_kernel(warm.spec).cubin == warm.kernel.cubin and fake_nvrtc == []

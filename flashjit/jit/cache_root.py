@@ -74,9 +74,7 @@ class CacheRoot:
                 self._claim()
                 for sub in ("entries", "locks", "index"):
                     self._folder(sub, make=True)
-                probe = self.base / "entries" / f".probe-{os.getpid()}-{threading.get_ident()}"
-                trusted_writes.write_file(probe, b"")
-                probe.unlink()
+                trusted_writes.probe(self.base / "entries")
                 return True
             except OSError as exc:
                 if self._readable():

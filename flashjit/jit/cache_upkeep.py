@@ -160,14 +160,10 @@ class CacheUpkeep:
         if self.foreign:
             raise CacheError(f"{self.foreign}; nothing was removed")
         count = len([p for p in self.base.glob("entries/*") if KEY_PATTERN.fullmatch(p.name)])
-        for name in LAYOUT:
+        for name in LAYOUT:  # each renamed away whole, then deleted: a writer meanwhile starts a new one
             path = self.base / name
-            if path.is_symlink() or path.is_file():
-                path.unlink()
-            elif path.is_dir():
-                remove_tree(path)
-                if path.exists():
-                    raise OSError(f"could not remove {path}")
+            if os.path.lexists(path) and not move_away(path):
+                raise OSError(f"could not remove {path}")
         self.writable = self._prepare()
         return count
 

@@ -100,6 +100,15 @@ def write_file(path: Path, data: bytes):
         f.write(data)
 
 
+def probe(folder: Path):
+    """Make and remove an empty file in folder (never through a link): OSError when this process
+    cannot write there. The name ('.probe-...') is this thread's own; a pruner may remove it first."""
+    path = Path(folder) / f".probe-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(2)}"
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
 def move_away(path: Path) -> bool:
     """Rename whatever is at `path` (a link is moved, never followed) to a hidden '.trash-' name
     beside it, then delete that: readers see it whole or not at all. False if nothing was moved."""
