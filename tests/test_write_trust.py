@@ -259,3 +259,15 @@ def test_a_cache_carries_its_marker_and_an_unmarked_one_in_the_layout_is_still_a
     code, out, err = run("clear", "--cache-dir", cache_dir)
     assert code == 0 and "removed 1 entries" in out, err
     assert KernelCache(cache_dir).entries() == [] and marker.is_file()  # a writer marks it again
+
+
+def test_a_temp_folder_anyone_may_change_gets_no_failed_source(wrong_mask, tmp_path, monkeypatch):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o777)  # not sticky: anyone could swap what flashjit makes there
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    root = tmp_path / "a-file"
+    root.write_text("not a folder: the cache cannot take the source")
+    with pytest.raises(CompileError) as info:
+        Engine(cache_dir=root).get_kernel(wrong_mask)
+    assert str(info.value.source_path) == "<unsaved>" and os.listdir(tmp) == []

@@ -44,19 +44,20 @@ FOLDER_MODE = 0o755
 LOCK_POLL_S = 0.05
 
 
-def make_folders(root: Path, parts=(), follow: int = 0) -> Path:
-    """root/parts[0]/parts[1]/... made where missing (mode 0755 under the umask) and checked by the
-    read rule from the root down (links followed for the root and the first `follow` parts only)."""
+def make_folders(root: Path, parts=(), follow: int = 0, mode: int = FOLDER_MODE) -> Path:
+    """root/parts[0]/parts[1]/... made where missing (mode 0755 under the umask, unless given) and
+    checked by the read rule from the root down (links followed for the root and the first
+    `follow` parts only)."""
     root = Path(root)
     if not root.exists():
         root.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
-            os.mkdir(root, FOLDER_MODE)
+            os.mkdir(root, mode)
     path = check_folders(root)
     for depth, part in enumerate(parts):
         path = path / part
         with contextlib.suppress(FileExistsError):
-            os.mkdir(path, FOLDER_MODE)
+            os.mkdir(path, mode)
         check_one_folder(path, follow=depth < follow)
     return path
 
@@ -173,12 +174,14 @@ def output_file(path: Path):
 
 
 def private_folder(name: str) -> Path:
-    """A folder of this user's in the temp folder ($TMPDIR/NAME-<uid>), made and checked by the rule
-    above; one that another user made first is not used: a fresh mkdtemp folder is, instead."""
+    """A folder of this user's in the temp folder ($TMPDIR/NAME-<uid>, mode 0700), made and checked
+    by the rule above; one that another user made first is not used: a fresh mkdtemp folder is,
+    instead. Raises Refused (or OSError) when the temp folder itself fails the rule."""
+    root = check_folders(Path(tempfile.gettempdir()))
     try:
-        return make_folders(Path(tempfile.gettempdir()), (f"{name}-{os.geteuid()}",))
+        return make_folders(root, (f"{name}-{os.geteuid()}",), mode=0o700)
     except (OSError, Refused):
-        return Path(tempfile.mkdtemp(prefix=f"{name}-"))
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root))
 
 
 class LockTimeout(Exception):
