@@ -116,7 +116,7 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
         out.parent.mkdir(parents=True, exist_ok=True)
         with output_file(out) as raw:
             counted = _Counted(raw)
-            with tarfile.open(fileobj=counted, mode="w|gz") as tar:
+            with tarfile.open(fileobj=counted, mode="w:gz") as tar:
                 _add(tar, HEADER, json.dumps(header, indent=1).encode())
                 for e in chosen:
                     for name, data in _entry_files(cache, e).items():

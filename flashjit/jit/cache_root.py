@@ -88,7 +88,8 @@ class CacheRoot:
             self._degrade(f"{self._unusable}; {UNTRUSTED_HINT.format(root=self.root)}")
         except (OSError, CacheError) as exc:
             self._unusable = f"the kernel cache at {self.root} is not usable ({exc})"
-            self._degrade(f"kernel cache at {self.root} is not usable ({exc})")
+            if self.create or not self.foreign:  # a command that only reads or removes reports a foreign folder itself
+                self._degrade(f"kernel cache at {self.root} is not usable ({exc})")
         return False
 
     def _claim(self):
