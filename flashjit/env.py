@@ -10,7 +10,7 @@ FLASHJIT_NO_COMPILE           no_compile()           flag: a kernel missing from
                                                      wins)
 FLASHJIT_LOCK_TIMEOUT         lock_timeout()         seconds to wait for another process's       120
                                                      build of the same artifact before building
-                                                     anyway; a non-negative number
+                                                     anyway; a number from 0 to 86400 (a day)
 FLASHJIT_TEMPLATE_PATH        template_path()        folders of extra mask templates, separated  no folders
                                                      by ``os.pathsep``
 FLASHJIT_HOST_NATIVE          host_native()          flag: build and use the C host helpers      on
@@ -44,6 +44,7 @@ import threading
 from pathlib import Path
 
 DEFAULT_LOCK_TIMEOUT_S = 120.0
+MAX_LOCK_TIMEOUT_S = 86400.0  # longer is no timeout at all: a stopped peer would be waited for forever
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -74,7 +75,8 @@ def no_compile() -> bool:
 
 
 def lock_timeout() -> float:
-    """FLASHJIT_LOCK_TIMEOUT in seconds; DEFAULT_LOCK_TIMEOUT_S when unset, empty, not a number or negative."""
+    """FLASHJIT_LOCK_TIMEOUT in seconds; DEFAULT_LOCK_TIMEOUT_S when unset, empty, not a number, or
+    outside 0 to MAX_LOCK_TIMEOUT_S."""
     text = os.environ.get("FLASHJIT_LOCK_TIMEOUT", "").strip()
     if not text:
         return DEFAULT_LOCK_TIMEOUT_S
@@ -82,9 +84,10 @@ def lock_timeout() -> float:
         value = float(text)
     except ValueError:
         value = -1.0
-    if value >= 0:  # also rejects nan
+    if 0 <= value <= MAX_LOCK_TIMEOUT_S:  # also rejects nan and inf
         return value
-    _warn_once("FLASHJIT_LOCK_TIMEOUT", text, "is not a number of seconds; using %.0f" % DEFAULT_LOCK_TIMEOUT_S)
+    _warn_once("FLASHJIT_LOCK_TIMEOUT", text, "is not a number of seconds from 0 to %.0f; using %.0f"
+               % (MAX_LOCK_TIMEOUT_S, DEFAULT_LOCK_TIMEOUT_S))
     return DEFAULT_LOCK_TIMEOUT_S
 
 

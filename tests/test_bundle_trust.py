@@ -311,3 +311,23 @@ def test_export_to_a_place_that_is_not_a_file_name(built, tmp_path, where):
     assert code == 1 and out in err, err
     assert ("is a folder" if where != "under a file" else "could not write") in err
     assert (tmp_path / "file").read_text() == "x" and list(tmp_path.glob(".*.tmp")) == []
+
+
+# ---- what is quoted from a bundle is bounded --------------------------------------------------
+
+@pytest.mark.parametrize("header", [
+    {"format": 2, "schema": SCHEMA, "flashjit": "9" * (8 << 20)},
+    {"format": "f" * (8 << 20), "schema": SCHEMA},
+    {"format": 1, "schema": "s" * (8 << 20), "flashjit": "0.1.0"},
+], ids=["version", "format", "schema"])
+def test_huge_header_values_are_quoted_in_part(tmp_path, header):
+    path = write_tar(tmp_path / "b.tar.gz", {HEADER: json.dumps(header).encode()})
+    code, _, err = run("cache", "import", path, "--cache-dir", tmp_path / "cache")
+    assert code == 1 and "nothing was imported" in err, err[:500]
+    assert len(err) < 1000, len(err)
+
+
+def test_a_huge_member_name_is_quoted_in_part(tmp_path):
+    path = write_tar(tmp_path / "b.tar.gz", {"a" * 60000: b"x"})
+    code, _, err = run("cache", "import", path, "--cache-dir", tmp_path / "cache")
+    assert code == 1 and "aaaa" in err and len(err) < 1000, len(err)

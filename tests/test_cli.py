@@ -163,6 +163,7 @@ def test_list_table(cache):
 
 
 def test_list_empty(tmp_path):
+    (tmp_path / "empty").mkdir()
     code, out, _ = run("list", "--json", "--cache-dir", tmp_path / "empty")
     assert code == 0 and json.loads(out) == []
 

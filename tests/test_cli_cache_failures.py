@@ -21,6 +21,7 @@ import tqdm  # noqa: F401  (imported before forking: the child may not be able t
 from flashjit import DecodeSpec
 from flashjit.deploy import bundle, cli_cache, manifest  # noqa: F401  (as above)
 from flashjit.jit import cache as cache_module
+from flashjit.jit import trusted_writes
 from flashjit.jit.cache import SCHEMA, KernelCache
 
 from conftest import run_children
@@ -121,7 +122,7 @@ def test_prewarm_into_a_full_disk_says_not_saved(tmp_path, monkeypatch, fake_nvr
     def full(path, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(cache_module, "_atomic_write", full)
+    monkeypatch.setattr(trusted_writes, "write_file", full)
     spec = DecodeSpec(64, mask="causal", arch="sm_90")
     code, out, err = run("prewarm", "--spec", spec.name, "--cache-dir", tmp_path / "cache")
     assert code == 1, (out, err)
@@ -131,7 +132,7 @@ def test_prewarm_into_a_full_disk_says_not_saved(tmp_path, monkeypatch, fake_nvr
 
 def test_export_reports_entries_it_cannot_ship(tmp_path, monkeypatch, fake_nvrtc):
     """A full disk during prewarm left two entries without meta.json: export names what it skipped."""
-    real_write = cache_module._atomic_write
+    real_write = trusted_writes.write_file
     specs = [DecodeSpec(64, mask=mask, arch="sm_90") for mask in ("none", "causal", "sliding_window")]
     cache_dir = tmp_path / "cache"
     assert run("prewarm", "--spec", specs[0].name, "--cache-dir", cache_dir)[0] == 0
@@ -141,9 +142,9 @@ def test_export_reports_entries_it_cannot_ship(tmp_path, monkeypatch, fake_nvrtc
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real_write(path, data)
 
-    monkeypatch.setattr(cache_module, "_atomic_write", meta_fails)
+    monkeypatch.setattr(trusted_writes, "write_file", meta_fails)
     assert run("prewarm", "--spec", specs[1].name, "--spec", specs[2].name, "--cache-dir", cache_dir)[0] == 1
-    monkeypatch.setattr(cache_module, "_atomic_write", real_write)
+    monkeypatch.setattr(trusted_writes, "write_file", real_write)
     code, out, err = run("cache", "export", tmp_path / "b.tar.gz", "--cache-dir", cache_dir)
     assert code == 1, (out, err)
     assert "exported 1 entries" in out and "skipped 2 entries" in err and "incomplete" in err

@@ -18,6 +18,7 @@ from flashjit import DecodeSpec
 from flashjit.deploy import cli, cli_kernels
 from flashjit.deploy.cli_explain import GRAMMAR
 from flashjit.deploy.mask_check import CompileResult, Report
+from flashjit.jit import host_library
 from flashjit.jit.family import spec_from_name
 from flashjit.kernels.merge_states.spec import MergeSpec
 from flashjit.kernels.mla.spec import MLASpec
@@ -126,6 +127,8 @@ def test_export_import_prune_json(tmp_path, fake_nvrtc):
     assert exported["path"] == str(bundle) and exported["bytes"] == bundle.stat().st_size
     imported = json_of("cache", "import", bundle, "--json", "--cache-dir", host)
     assert imported["imported"] == [SPEC.name] and imported["rejected"] == [] and imported["present"] == []
+    # the C planner a strict server loads is built beside the kernels, as without --json
+    assert imported["host_planner"] == ("built (C)" if host_library.compiler() else "numpy (no C helper: see the warning)")
     pruned = json_of("cache", "prune", "--max-size", "0", "--dry-run", "--json", "--cache-dir", host)
     assert pruned["dry_run"] is True and [e["name"] for e in pruned["removed"]] == [SPEC.name]
     assert pruned["kept"] == 0 and pruned["not_removed"] == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import subprocess
@@ -56,7 +57,7 @@ def test_failed_source_falls_back_to_temp_dir(tmp_path, monkeypatch):
         compile_source(BAD_SOURCE, "sm_80", "broken_kernel", failed_source_dir=tmp_path / "blocker" / "failed")
     path = info.value.source_path
     assert path.is_file() and path.read_text() == BAD_SOURCE
-    assert path.parent == tmp_path / "tmp" / "flashjit-failed"
+    assert path.parent == tmp_path / "tmp" / f"flashjit-failed-{os.geteuid()}"  # this user's, never a shared one
 
 
 def test_sm80_cubin(warm):

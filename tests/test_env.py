@@ -91,7 +91,7 @@ def test_cache_dir(monkeypatch):
 
 
 @pytest.mark.parametrize("text, expected", [(None, 120.0), ("", 120.0), (" ", 120.0), ("2.5", 2.5), (" 7 ", 7.0),
-                                            ("0", 0.0), ("1e3", 1000.0), ("inf", float("inf"))])
+                                            ("0", 0.0), ("1e3", 1000.0)])
 def test_lock_timeout(monkeypatch, caplog, text, expected):
     if text is not None:
         monkeypatch.setenv("FLASHJIT_LOCK_TIMEOUT", text)
@@ -104,7 +104,7 @@ def test_a_bad_lock_timeout_gives_the_default_and_warns_once(monkeypatch, caplog
     monkeypatch.setenv("FLASHJIT_LOCK_TIMEOUT", text)
     assert env.lock_timeout() == env.DEFAULT_LOCK_TIMEOUT_S and env.lock_timeout() == env.DEFAULT_LOCK_TIMEOUT_S
     (warning,) = warnings_of(caplog)
-    assert warning == f"FLASHJIT_LOCK_TIMEOUT={text!r} is not a number of seconds; using 120"
+    assert warning == f"FLASHJIT_LOCK_TIMEOUT={text!r} is not a number of seconds from 0 to 86400; using 120"
 
 
 def test_template_path(monkeypatch, tmp_path):
@@ -171,3 +171,17 @@ def test_vllm_backend_settings(monkeypatch, caplog):
         monkeypatch.setenv("FLASHJIT_VLLM_DECODE_Q_LEN", bad)
         assert env.vllm_decode_q_len() is None
     assert "FLASHJIT_VLLM_DECODE_Q_LEN='four' is not a query-token count in 1..16" in caplog.text
+
+
+@pytest.mark.parametrize("text", ["inf", "1e309", "86401", "1e12"])
+def test_a_lock_timeout_past_the_accepted_range_gives_the_default(monkeypatch, caplog, text):
+    """A timeout too long to wait out (a day and more) would wait forever behind a stopped process."""
+    monkeypatch.setenv("FLASHJIT_LOCK_TIMEOUT", text)
+    assert env.lock_timeout() == env.DEFAULT_LOCK_TIMEOUT_S
+    (warning,) = warnings_of(caplog)
+    assert warning == f"FLASHJIT_LOCK_TIMEOUT={text!r} is not a number of seconds from 0 to 86400; using 120"
+
+
+def test_the_longest_accepted_lock_timeout(monkeypatch, caplog):
+    monkeypatch.setenv("FLASHJIT_LOCK_TIMEOUT", "86400")
+    assert env.lock_timeout() == 86400.0 and warnings_of(caplog) == []

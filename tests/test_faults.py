@@ -24,6 +24,7 @@ import pytest
 import flashjit.jit.engine as engine_module
 from flashjit import DecodeSpec, Engine, KernelNotPrewarmed
 from flashjit.jit import cache as cache_module
+from flashjit.jit import trusted_writes
 from flashjit.jit.cache import KernelCache
 from flashjit.jit.keys import cache_key
 from flashjit.jit.compile import CompiledKernel, compile_options, nvrtc_version
@@ -154,7 +155,7 @@ def _die_while_writing(cache_dir, spec_name, cubin, point, ready):
     (right after os.replace), FILE one of kernel.cubin, source.cu, meta.json, index.
     """
     engine_module.compile_source = lambda source, arch, name, **kw: CompiledKernel(cubin, "")
-    original = cache_module._atomic_write
+    original = trusted_writes.write_file
 
     def atomic_write(path, data):
         name = "index" if path.parent.name == "index" else path.name
@@ -166,7 +167,7 @@ def _die_while_writing(cache_dir, spec_name, cubin, point, ready):
         if point == f"{name}:written":
             hang(ready)
 
-    cache_module._atomic_write = atomic_write
+    trusted_writes.write_file = atomic_write
     Engine(cache_dir=cache_dir).get_kernel(DecodeSpec.from_name(spec_name))
 
 
@@ -242,7 +243,7 @@ def test_failed_writes_serve_from_memory_with_one_warning(cache_dir, monkeypatch
     def fail(path, data):
         raise OSError(code, os.strerror(code), str(path))
 
-    monkeypatch.setattr(cache_module, "_atomic_write", fail)
+    monkeypatch.setattr(trusted_writes, "write_file", fail)
     specs = [DecodeSpec(64, mask="causal", arch="sm_90"), DecodeSpec(64, mask="none", arch="sm_90")]
     kernels = [engine.get_kernel(s) for s in specs]
     assert [k.cubin for k in kernels] == [fake_cubin(render(s), s.arch) for s in specs]
@@ -315,8 +316,8 @@ def test_read_only_cache_serves_what_it_holds_and_warns_once(warm, cache_dir, mo
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
         return real_write_bytes(path, data)
 
-    monkeypatch.setattr(cache_module.Path, "write_bytes", read_only)
-    monkeypatch.setattr(cache_module, "_atomic_write", lambda path, data: read_only(path, data))
+    monkeypatch.setattr(trusted_writes, "write_file", lambda path, data: read_only(path, data))
+    monkeypatch.setattr(trusted_writes, "probe", lambda folder: read_only(folder / ".probe", b""))
     engine = Engine(cache_dir=cache_dir)
     assert engine.cache.writable is False
     assert engine.get_kernel(warm.spec).cubin == warm.kernel.cubin and fake_nvrtc == []

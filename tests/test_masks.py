@@ -584,3 +584,20 @@ def test_bind_state_reaches_the_hooks_on_the_host_and_compiles(isolated_masks, t
     source = render(DecodeSpec(128, "bf16", mask="shifted", group_size=4, arch="sm_90"))
     assert "int shift;" in source and "params.shift = __ldg(params.starts + request);" in source
     assert compile_source(source, "sm_90", "shifted").cubin[:4] == b"\x7fELF"
+
+
+def test_an_unknown_mask_in_a_spec_names_the_plugins_that_failed(installed_plugin):
+    with pytest.raises(SpecError) as info:
+        DecodeSpec(64, mask="not_anywhere", arch="sm_90")
+    assert "broken" in str(info.value) and "plugin exploded" in str(info.value)
+
+
+def test_a_plugin_that_calls_sys_exit_does_not_end_the_process(plugin_masks, monkeypatch):
+    def leave():
+        sys.exit(3)
+
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [_FakeEntryPoint("quitter", leave)])
+    masks.load_plugins()
+    assert "SystemExit" in masks.plugin_errors["quitter"]
+    with pytest.raises(SpecError, match="quitter"):
+        masks.get("not_anywhere")

@@ -22,7 +22,7 @@ import pytest
 from flashjit.deploy.bundle import export_bundle, import_bundle
 from flashjit.jit import host_library
 from flashjit.serving.host_plan import load_host_plan
-from flashjit.worklist.record import HOST_PLAN_DEFINES, HOST_PLAN_SOURCE
+from flashjit.worklist.record import HOST_PLAN_DEFINES, HOST_PLAN_SOURCE, HOST_PLAN_SYMBOLS
 from flashjit.jit.cache import KernelCache
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root (CI runs as root)")
@@ -105,7 +105,8 @@ def imported_as_root(warm, tmp_path, cache_dir: Path) -> Path:
     bundle = export_bundle(tmp_path / "kernels.tar.gz", warm.cache_dir).path
     import_bundle(bundle, cache_dir)
     if host_library.compiler() is not None:
-        host_library._loaded.pop((str(HOST_PLAN_SOURCE), HOST_PLAN_DEFINES, str(KernelCache(cache_dir).base)), None)
+        host_library._loaded.pop((str(HOST_PLAN_SOURCE), HOST_PLAN_DEFINES, HOST_PLAN_SYMBOLS, str(KernelCache(cache_dir).base),
+                                  True), None)
         assert load_host_plan(KernelCache(cache_dir)) is not None
     return cache_dir
 

@@ -276,3 +276,19 @@ def _serving(get_source, name, text):
             return text, name, lambda: False
         return get_source(environment, asked)
     return patched
+
+
+@pytest.mark.parametrize("body", [
+    '{% include "SELF" %}',  # a template that includes itself
+    "{% macro again(n) %}{{ again(n + 1) }}{% endmacro %}{{ again(0) }}",  # a macro without a base case
+], ids=["include", "macro"])
+def test_endless_recursion_is_one_error_naming_the_template(isolated_masks, tmp_path, body):
+    path = tmp_path / "endless.cuh.j2"
+    text = '{% extends "masks/base.cuh.j2" %}\n{% block visible %}' + body + "{% endblock %}\n"
+    path.write_text(text.replace("SELF", str(path)))
+    register_mask("endless", path)
+    with pytest.raises(TemplateError) as info:
+        render(DecodeSpec(64, mask="endless", arch="sm_90"))
+    message = str(info.value)
+    assert str(path) in message and "recurs" in message and "\n" not in message and len(message) < 600, message
+    assert not isinstance(info.value.__cause__, RecursionError) or info.value.__suppress_context__

@@ -3,6 +3,7 @@ template folders that are reported every time while the built-ins keep working."
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 
@@ -11,6 +12,8 @@ import pytest
 from flashjit import DecodeSpec, Engine, SpecError, TemplateError, register_mask
 from flashjit.jit.render import render
 from flashjit.masks.registry import TemplateFolderError, masks
+
+from conftest import run_children
 
 SECRET = "flashjit-test-secret-7c1e"
 BASE = '{% extends "masks/base.cuh.j2" %}\n'
@@ -235,3 +238,30 @@ def test_a_fifo_in_a_template_folder_does_not_block(isolated_masks, tmp_path):
             pass
         pytest.fail("scanning a template folder blocked on a FIFO")
     assert outcome and str(folder / "pipe.cuh.j2") in str(outcome[0]) and "regular file" in str(outcome[0])
+
+
+def _add_folder_as_nobody(folder, results):
+    try:
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        masks.add_template_dir(folder)
+        results.put("no error")
+    except TemplateFolderError as exc:
+        results.put(f"TemplateFolderError: {exc}")
+    except BaseException as exc:  # noqa: BLE001 (reported to the test)
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_a_template_folder_that_cannot_be_listed_is_named(shared_tmp, isolated_masks):
+    """A folder the user may enter but not list would look empty: its masks would silently be missing."""
+    folder = shared_tmp / "masks-folder"
+    folder.mkdir()
+    (folder / "hidden_mask.cuh.j2").write_text('{% extends "masks/base.cuh.j2" %}\n')
+    folder.chmod(0o711)
+    fork = multiprocessing.get_context("fork")
+    results = fork.Queue()
+    child = fork.Process(target=_add_folder_as_nobody, args=(folder, results))
+    [outcome] = run_children([child], results, timeout=60)
+    assert outcome.startswith("TemplateFolderError") and str(folder) in outcome and "list" in outcome, outcome

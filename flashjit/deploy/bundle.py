@@ -35,11 +35,13 @@ import time
 from pathlib import Path
 
 from .._version import __version__
-from ..jit.cache import KEY_PATTERN, SCHEMA, KernelCache, atomic_file
+from ..jit.cache import KEY_PATTERN, SCHEMA, KernelCache
+from ..jit.trusted_files import Refused
+from ..jit.trusted_writes import output_file
 from ..errors import CacheError
 from .bundle_meta import check_entry
 from .bundle_stream import (HEADER, MAX_BYTES, UNREADABLE, BundleError, BundleReader, Limits, Refusal, by_entry,
-                            open_bundle)
+                            open_bundle, quoted, shown)
 
 __all__ = ["BUNDLE_FORMAT", "HEADER", "MAX_BYTES", "BundleError", "ExportReport", "ImportReport", "Limits",
            "export_bundle", "import_bundle"]
@@ -76,9 +78,11 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
     that are not verified (incomplete or damaged) are listed in the report's `skipped`.
     """
     out = Path(out)
-    if not out.name or out.is_dir():
+    if not out.name or (out.is_dir() and not out.is_symlink()):
         raise BundleError(f"{out} is a folder: give the bundle's file name, such as {out / 'kernels.tar.gz'}")
-    cache = KernelCache(cache_dir)
+    cache = KernelCache(cache_dir, create=False)
+    if cache.missing or cache.foreign:
+        raise BundleError(cache.foreign or f"no kernel cache at {cache.root} (no such folder): nothing to export")
     entries = {e["key"]: e for e in cache.entries()}
     skipped = []
     if specs is not None:
@@ -110,17 +114,35 @@ def export_bundle(out, cache_dir=None, specs=None, archs=None, prewarm_hint: str
               "index_files": len(index)}
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(out) as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
-            _add(tar, HEADER, json.dumps(header, indent=1).encode())
-            for e in chosen:
-                for name, data in _entry_files(cache, e).items():
-                    _add(tar, f"v{SCHEMA}/entries/{e['key']}/{name}", data, e.get("created", 0))
-            for spec_key, key in sorted(index.items()):
-                _add(tar, f"v{SCHEMA}/index/{spec_key}", key.encode())
-        size = out.stat().st_size
+        with output_file(out) as raw:
+            counted = _Counted(raw)
+            with tarfile.open(fileobj=counted, mode="w:gz") as tar:
+                _add(tar, HEADER, json.dumps(header, indent=1).encode())
+                for e in chosen:
+                    for name, data in _entry_files(cache, e).items():
+                        _add(tar, f"v{SCHEMA}/entries/{e['key']}/{name}", data, e.get("created", 0))
+                for spec_key, key in sorted(index.items()):
+                    _add(tar, f"v{SCHEMA}/index/{spec_key}", key.encode())
+    except Refused as exc:
+        raise BundleError(f"not writing the bundle: {exc}") from None
     except OSError as exc:
         raise BundleError(f"could not write {out}: {exc.strerror or exc}") from None
-    return ExportReport(out, chosen, len(index), size, skipped)
+    return ExportReport(out, chosen, len(index), counted.bytes, skipped)
+
+
+class _Counted:
+    """A file object's write(), counting the bytes (a FIFO or device has no size to stat)."""
+
+    def __init__(self, raw):
+        self.raw, self.bytes = raw, 0
+
+    def write(self, data) -> int:
+        self.raw.write(data)
+        self.bytes += len(data)
+        return len(data)
+
+    def flush(self):
+        self.raw.flush()
 
 
 def _entry_files(cache: KernelCache, entry: dict) -> dict[str, bytes]:
@@ -203,13 +225,13 @@ def _check(reader: BundleReader) -> _Checked:
 def _check_header(header, path):
     if not isinstance(header, dict):
         raise BundleError(f"{path}: {HEADER} is not a JSON object")
-    made_by = header.get("flashjit", "an unknown flashjit")
+    made_by = shown(header.get("flashjit", "an unknown flashjit"), 40)
     if header.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"{path}: bundle format {header.get('format')!r} (made by flashjit {made_by}) is not the "
-                          f"format {BUNDLE_FORMAT} this flashjit ({__version__}) reads; nothing was imported")
+        raise BundleError(f"{path}: bundle format {quoted(header.get('format'), 40)} (made by flashjit {made_by}) is "
+                          f"not the format {BUNDLE_FORMAT} this flashjit ({__version__}) reads; nothing was imported")
     if header.get("schema") != SCHEMA:
-        raise BundleError(f"{path}: the bundle holds cache schema v{header.get('schema')} (made by flashjit "
-                          f"{made_by}); this flashjit ({__version__}) reads v{SCHEMA}; nothing was imported. "
+        raise BundleError(f"{path}: the bundle holds cache schema v{quoted(header.get('schema'), 40)} (made by "
+                          f"flashjit {made_by}); this flashjit ({__version__}) reads v{SCHEMA}; nothing was imported. "
                           f"Export it again with flashjit {__version__}")
 
 

@@ -14,7 +14,7 @@ import re
 
 from ..jit.cache import ENTRY_FILES, KEY_PATTERN, SCHEMA
 from ..jit.keys import cache_key, portable_key
-from .bundle_stream import BundleFile, Refusal
+from .bundle_stream import BundleFile, Refusal, quoted
 
 
 def _text(pattern: re.Pattern):
@@ -57,9 +57,9 @@ def _check_fields(member: str, meta: dict):
     for field, (valid, what) in (_REQUIRED | _OPTIONAL).items():
         if field not in meta:
             if field in _REQUIRED:
-                raise Refusal(f"member {member!r} has no field {field!r} ({what})")
+                raise Refusal(f"member {quoted(member)} has no field {field!r} ({what})")
         elif not valid(meta[field]):
-            raise Refusal(f"member {member!r} field {field!r} is {repr(meta[field])[:60]}, not {what}")
+            raise Refusal(f"member {quoted(member)} field {field!r} is {quoted(meta[field], 60)}, not {what}")
 
 
 def check_entry(key: str, files: dict[str, BundleFile]):
@@ -73,11 +73,11 @@ def check_entry(key: str, files: dict[str, BundleFile]):
     except (ValueError, RecursionError) as exc:
         return f"unreadable meta.json or source.cu ({type(exc).__name__}: {str(exc)[:200]})"
     if not isinstance(meta, dict):
-        raise Refusal(f"member {files['meta.json'].name!r} is not a JSON object")
+        raise Refusal(f"member {quoted(files['meta.json'].name)} is not a JSON object")
     if meta.get("key") != key:
         return "meta.json names another key"
     if meta.get("schema") != SCHEMA:
-        return f"meta.json says schema {repr(meta.get('schema'))[:20]}, not {SCHEMA}"
+        return f"meta.json says schema {quoted(meta.get('schema'), 20)}, not {SCHEMA}"
     _check_fields(files["meta.json"].name, meta)
     if not files["kernel.cubin"].data.startswith(b"\x7fELF"):
         return "kernel.cubin is not an ELF file, so not a cubin"

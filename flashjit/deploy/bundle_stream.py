@@ -35,6 +35,21 @@ _EXTENDED = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.
              tarfile.GNUTYPE_LONGLINK)
 
 
+QUOTED_CHARS = 200  # how much of a value read from a bundle an error message quotes (a member name is <100)
+
+
+def quoted(value, limit: int = QUOTED_CHARS) -> str:
+    """repr(value), cut to `limit` characters (saying how long it was): a bundle's values are
+    anyone's, and a message must not echo megabytes of them."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(value, limit: int = QUOTED_CHARS) -> str:
+    """A short printable string as it is, anything else as quoted() shows it."""
+    return value if isinstance(value, str) and value.isprintable() and len(value) <= limit else quoted(value, limit)
+
+
 class BundleError(FlashJITError):
     """A bundle that cannot be made or must not be imported; says which file and member, and why."""
 
@@ -109,7 +124,7 @@ class _Member(tarfile.TarInfo):
         if self.type in _EXTENDED and self.size > MAX_EXTENDED_HEADER:
             raise Refusal(f"it has an extended header of {self.size} bytes (at most {MAX_EXTENDED_HEADER})")
         if self.type == tarfile.GNUTYPE_SPARSE:
-            raise Refusal(f"member {self.name!r} is a sparse file; bundles hold regular files only")
+            raise Refusal(f"member {quoted(self.name)} is a sparse file; bundles hold regular files only")
         return super()._proc_member(tar)
 
 
@@ -135,7 +150,7 @@ class BundleReader:
                 data = _read(tar, member)
                 digests[member.name] = digest = hashlib.sha256(data).hexdigest()
                 if self.digests is not None and self.digests.get(member.name) != digest:
-                    raise BundleError(f"{self.path} changed while it was imported (member {member.name!r}); "
+                    raise BundleError(f"{self.path} changed while it was imported (member {quoted(member.name)}); "
                                       "import it again")
                 yield BundleFile(member.name, kind, key, data, digest)
             stream.drain()
@@ -150,7 +165,7 @@ def _classify(member: tarfile.TarInfo, seen: set) -> tuple[str | None, str]:
     name = member.name
 
     def refuse(why):
-        return Refusal(f"member {name!r} {why}")
+        return Refusal(f"member {quoted(name)} {why}")
 
     if name.startswith("/") or "\\" in name or any(part in ("", ".", "..") for part in name.rstrip("/").split("/")):
         raise refuse("has an absolute or non-normalized path")
@@ -187,7 +202,7 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
     handle = tar.extractfile(member)
     data = handle.read(member.size + 1) if handle else b""
     if len(data) != member.size:
-        raise EOFError(f"member {member.name!r} is truncated")
+        raise EOFError(f"member {quoted(member.name)} is truncated")
     return data
 
 
@@ -207,7 +222,7 @@ def by_entry(files, others: list):
         if file.kind not in ENTRY_FILES:
             others.append(file)
         elif file.key in done:
-            raise Refusal(f"member {file.name!r} lies apart from the other files of its entry")
+            raise Refusal(f"member {quoted(file.name)} lies apart from the other files of its entry")
         else:
             key, group = file.key, {file.kind: file}
     if key is not None:

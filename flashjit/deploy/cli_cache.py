@@ -15,10 +15,24 @@ from .cli_output import UsageError, error, format_size, print_json, table
 
 # ---- list / clear -----------------------------------------------------------------------------
 
-def cmd_list(args) -> int:
+def existing_cache(args, removes: bool = False):
+    """The cache a command reads or removes from, opened without making anything. UsageError for
+    a --cache-dir (or FLASHJIT_CACHE_DIR) that does not exist, and for a folder that is not a
+    flashjit cache (a command that removes files never touches one; one that reads finds nothing)."""
+    from .. import env
     from ..jit.cache import KernelCache
 
-    cache = KernelCache(args.cache_dir)
+    cache = KernelCache(args.cache_dir, create=False)
+    named = "--cache-dir" if args.cache_dir is not None else "FLASHJIT_CACHE_DIR" if env.cache_dir() else None
+    if cache.missing and named:
+        raise UsageError(f"{named} {cache.root}: no such folder")
+    if cache.foreign:
+        raise UsageError(cache.foreign + ("; nothing was removed" if removes else ""))
+    return cache
+
+
+def cmd_list(args) -> int:
+    cache = existing_cache(args)
     entries = sorted(cache.entries(), key=lambda e: (e.get("name", ""), e.get("created", 0)))
     if args.json:
         keep = ("name", "arch", "key", "cubin_bytes", "compile_seconds", "created", "flashjit", "nvrtc", "path")
@@ -27,14 +41,15 @@ def cmd_list(args) -> int:
     rows = [(e.get("name", "?"), e.get("arch", "?"), format_size(int(e.get("cubin_bytes", 0))),
              f"{e.get('compile_seconds', 0):.2f}") for e in entries]
     print(table(rows, ("spec", "arch", "cubin", "compile s")))
-    print(f"{len(entries)} entries in {cache.root}")
+    print(f"{len(entries)} entries in {cache.root}" + (" (no cache there yet)" if cache.missing else ""))
     return 0
 
 
 def cmd_clear(args) -> int:
-    from ..jit.cache import KernelCache
-
-    cache = KernelCache(args.cache_dir)
+    cache = existing_cache(args, removes=True)
+    if cache.missing or not cache.base.exists():
+        print(f"no kernel cache in {cache.root}: nothing to remove")
+        return 0
     if not cache.writable:
         error(f"{not_writable(cache)}: nothing was removed")
         return 1
@@ -108,16 +123,20 @@ def cmd_cache_export(args) -> int:
 
 
 def cmd_cache_import(args) -> int:
+    from ..jit.cache import KernelCache
     from .bundle import Limits, import_bundle
+    from .cli_kernels import host_planner_status
 
     limits = Limits(members=args.max_members if args.max_members is not None else Limits.members,
                     total_bytes=parse_size(args.max_size) if args.max_size is not None else Limits.total_bytes)
     report = import_bundle(args.bundle, args.cache_dir, replace=args.replace, limits=limits)
+    # A strict server builds nothing: the C planner it loads is built here, beside the kernels.
+    planner = host_planner_status(KernelCache(args.cache_dir))
     if args.json:
         print_json({"path": report.path, "cache_dir": report.cache_dir, "imported": report.imported,
                     "present": report.present, "rejected": [{"key": key, "why": why} for key, why in report.rejected],
                     "index_files": report.index_files, "index_skipped": report.index_skipped,
-                    "index_kept": report.index_kept})
+                    "index_kept": report.index_kept, "host_planner": planner})
         return 1 if report.rejected or report.index_kept else 0
     for key, why in report.rejected:
         print(f"flashjit: rejected entry {key[:16]}: {why}", file=sys.stderr)
@@ -131,13 +150,12 @@ def cmd_cache_import(args) -> int:
     print(f"imported {len(report.imported)} entries ({len(report.present)} already present, "
           f"{len(report.rejected)} rejected) and {report.index_files} index files from {report.path} "
           f"into {report.cache_dir}")
+    print(f"host planner: {planner}")
     return 1 if report.rejected or report.index_kept else 0
 
 
 def cmd_cache_info(args) -> int:
-    from ..jit.cache import KernelCache
-
-    usage = KernelCache(args.cache_dir).usage()
+    usage = existing_cache(args).usage()
     if args.json:
         print(json.dumps(usage, indent=1))
         return 0
@@ -157,14 +175,15 @@ def cmd_cache_info(args) -> int:
 
 
 def cmd_cache_prune(args) -> int:
-    from ..jit.cache import KernelCache
-
     if args.max_size is None and not args.old_versions:
         error("nothing to prune: give --max-size SIZE and/or --old-versions")
         return 2
     max_bytes = parse_size(args.max_size) if args.max_size is not None else None
-    cache = KernelCache(args.cache_dir)
-    if not cache.writable and not args.dry_run:
+    cache = existing_cache(args, removes=True)
+    if cache.missing:
+        print(f"no kernel cache in {cache.root}: nothing to prune")
+        return 0
+    if not cache.writable and not args.dry_run and cache.base.exists():
         error(f"{not_writable(cache)}: nothing was removed (--dry-run shows what prune would remove)")
         return 1
     report = cache.prune(max_bytes=max_bytes, old_versions=args.old_versions, dry_run=args.dry_run)

@@ -131,7 +131,7 @@ def cmd_prewarm(args) -> int:
     # A compile whose entry did not reach the disk (read-only, full) serves only this process.
     unsaved = {r.spec for r in results
                if r.source == "compiled" and engine.cache.load(engine.get_kernel(r.spec).key) is None}
-    planner = host_planner_status(engine)
+    planner = host_planner_status(engine.cache)
     if args.json:
         print_json(prewarm_json(results, wall, unsaved, engine.cache, planner))
     else:
@@ -145,11 +145,11 @@ def cmd_prewarm(args) -> int:
     return 0
 
 
-def host_planner_status(engine) -> str:
+def host_planner_status(cache) -> str:
     """Builds plan()'s C helper into the cache too, so the first plan() of a server does not."""
     from ..serving.host_plan import load_host_plan
 
-    return "built (C)" if load_host_plan(engine.cache) is not None else "numpy (no C helper: see the warning)"
+    return "built (C)" if load_host_plan(cache) is not None else "numpy (no C helper: see the warning)"
 
 
 # ---- show -------------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ def cmd_run_example(args) -> int:
     results, wall = prewarm_specs(engine, specs, args.jobs)
     print(prewarm_summary(results, wall))
     print(f"cache: {engine.cache.root}")
-    print(f"host planner: {host_planner_status(engine)}")
+    print(f"host planner: {host_planner_status(engine.cache)}")
     if not smoke_test.gpu_available():
         print("no CUDA GPU: skipped the GPU decode step (kernels were compiled and cached only)")
         return 0

@@ -9,15 +9,16 @@ Layout under the root:  v{SCHEMA}/entries/<key>/{kernel.cubin, source.cu, meta.j
                         v{SCHEMA}/portable/<portable key>  (source without the NVRTC version -> entry key)
                         v{SCHEMA}/locks/<key>.lock         (outside the entries)
                         v{SCHEMA}/host/<name>-<key>.so     (C host helpers: host_library.py)
+                        v{SCHEMA}/CACHEDIR.TAG             (the marker: this folder is a flashjit cache)
 The index lets a fresh process find a kernel without rendering it or loading NVRTC (~100 ms);
 its key (keys.index_key) hashes the spec, every template file's contents, the flashjit version
 and the installed compiler's, so editing a template or upgrading misses it and falls back to the
 full key.
 meta.json is written last and holds the cubin's SHA-256: an entry without it, or whose cubin does
-not match it, is a miss and is rebuilt. Every file is written to a temp file, fsynced and
-os.replace()d. Locks only stop two processes compiling the same key; correctness never depends on
-them, and flock-based locks die with their process. An unusable root degrades to memory only,
-with one warning; a read-only root still serves what it holds (warning at the first write).
+not match it, is a miss and is rebuilt. Locks only stop two processes compiling the same key;
+correctness never depends on them, and flock-based locks die with their process. An unusable root degrades to memory only,
+with one warning; a read-only root still serves what it holds (warning at the first write); both
+are looked at again while the process runs (cache_root.py).
 Last use: the engine bumps an entry folder's mtime when it loads the entry from disk (one utime
 call; memory hits never touch the disk), so `prune` evicts least recently used entries first.
 Other v{N} folders under the root hold entries of other schema versions; this version never reads
@@ -26,21 +27,23 @@ them, `usage` reports them and `prune(old_versions=True)` removes the older ones
 Trust model. The cache holds code that flashjit runs: cubins on the GPU and host helper libraries
 (dlopen()ed into the process). Whoever can write the cache folder can run code as every user of
 it, so only the user who runs flashjit, and root, may write it. The SHA-256 in meta.json detects
-damage, not forgery: anyone able to write a cubin can write a matching meta.json. So before any
-file is read, loaded or executed, trusted_files.py checks it: a regular file reached without
-following a link below v{SCHEMA} (a FIFO or device is never opened), within a size cap
-(MAX_BYTES), owned by this user or root and writable by no one else; the root, v{SCHEMA} (which
-may link to another disk) and every folder on the way likewise (a sticky folder, as /tmp, is
-accepted: others may add names but not touch ours). A file that fails is a miss with a warning naming it and why: a cubin is rebuilt (strict
-mode raises KernelNotPrewarmed with the reason), a host library is rebuilt or left for numpy; it
-is never loaded. A root that fails is not used at all (memory only, one warning). Keys that come
-from outside (a bundle's meta.json, index names) are checked against KEY_PATTERN before they name
-a file; meta.json fields of the wrong type are damage. A file this user cannot read is reported
-(warning, and the strict-mode error), not taken for a plain miss. Files are written 0644 and
-folders 0755 (under the umask), so a cache written by root at image build time serves a non-root
-server. A cache volume shared by several users therefore needs one writer: fill it as one user
-(or root, at image build time) and mount it read-only, or read-only to everyone else; a folder
-writable by a group is refused, whatever the group.
+damage, not forgery. Two rules follow, one for reads and one for writes (docs/deployment.md).
+  Reads (trusted_files.py): before any file is read, loaded or executed it must be a regular file
+  reached without following a link below v{SCHEMA} (a FIFO or device is never opened), within its
+  cap (MAX_BYTES), owned by this user or root and writable by no one else; the root, v{SCHEMA}
+  (which may link to another disk) and every folder on the way likewise (a sticky folder, as /tmp,
+  is accepted). A file that fails is a miss with a warning naming it and why (strict mode's
+  KernelNotPrewarmed gives the reason); it is never loaded. A root that fails is not used at all.
+  Keys from outside (a bundle's meta.json, index names) must match KEY_PATTERN before they name a
+  file; meta.json fields of the wrong type are damage; a file this user cannot read is reported.
+  Writes (trusted_writes.py): only into folders that pass the read rule, only in a v{SCHEMA} that
+  is a flashjit cache (its marker, cache_layout.py), each file under a fresh temp name (never
+  through a link) renamed over its own. A rename never replaces a folder, FIFO or device: the cache
+  moves such a thing away first. Locks are opened without following links; failed sources go to
+  the cache's failed/ or this user's temp folder, never a shared one. Files are written 0644 and
+  folders 0755 (under the umask), so a cache written by root at image build time serves a non-root
+  server. A cache shared by several users therefore needs one writer, and a folder writable by a
+  group is refused, whatever the group.
 """
 
 from __future__ import annotations
@@ -50,26 +53,22 @@ import hashlib
 import json
 import logging
 import os
-import threading
 from pathlib import Path
-
-import filelock
 
 from .. import env
 from ..errors import CacheError
-from . import trusted_files
+from . import trusted_files, trusted_writes
 from .cache_format import ENTRY_FILES, KEY_PATTERN, MAX_BYTES, SCHEMA, is_key, meta_problem, require_key
+from .cache_root import UNTRUSTED_HINT, CacheRoot, default_cache_dir
 from .cache_upkeep import CacheUpkeep
-from .trusted_files import Refused, atomic_file
+from .trusted_files import Refused
+from .trusted_writes import atomic_file
 
 __all__ = ["ENTRY_FILES", "KEY_PATTERN", "MAX_BYTES", "SCHEMA", "KernelCache", "LockBusy",
            "atomic_file", "default_cache_dir", "is_key", "lock_timeout"]
 
 LOCK_TIMEOUT_S: float | None = None  # a number overrides FLASHJIT_LOCK_TIMEOUT (tests); None reads it at lock time
 UNREADABLE_HINT = "make the cache readable for this user (chmod -R a+rX {root}) or run as the user who wrote it"
-UNTRUSTED_HINT = ("only files that this user or root wrote, in folders that no one else can write, are used "
-                  "(the trust model in docs/deployment.md); for a cache of your own, `chmod -R go-w {root}` "
-                  "fixes its modes")
 log = logging.getLogger("flashjit")
 
 
@@ -78,26 +77,11 @@ def lock_timeout() -> float:
     return float(LOCK_TIMEOUT_S) if LOCK_TIMEOUT_S is not None else env.lock_timeout()
 
 
-def default_cache_dir() -> Path:
-    """FLASHJIT_CACHE_DIR, else the user cache folder (~/.cache/flashjit on Linux)."""
-    folder = env.cache_dir()
-    if folder is not None:
-        return folder
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("flashjit", appauthor=False))
-
-
-def _atomic_write(path: Path, data: bytes):
-    with atomic_file(path) as f:
-        f.write(data)
-
-
 class LockBusy(RuntimeError):
     """Another process holds a compile lock longer than the caller chose to wait."""
 
 
-class KernelCache(CacheUpkeep):
+class KernelCache(CacheRoot, CacheUpkeep):
     """Disk cache of compiled kernels; falls back to memory only when the root is unusable.
 
     A read-only root (a container image, a read-only mount) still serves the entries it holds and
@@ -105,72 +89,8 @@ class KernelCache(CacheUpkeep):
     module doc) is not read at all.
     """
 
-    def __init__(self, root=None):
-        self.root = Path(root).expanduser() if root is not None else default_cache_dir()
-        self.base = self.root / f"v{SCHEMA}"
-        self._warned = False
-        self._warn_lock = threading.Lock()
-        self._read_only: str | None = None  # why a readable cache cannot be written (warned at the first write)
-        self._unusable: str | None = None  # why nothing is read from this root (warned once)
-        self._refusals: dict[str, str] = {}  # entry or portable key -> why its files were not used
-        self._reported: set = set()  # refused paths (and "unreadable") already warned about
-        self.writable = self._prepare()
-
-    def _prepare(self) -> bool:
-        self._read_only = self._unusable = None
-        try:
-            try:
-                if self.root.exists() and not self.root.is_dir():
-                    raise CacheError(f"{self.root} exists and is not a folder")
-                for sub in ("entries", "locks", "index"):
-                    self._folder(sub, make=True)
-                probe = self.base / "entries" / f".probe-{os.getpid()}-{threading.get_ident()}"
-                probe.write_bytes(b"")
-                probe.unlink()
-                return True
-            except OSError as exc:
-                if self._readable():
-                    # A read-only cache (a container image, a read-only mount) still serves what it
-                    # holds; warn only if a kernel it lacks has to be kept in memory.
-                    self._read_only = f"kernel cache at {self.root} is read-only ({exc}): kernels in it are served"
-                    return False
-                raise
-        except Refused as exc:
-            self._unusable = f"the kernel cache at {self.root} is not trusted: {exc}"
-            self._degrade(f"{self._unusable}; {UNTRUSTED_HINT.format(root=self.root)}")
-        except (OSError, CacheError) as exc:
-            self._unusable = f"the kernel cache at {self.root} is not usable ({exc})"
-            self._degrade(f"kernel cache at {self.root} is not usable ({exc})")
-        return False
-
-    def _readable(self) -> bool:
-        """Whether the entries folder can be read; raises Refused if it fails the trust rule."""
-        try:
-            self._folder("entries")
-        except OSError:
-            return False
-        return os.access(self.base / "entries", os.R_OK | os.X_OK)
-
-    def _degrade(self, why: str):
-        with self._warn_lock:
-            if not self._warned:
-                self._warned = True
-                log.warning("%s; new kernels are compiled and kept in memory only for this process. "
-                            "Set FLASHJIT_CACHE_DIR or Engine(cache_dir=...) to a writable folder.", why)
-
-    def _not_writable(self) -> bool:
-        if self._read_only:
-            self._degrade(self._read_only)
-        return False
-
     def entry_dir(self, key: str) -> Path:
         return self.base / "entries" / key
-
-    def _folder(self, *parts: str, make: bool = False) -> Path:
-        """base/parts..., checked by the trust rule from the root down (made first, with make);
-        v{SCHEMA} itself may be a link, to move the kernels to another disk."""
-        check = trusted_files.make_folders if make else trusted_files.check_folders
-        return check(self.root, (f"v{SCHEMA}", *parts), follow=1)
 
     # ---- reading: every file through trusted_files, every failure a miss -----------------------
 
@@ -178,7 +98,9 @@ class KernelCache(CacheUpkeep):
         """The bytes of base/parts..., or None: missing, refused or unreadable (the last two are
         reported, and remembered under `subject` for why_refused)."""
         if self._unusable:
-            return None
+            self._recheck()
+            if self._unusable:
+                return None
         try:
             return trusted_files.read_file(self.root, (f"v{SCHEMA}", *parts), limit, follow=1)
         except Refused as exc:
@@ -284,6 +206,20 @@ class KernelCache(CacheUpkeep):
             self._remove_entry(parts[1])
             return self._folder(*parts, make=True)
 
+    def _write(self, folder_parts: tuple, files: dict[str, bytes], mend=None):
+        """Write files into base/folder_parts (made and checked). Something no write may replace
+        (a folder, FIFO or device: trusted_writes) where a file goes is moved away, by mend() or
+        by name, and the write done again: its folder passed, so only this user or root put it there."""
+        folder = self._folder_for_writing(*folder_parts)
+        try:
+            for name, data in files.items():
+                trusted_writes.write_file(folder / name, data)
+        except Refused as exc:
+            mend() if mend else trusted_writes.move_away(exc.path)
+            folder = self._folder_for_writing(*folder_parts)
+            for name, data in files.items():
+                trusted_writes.write_file(folder / name, data)
+
     def store(self, key: str, cubin: bytes, source: str, meta: dict) -> bool:
         """Write an entry (cubin and source first, metadata last). False if it could not be written.
 
@@ -297,23 +233,22 @@ class KernelCache(CacheUpkeep):
         text, problem = json.dumps(meta, indent=1, sort_keys=True).encode(), meta_problem(meta)
         if problem:
             raise CacheError(f"cannot store entry {key}: {problem}; nothing was written")
-        for name, data in (("kernel.cubin", cubin), ("source.cu", source), ("meta.json", text)):
+        files = {"kernel.cubin": cubin, "source.cu": source.encode(), "meta.json": text}
+        for name, data in files.items():
             if len(data) > MAX_BYTES[name]:
                 raise CacheError(f"cannot store entry {key}: its {name} ({len(data)} bytes) is larger than the "
                                  f"cache reads ({MAX_BYTES[name]}); nothing was written")
         if not self.writable:
-            return self._not_writable()
-        folder = self.entry_dir(key)
+            self._recheck()
+            if not self.writable:
+                return self._not_writable()
         try:
-            folder = self._folder_for_writing("entries", key)
-            _atomic_write(folder / "kernel.cubin", cubin)
-            _atomic_write(folder / "source.cu", source.encode())
-            _atomic_write(folder / "meta.json", text)
+            self._write(("entries", key), files, mend=lambda: self._remove_entry(key))
             if meta.get("portable_key"):
-                _atomic_write(self._folder_for_writing("portable") / meta["portable_key"], key.encode())
+                self._write(("portable",), {meta["portable_key"]: key.encode()})
             return True
         except (OSError, Refused) as exc:
-            self._degrade(f"could not write kernel cache entry {folder} ({exc})")
+            self._degrade(f"could not write kernel cache entry {self.entry_dir(key)} ({exc})")
             return False
 
     def store_index(self, spec_key: str, key: str):
@@ -323,7 +258,7 @@ class KernelCache(CacheUpkeep):
         require_key("entry key", key)
         if self.writable:
             try:
-                _atomic_write(self._folder_for_writing("index") / spec_key, key.encode())
+                self._write(("index",), {spec_key: key.encode()})
             except (OSError, Refused) as exc:
                 self._degrade(f"could not write kernel cache index ({exc})")
 
@@ -334,50 +269,34 @@ class KernelCache(CacheUpkeep):
         A lock held longer than FLASHJIT_LOCK_TIMEOUT (a hung process) is waited out, then the
         caller compiles anyway: a duplicate compile is harmless, a hang is not. With give_up_after,
         a lock still held after that many seconds (or the timeout, if shorter) raises LockBusy: for
-        callers that have something else to fall back on.
+        callers that have something else to fall back on. A lock that cannot be taken at all is
+        compiled without, with one warning.
         """
         if not self.writable:
             yield
             return
         timeout = lock_timeout() if give_up_after is None else min(give_up_after, lock_timeout())
-        lock = filelock.FileLock(str(self.base / "locks" / f"{key}.lock"), timeout=timeout)
-        try:
-            self._folder("locks")
-            lock.acquire()
-        except filelock.Timeout:
-            if give_up_after is not None:
-                raise LockBusy(f"{lock.lock_file} is held by another process for over {timeout:g} s") from None
-            log.warning("kernel cache lock %s held for over %g s (FLASHJIT_LOCK_TIMEOUT); compiling without it",
-                        lock.lock_file, timeout)
+        path = self.base / "locks" / f"{key}.lock"
+        with contextlib.ExitStack() as held:
+            try:
+                self._folder("locks")
+                held.enter_context(trusted_writes.file_lock(path, timeout))
+            except trusted_writes.LockTimeout:
+                if give_up_after is not None:
+                    raise LockBusy(f"{path} is held by another process for over {timeout:g} s") from None
+                log.warning("kernel cache lock %s held for over %g s (FLASHJIT_LOCK_TIMEOUT); compiling without it",
+                            path, timeout)
+            except (OSError, Refused) as exc:
+                self._warn_once("lock", f"could not take the compile lock {path} ({exc}); compiling without it "
+                                        "(another process may compile the same kernel meanwhile; the kernel is saved)")
             yield
-            return
-        except (OSError, Refused) as exc:
-            self._degrade(f"could not lock {lock.lock_file} ({exc})")
-            yield
-            return
-        try:
-            yield
-        finally:
-            lock.release()
 
-    def entries(self) -> list[dict]:
-        """Metadata of every verified entry."""
-        folder = self.base / "entries"
-        found = []
-        if folder.is_dir():
-            for entry in sorted(folder.iterdir()):
-                loaded = self.load(entry.name) if entry.is_dir() and not entry.name.startswith(".") else None
-                if loaded:
-                    found.append(dict(loaded[1], path=str(entry)))
-        return found
-
-    def index(self) -> dict[str, str]:
-        """Every readable index file: spec key -> entry key (the entry may be gone)."""
-        folder, found = self.base / "index", {}
-        if folder.is_dir():
-            for path in folder.iterdir():
-                if KEY_PATTERN.fullmatch(path.name):
-                    key = self.lookup_index(path.name)
-                    if key:
-                        found[path.name] = key
-        return found
+    def failed_source_folder(self) -> Path | None:
+        """v{SCHEMA}/failed, made and checked, for the sources NVRTC rejects; None when the cache
+        cannot take them (not trusted, not a cache, read-only)."""
+        if not self.writable:
+            return None
+        try:
+            return self._folder("failed", make=True)
+        except (OSError, Refused):
+            return None

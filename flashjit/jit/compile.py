@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import os
-import tempfile
+import sys
 from pathlib import Path
 
 from .. import cuda_flavour, env
@@ -61,7 +61,11 @@ class CompiledKernel:
 
 def compile_source(source: str, arch: str, name: str, *, failed_source_dir=None,
                    extra_options: tuple[str, ...] = ()) -> CompiledKernel:
-    """Compile to a cubin; on failure save the source and raise CompileError with the log."""
+    """Compile to a cubin; on failure save the source and raise CompileError with the log.
+
+    The source goes to failed_source_dir (a folder the caller has checked by the trust rule, or
+    None), else to this user's folder in the temp folder (trusted_writes.private_folder); it is
+    written under the rule for writes, never through a link."""
     cuda_flavour.require_cupy()
     from cupy.cuda import nvrtc
 
@@ -79,13 +83,16 @@ def compile_source(source: str, arch: str, name: str, *, failed_source_dir=None,
 
 
 def _save_failed_source(source: str, name: str, folder) -> Path:
+    from . import trusted_files, trusted_writes
+
     digest = hashlib.sha256(source.encode()).hexdigest()[:12]
-    for candidate in ([Path(folder)] if folder else []) + [Path(tempfile.gettempdir()) / "flashjit-failed"]:
+    candidates = ([lambda: trusted_writes.make_folders(folder)] if folder else []) + [
+        lambda: trusted_writes.private_folder("flashjit-failed")]
+    for candidate in candidates:
         try:
-            candidate.mkdir(parents=True, exist_ok=True)
-            path = candidate / f"{name}-{digest}.cu"
-            path.write_text(source)
+            path = candidate() / f"{name}-{digest}.cu"
+            trusted_writes.write_file(path, source.encode())
             return path
-        except OSError:
+        except (OSError, trusted_files.Refused):
             continue
     return Path("<unsaved>")

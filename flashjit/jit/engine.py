@@ -232,7 +232,7 @@ class _Cubin:
         log.info("compiling %s for %s (cache miss)", spec.name, spec.compile_arch)
         start = time.perf_counter()
         compiled = compile_source(self.source, spec.compile_arch, spec.name,
-                                  failed_source_dir=self.cache.base / "failed")
+                                  failed_source_dir=self.cache.failed_source_folder())
         return compiled, time.perf_counter() - start
 
     def store(self, built: tuple[CompiledKernel, float]):

@@ -161,3 +161,6 @@ def render_template(entry: str, context: dict, spec, mask: MaskDef | None = None
     except jinja2.TemplateError as exc:
         raise TemplateError(f"{_template_location(exc)}: {getattr(exc, 'message', None) or exc} "
                             f"(rendering {spec.name})") from exc
+    except RecursionError:  # a template that includes or extends itself; the traceback would be thousands of lines
+        raise TemplateError(f"rendering {spec.name} from {entry} recursed without end: a template includes or extends "
+                            f"itself, or a macro calls itself without stopping{using}") from None

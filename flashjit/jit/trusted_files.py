@@ -17,8 +17,7 @@ as it was until it is used: no other user can swap a file between the check and 
 
 What fails raises Refused (its message names the file and the reason); a file this user may not
 read raises PermissionError, for the caller to report; a missing one, FileNotFoundError.
-Files are written whole or not at all (atomic_file) with mode 0644 and folders made 0755, both
-under the umask: a cache written by root at image build time is readable by a non-root server.
+Writing has its own rule, built on this one: trusted_writes.py.
 """
 
 from __future__ import annotations
@@ -26,13 +25,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import stat
 from pathlib import Path
 
-FILE_MODE = 0o644
-FOLDER_MODE = 0o755
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link"}
 
 
@@ -53,34 +49,23 @@ def _check_owner_and_mode(path: Path, st: os.stat_result, folder: bool):
 
 def _check_folder(path: Path, st: os.stat_result):
     if not stat.S_ISDIR(st.st_mode):
-        raise Refused(path, _KINDS.get(stat.S_IFMT(st.st_mode), "a file") + ", not a folder")
+        raise Refused(path, KINDS.get(stat.S_IFMT(st.st_mode), "a file") + ", not a folder")
     _check_owner_and_mode(path, st, folder=True)
+
+
+def check_one_folder(path: Path, follow: bool = False):
+    """Refused unless path is a folder that passes the rule (a link followed only with follow)."""
+    _check_folder(path, os.stat(path) if follow else os.lstat(path))
 
 
 def check_folders(root: Path, parts=(), follow: int = 0) -> Path:
     """root/parts[0]/parts[1]/..., after checking the root and each folder below it in turn (links
     followed for the root and the first `follow` parts only)."""
     path = Path(root)
-    _check_folder(path, os.stat(path))
+    check_one_folder(path, follow=True)
     for depth, part in enumerate(parts):
         path = path / part
-        _check_folder(path, os.stat(path) if depth < follow else os.lstat(path))
-    return path
-
-
-def make_folders(root: Path, parts=(), follow: int = 0) -> Path:
-    """check_folders, making the missing folders (mode 0755 under the umask) on the way."""
-    root = Path(root)
-    if not root.exists():
-        root.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(root, FOLDER_MODE)
-    path = check_folders(root)
-    for depth, part in enumerate(parts):
-        path = path / part
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, FOLDER_MODE)
-        _check_folder(path, os.stat(path) if depth < follow else os.lstat(path))
+        check_one_folder(path, follow=depth < follow)
     return path
 
 
@@ -90,7 +75,7 @@ def open_file(root: Path, parts, limit: int, follow: int = 0):
     path = check_folders(root, parts[:-1], follow) / parts[-1]
     before = os.lstat(path)
     if not stat.S_ISREG(before.st_mode):
-        raise Refused(path, _KINDS.get(stat.S_IFMT(before.st_mode), "not a file") + ", not a regular file")
+        raise Refused(path, KINDS.get(stat.S_IFMT(before.st_mode), "not a file") + ", not a regular file")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
@@ -128,23 +113,3 @@ def check_file(root: Path, parts, limit: int, follow: int = 0) -> Path:
     """root/parts... after open_file's checks, for loaders that take a path (ctypes.CDLL)."""
     with open_file(root, parts, limit, follow):
         return Path(root).joinpath(*parts)
-
-
-@contextlib.contextmanager
-def atomic_file(path: Path):
-    """A binary file object whose contents appear at `path` whole or not at all: written to a temp
-    file beside it ('.NAME.<random>.tmp', mode 0644 under the umask, never through a link),
-    fsynced, then os.replace()d; removed on any error."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

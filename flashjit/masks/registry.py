@@ -197,8 +197,8 @@ class MaskRegistry:
         arguments: it may call flashjit.register_mask itself, and whatever it returns is
         registered too. A returned (or non-callable) value may be None, a MaskDef, a dict of
         register_mask keywords (name, template, params, kv_span, reference, sample_params), or a
-        list of those. A plugin that fails is skipped with a warning; the error is kept in
-        ``plugin_errors`` and named when an unknown mask is looked up.
+        list of those. A plugin that fails (raising, or calling sys.exit) is skipped with a warning;
+        the error is kept in ``plugin_errors`` and named when an unknown mask is looked up.
         """
         if self._plugins_loaded:
             return
@@ -213,7 +213,7 @@ class MaskRegistry:
                     try:
                         loaded = ep.load()
                         _register_plugin_result(loaded() if callable(loaded) else loaded)
-                    except Exception as exc:  # one broken plugin must not take the others down
+                    except (Exception, SystemExit) as exc:  # one broken plugin must not take the others (or the process) down
                         self.plugin_errors[ep.name] = f"{ep.value}: {type(exc).__name__}: {exc}"
                         log.warning("mask plugin %r (%s) failed to load: %s: %s", ep.name, ep.value,
                                     type(exc).__name__, exc)
@@ -228,7 +228,7 @@ class MaskRegistry:
             self.load_plugins()
             mask = self._masks.get(name)
         if mask is None:
-            accepted = ", ".join(sorted(self._masks))
+            accepted = ", ".join(sorted(self._masks)) + " (or a mask added with register_mask)"
             if self.plugin_errors:
                 accepted += " (mask plugins that failed to load: " + "; ".join(
                     f"{k}: {v}" for k, v in self.plugin_errors.items()) + ")"
@@ -306,6 +306,14 @@ def _folder_masks(folder, field: str) -> list[tuple[str, Path, tuple[MaskParam, 
     folder = Path(folder).expanduser().resolve()
     if not folder.is_dir():
         raise TemplateFolderError(field, folder, f"{folder} is not an existing folder")
+    for listed in (folder, folder / "masks"):  # glob() takes a folder it cannot list for an empty one
+        try:
+            os.listdir(listed)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise TemplateFolderError(field, folder, f"{listed} cannot be listed ({exc.strerror or exc}): its masks "
+                                                     "would be missing; give this user read access to it") from None
     found = []
     for path in sorted(list(folder.glob("*.cuh.j2")) + list(folder.glob("masks/*.cuh.j2"))):
         name = path.name.removesuffix(".cuh.j2")

@@ -41,7 +41,9 @@ class Decoder:
         self._graph = graph_limits(use_cuda_graph, self.device, max_batch_size, max_num_pages, max_tokens, max_q_len,
                                    page_ids_buffer)
         self._page_id_range = PageIdRange(self.device) if page_id_range is None else page_id_range
-        self._host_planner = HostPlanner(load_host_plan(self.engine.cache)) if host_planner is None else host_planner
+        if host_planner is None:  # an engine that may not compile (strict mode) builds no C helper either
+            host_planner = HostPlanner(load_host_plan(self.engine.cache, build=self.engine.allow_compile))
+        self._host_planner = host_planner
         self._lse_dtype = torch.float32
         self._plan = None  # the current plan; each successful plan() replaces it whole
         # id(tensor) -> what it was validated as: each layer's cache is validated once a plan.

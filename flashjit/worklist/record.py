@@ -42,9 +42,12 @@ SPLIT_CANDIDATES = tuple(range(1, 25)) + (28, 32, 40, 48, 56, 64, 80, 96, 112, 1
 
 PLAN_ENTRY = "flashjit_plan"  # the GPU planner's entry point in every work-list kernel's module
 
-# The C host planner's source, and the defines it is built with (they are part of its library key).
+# The C host planner's source, the defines it is built with (they are part of its library key), and
+# the functions worklist/host.py's HostPlanner calls (a library that does not export them all is not used).
 HOST_PLAN_SOURCE = Path(__file__).resolve().parent / "native" / "host_plan.c"
 HOST_PLAN_DEFINES = (f"-DFJ_ITEM_INTS={ITEM_INTS}",)
+HOST_PLAN_SYMBOLS = ("fj_read", "fj_plan", "fj_fill", "fj_shared_spans", "fj_shared_plan", "fj_shared_fill",
+                     "fj_id_range")
 
 
 def plan_smem_bytes(batch: int) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from ... import env
 from ...jit.artifact import obtain
 from ...jit.host_library import BuildError, SharedLibrary
+from ...jit.trusted_writes import write_file
 
 
 def host_compiler() -> str | None:
@@ -39,7 +40,7 @@ def build_host_library(source: str):
         _host_dir = tempfile.mkdtemp(prefix="flashjit-host-mask-")
         atexit.register(shutil.rmtree, _host_dir, True)
     stem = Path(_host_dir) / hashlib.sha256(source.encode()).hexdigest()[:16]
-    stem.with_suffix(".cpp").write_text(source)
+    write_file(stem.with_suffix(".cpp"), source.encode())
     library = SharedLibrary([compiler, "-std=c++17", "-O1", "-shared", "-fPIC"], stem.with_suffix(".cpp"),
                             stem.with_suffix(".so"))
     try:

@@ -80,9 +80,7 @@ class DecodeSpec(CacheAndArch):
 
         from ...validation import did_you_mean  # noqa: E402
 
-        if self.mask not in masks:
-            raise SpecError("mask", self.mask, ", ".join(sorted(masks.names())) + " (or a mask added with register_mask)"
-                            + did_you_mean(self.mask, masks.names()))
+        masks.get(self.mask)  # SpecError naming the masks (did you mean), and any plugin or template folder that failed
         from ...masks.variants import variants
 
         if self.variant not in variants:
