@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..._version import __version__
 from ...jit.render import render_template
+from ..family_base import SpecFamily
 from .args import abi_checks
 from .kernel import MergeStatesKernel
 from .spec import MAX_LANES, MergeSpec
@@ -13,14 +14,11 @@ ENTRY_TEMPLATE = "merge_states/entry.cu.j2"
 STATE_TYPES = {"float16": "fj::half_t", "bfloat16": "fj::bfloat16_t", "float32": "float"}
 
 
-class MergeStatesFamily:
+class MergeStatesFamily(SpecFamily):
     name = "merge_states"
     spec_type = MergeSpec
     name_prefix = "merge_states_"
     example_name = "merge_states_bf16_sm90"
-
-    def from_name(self, name: str) -> MergeSpec:
-        return MergeSpec.from_name(name)
 
     def tiling(self, spec: MergeSpec, table=None):
         return None
