@@ -15,18 +15,33 @@ MAX_BLOCK_SIZE = 256
 MIN_CAPABILITY = (8, 0)
 
 
+# The vLLM switches FLASHJIT refuses whenever they are on, each with its reason.
+REFUSED_SETTINGS = {
+    "use_mla": "MLA: FLASHJIT serves multi-head and grouped-query attention",
+    "use_sparse": "sparse attention: FLASHJIT serves dense attention",
+    "use_mm_prefix": "multimodal prefix (bidirectional image tokens): FLASHJIT serves causal attention",
+    "use_rswa": "R-SWA (reference sliding window): FLASHJIT serves plain sliding windows",
+    "use_non_causal": "non-causal decoder attention: FLASHJIT serves causal attention",
+    "use_batch_invariant": "batch invariance (VLLM_BATCH_INVARIANT): not offered by FLASHJIT's vLLM backend",
+    "use_pcp": "prefill context parallelism: FLASHJIT serves one context shard (pcp size 1)",
+    "use_dcp": "decode context parallelism: FLASHJIT serves one context shard (dcp size 1)",
+    "use_adaptive_verification": "adaptive speculative verification: FLASHJIT plans from the host's query "
+                                 "lengths, which adaptive verification changes on the device",
+}
+
+
 def _name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 def refusal_reasons(*, head_size: int, dtype, kv_cache_dtype: str | None, block_size: int | None,
-                    capability: tuple[int, int] | None, has_sink: bool = False, use_mla: bool = False,
-                    use_sparse: bool = False,
-                    use_mm_prefix: bool = False, attn_type: str = "decoder", use_rswa: bool = False,
-                    use_non_causal: bool = False, use_batch_invariant: bool = False, use_pcp: bool = False,
-                    use_dcp: bool = False, use_adaptive_verification: bool = False) -> list[str]:
+                    capability: tuple[int, int] | None, has_sink: bool = False, attn_type: str = "decoder",
+                    **switches: bool) -> list[str]:
     """One reason per setting FLASHJIT does not serve, each naming the setting, its value and what
-    is accepted; empty when the configuration is served."""
+    is accepted; empty when the configuration is served. switches: REFUSED_SETTINGS' names."""
+    unknown = sorted(switches.keys() - REFUSED_SETTINGS.keys())
+    if unknown:
+        raise TypeError(f"refusal_reasons got unknown settings {unknown}; it takes {', '.join(REFUSED_SETTINGS)}")
     reasons = []
     if head_size not in SUPPORTED_HEAD_SIZES:
         reasons.append(f"head_size {head_size}: FLASHJIT serves {', '.join(map(str, SUPPORTED_HEAD_SIZES))} (its "
@@ -49,27 +64,9 @@ def refusal_reasons(*, head_size: int, dtype, kv_cache_dtype: str | None, block_
         if has_sink and cap < SINK_CAPABILITY:
             reasons.append(f"attention sinks on compute capability {cap[0]}.{cap[1]}: the prefill rows' "
                            "FlashAttention takes sinks on 9.0 and newer")
-    if use_mla:
-        reasons.append("MLA: FLASHJIT serves multi-head and grouped-query attention")
-    if use_sparse:
-        reasons.append("sparse attention: FLASHJIT serves dense attention")
-    if use_mm_prefix:
-        reasons.append("multimodal prefix (bidirectional image tokens): FLASHJIT serves causal attention")
     if str(attn_type).lower().rpartition(".")[2] != "decoder":
         reasons.append(f"attention type {attn_type}: FLASHJIT serves decoder self-attention")
-    if use_rswa:
-        reasons.append("R-SWA (reference sliding window): FLASHJIT serves plain sliding windows")
-    if use_non_causal:
-        reasons.append("non-causal decoder attention: FLASHJIT serves causal attention")
-    if use_batch_invariant:
-        reasons.append("batch invariance (VLLM_BATCH_INVARIANT): not offered by FLASHJIT's vLLM backend")
-    if use_pcp:
-        reasons.append("prefill context parallelism: FLASHJIT serves one context shard (pcp size 1)")
-    if use_dcp:
-        reasons.append("decode context parallelism: FLASHJIT serves one context shard (dcp size 1)")
-    if use_adaptive_verification:
-        reasons.append("adaptive speculative verification: FLASHJIT plans from the host's query lengths, "
-                       "which adaptive verification changes on the device")
+    reasons += [reason for setting, reason in REFUSED_SETTINGS.items() if switches.get(setting)]
     return reasons
 
 
