@@ -11,16 +11,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
-from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf
+from vllm.v1.attention.backend import AttentionBackend
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from .checks import MAX_BLOCK_SIZE, SUPPORTED_HEAD_SIZES, SUPPORTED_KV_CACHE_DTYPES, refusal_reasons
+from .checks import SUPPORTED_HEAD_SIZES, SUPPORTED_KV_CACHE_DTYPES, refusal_reasons
+from .declared import FlashJITDeclarations
 from .registration import BACKEND_NAME
 
 
-class FlashJITBackend(AttentionBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+class FlashJITBackend(FlashJITDeclarations, AttentionBackend):
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(SUPPORTED_KV_CACHE_DTYPES)
     forward_includes_kv_cache_update: bool = False
 
@@ -40,14 +39,6 @@ class FlashJITBackend(AttentionBackend):
 
         return FlashJITMetadataBuilder
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        return [MultipleOf(1)]  # any size up to MAX_BLOCK_SIZE: supports_block_size bounds it
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return block_size is None or 1 <= block_size <= MAX_BLOCK_SIZE
-
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
         return list(SUPPORTED_HEAD_SIZES)
@@ -65,32 +56,11 @@ class FlashJITBackend(AttentionBackend):
         return True
 
     @classmethod
-    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
-        return False  # plans are made from the host's query lengths
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def supports_compute_capability(cls, capability) -> bool:
-        return tuple(capability) >= (8, 0)
-
-    @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         first = KVCacheLayout.LBNHC
         return (first,) + tuple(layout for layout in KVCacheLayout if layout is not first)
 
-    @classmethod
-    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
-                               use_mm_prefix, use_per_head_quant_scales, device_capability, attn_type,
-                               has_sliding_window=False, use_non_causal=False, use_batch_invariant=False,
-                               use_kv_connector=False, use_pcp=False, use_adaptive_verification=False,
-                               use_dcp=False, use_rswa=False) -> list[str]:
-        # Sinks, sliding windows, per-head scales and KV connectors are served: they give no reason.
-        return refusal_reasons(head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-                               capability=None if device_capability is None else tuple(device_capability),
-                               has_sink=has_sink, use_mla=use_mla, use_sparse=use_sparse, use_mm_prefix=use_mm_prefix,
-                               attn_type=attn_type, use_rswa=use_rswa, use_non_causal=use_non_causal,
-                               use_batch_invariant=use_batch_invariant, use_pcp=use_pcp, use_dcp=use_dcp,
-                               use_adaptive_verification=use_adaptive_verification)
+    @staticmethod
+    def refusals(*, has_sliding_window: bool, use_per_head_quant_scales: bool, **settings) -> list[str]:
+        # Sliding windows and per-head scales are served: they give no reason.
+        return refusal_reasons(**settings)

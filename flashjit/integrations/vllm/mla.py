@@ -18,20 +18,18 @@ from vllm.model_executor.layers.attention.mla_attention import (MLACommonBackend
                                                                 MLACommonImpl, MLACommonMetadata,
                                                                 MLACommonMetadataBuilder, QueryLenSupport)
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, MultipleOf
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 
 from ...kernels.mla.spec import MAX_Q_LEN
 from ..core import FP8_CACHE_DTYPES, host_page_table
 from ..core.mla import MLADecoders, MLAForm, latent_cache
 from .builder import _read_seq_lens
-from .checks import MAX_BLOCK_SIZE, MIN_CAPABILITY, mla_refusal_reasons
+from .checks import MLA_HEAD_SIZE, MLA_KV_CACHE_DTYPES, mla_refusal_reasons
+from .declared import FlashJITDeclarations
+from .registration import MLA_BACKEND_NAME
 
-MLA_BACKEND_NAME = "FLASHJIT_MLA"
-MLA_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
-
-class FlashJITMLABackend(MLACommonBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+class FlashJITMLABackend(FlashJITDeclarations, MLACommonBackend):
     supported_kv_cache_dtypes: ClassVar[list[str]] = list(MLA_KV_CACHE_DTYPES)
 
     @staticmethod
@@ -48,41 +46,11 @@ class FlashJITMLABackend(MLACommonBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [576]  # kv_lora_rank 512 + rope 64
+        return [MLA_HEAD_SIZE]
 
     @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list:
-        return [MultipleOf(1)]
-
-    @classmethod
-    def supports_block_size(cls, block_size: int | None) -> bool:
-        return block_size is None or 1 <= block_size <= MAX_BLOCK_SIZE
-
-    @classmethod
-    def supports_compute_capability(cls, capability) -> bool:
-        return tuple(capability) >= MIN_CAPABILITY
-
-    @classmethod
-    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
-        return False  # plans are made from the host's query lengths
-
-    @classmethod
-    def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == AttentionType.DECODER
-
-    @classmethod
-    def validate_configuration(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
-                               use_mm_prefix, use_per_head_quant_scales, device_capability, attn_type,
-                               has_sliding_window=False, use_non_causal=False, use_batch_invariant=False,
-                               use_kv_connector=False, use_pcp=False, use_adaptive_verification=False,
-                               use_dcp=False, use_rswa=False) -> list[str]:
-        reasons = mla_refusal_reasons(
-            head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-            capability=None if device_capability is None else tuple(device_capability), use_mla=use_mla,
-            has_sink=has_sink, has_sliding_window=has_sliding_window, use_sparse=use_sparse,
-            use_mm_prefix=use_mm_prefix, attn_type=attn_type, use_rswa=use_rswa, use_non_causal=use_non_causal,
-            use_batch_invariant=use_batch_invariant, use_pcp=use_pcp, use_dcp=use_dcp,
-            use_adaptive_verification=use_adaptive_verification)
+    def refusals(*, use_per_head_quant_scales: bool, **settings) -> list[str]:
+        reasons = mla_refusal_reasons(**settings)
         if use_per_head_quant_scales:
             reasons.append("per-head quant scales: FLASHJIT_MLA takes one latent scale")
         return reasons
