@@ -26,6 +26,26 @@ def graph_capacity(tokens: int) -> int:
     return 1 << max(tokens - 1, 0).bit_length()
 
 
+def graph_decoder_of(decoders, decoder_type, tokens: int, **plan_kwargs):
+    """The graph decoder (decoder_type: BatchDecode, BatchDecodeMLA) of decoders (FormDecoders,
+    MLADecoders) for graphs of `tokens` padded query tokens: the one of the next power of two, made on
+    first use and planned with plan_kwargs for one request of one key on the page-id buffer's first
+    page, which fixes its kernel and buffers before a framework captures that size."""
+    tokens = graph_capacity(tokens)
+    decoder = decoders.graphs.get(tokens)
+    if decoder is None:
+        if decoders.page_ids_buffer is None:
+            raise RuntimeError(f"{type(decoders).__name__}(page_ids_buffer=...) is needed for CUDA-graph decoders")
+        decoder = decoder_type(decoders.engine, decoders.device, use_cuda_graph=True, max_batch_size=tokens,
+                               max_tokens=tokens, max_q_len=decoders.max_decode_q_len,
+                               page_ids_buffer=decoders.page_ids_buffer, **decoders._options)
+        int32 = dict(dtype=torch.int32)
+        decoder.plan(torch.tensor([0, 1], **int32), decoders.page_ids_buffer, torch.tensor([1], **int32),
+                     qo_indptr=torch.tensor([0, 1], **int32), **plan_kwargs)
+        decoders.graphs[tokens] = decoder
+    return decoder
+
+
 class FormDecoders:
     """Decoders of one form on one device. share_prefixes: read shared leading blocks once, in
     eager steps and in graphs (plans then wait once for the page ids to reach the host).
@@ -71,21 +91,8 @@ class FormDecoders:
     def graph_decoder(self, tokens: int) -> BatchDecode:
         """The decoder of graphs of `tokens` padded query tokens: the one of the next power of two
         (made and planned on first use, which a framework makes before it captures that size)."""
-        tokens = graph_capacity(tokens)
-        decoder = self.graphs.get(tokens)
-        if decoder is None:
-            if self.page_ids_buffer is None:
-                raise RuntimeError("FormDecoders(page_ids_buffer=...) is needed for CUDA-graph decoders")
-            decoder = BatchDecode(self.engine, self.device, use_cuda_graph=True, max_batch_size=tokens,
-                                  max_tokens=tokens, max_q_len=self.max_decode_q_len,
-                                  page_ids_buffer=self.page_ids_buffer, **self._options)
-            int32 = dict(dtype=torch.int32)
-            # One request of one key on the buffer's first page: fixes the kernel and the buffers.
-            decoder.plan(torch.tensor([0, 1], **int32), self.page_ids_buffer, torch.tensor([1], **int32),
-                         qo_indptr=torch.tensor([0, 1], **int32), check_page_ids=self.graph_shares,
-                         share_prefixes=True if self.graph_shares else None, **self.form.plan_kwargs(self.sinks))
-            self.graphs[tokens] = decoder
-        return decoder
+        return graph_decoder_of(self, BatchDecode, tokens, check_page_ids=self.graph_shares,
+                                share_prefixes=True if self.graph_shares else None, **self.form.plan_kwargs(self.sinks))
 
     def plans_on_device(self, tokens: int) -> bool:
         """Whether the graph decoder of that size plans on the GPU (no host lengths needed)."""

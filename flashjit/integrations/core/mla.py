@@ -16,7 +16,7 @@ from ...kernels.decode.spec import normalize_dtype, KV_DTYPES
 from ...jit.engine import default_engine
 from ...serving.batch_mla import BatchDecodeMLA
 from ... import validation
-from .decoders import graph_capacity
+from .decoders import graph_decoder_of
 from .kv_cache import FP8_CACHE_DTYPES
 from .page_tables import HostPageTable
 
@@ -81,19 +81,7 @@ class MLADecoders:
         return self.eager
 
     def graph_decoder(self, tokens: int) -> BatchDecodeMLA:
-        tokens = graph_capacity(tokens)
-        decoder = self.graphs.get(tokens)
-        if decoder is None:
-            if self.page_ids_buffer is None:
-                raise RuntimeError("MLADecoders(page_ids_buffer=...) is needed for CUDA-graph decoders")
-            decoder = BatchDecodeMLA(self.engine, self.device, use_cuda_graph=True, max_batch_size=tokens,
-                                     max_tokens=tokens, max_q_len=self.max_decode_q_len,
-                                     page_ids_buffer=self.page_ids_buffer, **self._options)
-            int32 = dict(dtype=torch.int32)
-            decoder.plan(torch.tensor([0, 1], **int32), self.page_ids_buffer, torch.tensor([1], **int32),
-                         qo_indptr=torch.tensor([0, 1], **int32), check_page_ids=False, **self.form.plan_kwargs())
-            self.graphs[tokens] = decoder
-        return decoder
+        return graph_decoder_of(self, BatchDecodeMLA, tokens, check_page_ids=False, **self.form.plan_kwargs())
 
     def plan_graph(self, tokens: int, table: HostPageTable) -> BatchDecodeMLA:
         decoder = self.graph_decoder(tokens)
