@@ -13,6 +13,7 @@ from flashjit.integrations.core import (DecodeForm, LayerAttention, ReferencePre
                                         host_page_table, prefill_rows, shared_leading_blocks, split_kv_cache,
                                         split_rows, write_kv)
 from flashjit.kernels.worklist_kernel import LoadedKernel
+from block_tables import block_table_of
 
 CPU = torch.device("cpu")
 
@@ -88,21 +89,6 @@ def test_split_rows_takes_the_leading_short_rows():
     assert split_rows(torch.tensor([0, 1, 1, 1]), 3, 1).pure_decode  # padding rows without tokens
     with pytest.raises(ValueError, match="max_decode_q_len.*1..16"):
         split_rows(qsl, 5, 17)
-
-
-def block_table_of(seq_lens, block_size, width, rng, shared=0):
-    """A block table of shuffled blocks (block 0, the null block, never used); the first `shared`
-    blocks of every row are the same."""
-    pages = [-(-n // block_size) for n in seq_lens]
-    ids = rng.permutation(np.arange(1, 1 + sum(pages) + width * len(seq_lens)))
-    table = np.zeros((len(seq_lens), width), dtype=np.int32)
-    at = 0
-    for r, p in enumerate(pages):
-        table[r, :p] = ids[at:at + p]
-        at += p
-    if shared:
-        table[:, :shared] = table[0, :shared]
-    return torch.from_numpy(table)
 
 
 def test_host_and_device_page_tables_agree():

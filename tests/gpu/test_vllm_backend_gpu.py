@@ -24,6 +24,8 @@ from flashjit.integrations.core import (DecodeForm, LayerAttention, ReferencePre
 from flashjit.serving.quantize import dequantize_kv
 from flashjit.serving.reference import decode_reference
 
+from block_tables import block_table_of
+
 from .batches import rel_error
 
 BLOCK, HEADS, KV_HEADS, DIM = 16, 32, 8, 128
@@ -94,16 +96,8 @@ def make_case(kind="bf16", *, window=None, soft_cap=None, sinks=False, head_dim=
 
 def vllm_step(seq_lens, query_lens, rng, *, shared_blocks=0):
     """CommonAttentionMetadata's tensors for a batch: shuffled blocks from 1 on, the new tokens' slots."""
-    pages = [-(-s // BLOCK) for s in seq_lens]
-    width = max(pages) + 2
-    ids = rng.permutation(np.arange(1, NUM_BLOCKS))
-    table = np.zeros((len(seq_lens), width), dtype=np.int32)
-    at = 0
-    for r, p in enumerate(pages):
-        table[r, :p] = ids[at:at + p]
-        at += p
-    if shared_blocks:
-        table[:, :shared_blocks] = table[0, :shared_blocks]
+    width = max(-(-s // BLOCK) for s in seq_lens) + 2
+    table = block_table_of(seq_lens, BLOCK, width, rng, shared=shared_blocks, num_blocks=NUM_BLOCKS).numpy()
     slots = []
     for r, (s, q) in enumerate(zip(seq_lens, query_lens)):
         positions = np.arange(s - q, s)

@@ -15,6 +15,8 @@ from flashjit.integrations.core.mla import MLADecoders, MLAForm, latent_cache
 from flashjit.serving.mla_reference import mla_reference
 from flashjit.serving.quantize import quantize_latent
 
+from block_tables import block_table_of
+
 from .batches import rel_error
 
 HEADS, BLOCK, NUM_BLOCKS, SCALE = 16, 64, 1500, 0.1352
@@ -39,13 +41,10 @@ def make_cache(kind):
 
 
 def step(seq_lens, query_lens, rng):
-    pages = [-(-s // BLOCK) for s in seq_lens]
-    ids = iter(rng.permutation(np.arange(1, NUM_BLOCKS)))
-    table = np.zeros((len(seq_lens), max(pages) + 1), dtype=np.int32)
-    for r, p in enumerate(pages):
-        table[r, :p] = [next(ids) for _ in range(p)]
+    width = max(-(-s // BLOCK) for s in seq_lens) + 1
+    table = block_table_of(seq_lens, BLOCK, width, rng, num_blocks=NUM_BLOCKS)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(query_lens)]), dtype=torch.int32)
-    return torch.from_numpy(table).to(CUDA), torch.tensor(seq_lens), qsl
+    return table.to(CUDA), torch.tensor(seq_lens), qsl
 
 
 def check(kind, cache, scale, table, seq, qsl, q_nope, q_pe, out, label):
