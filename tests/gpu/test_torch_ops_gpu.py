@@ -59,6 +59,19 @@ def inputs(seed):
     return torch.randn(len(BATCHES[0]), HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
 
 
+def eager_and_compiled(layer, compiled, decoder, kv_lens, seed):
+    """A new plan for the batch, then one step of the layer eager and compiled, each on its own copy
+    of the caches: (page table, input, the compiled step's caches, eager outputs, compiled outputs)."""
+    table, slots = plan(decoder, kv_lens, seed)
+    x = inputs(seed)
+    eager_caches, compiled_caches = fresh_caches(seed), fresh_caches(seed)
+    with torch.no_grad():
+        expected = layer(x, slots, *eager_caches)
+        got = compiled(x, slots, *compiled_caches)
+    torch.cuda.synchronize()
+    return table, x, compiled_caches, expected, got
+
+
 @pytest.mark.parametrize("use_cuda_graph", [False, True])
 def test_compiled_layer_step_equals_eager(use_cuda_graph):
     options = dict(use_cuda_graph=True, max_batch_size=8, max_num_pages=PAGES) if use_cuda_graph else {}
@@ -66,13 +79,8 @@ def test_compiled_layer_step_equals_eager(use_cuda_graph):
     layer = Layer(decoder)
     compiled = torch_compile(layer, fullgraph=True)
     for seed, kv_lens in enumerate(BATCHES):
-        table, slots = plan(decoder, kv_lens, seed)
-        x = inputs(seed)
-        eager_caches, compiled_caches = fresh_caches(seed), fresh_caches(seed)
-        with torch.no_grad():
-            expected, expected_attn = layer(x, slots, *eager_caches)
-            got, got_attn = compiled(x, slots, *compiled_caches)
-        torch.cuda.synchronize()
+        table, x, compiled_caches, (expected, expected_attn), (got, got_attn) = eager_and_compiled(
+            layer, compiled, decoder, kv_lens, seed)
         # The attention is the same kernel over the same cache; the projections may round differently
         # where inductor fuses them.
         assert rel_error(got_attn, expected_attn) < 1e-2
@@ -118,11 +126,5 @@ def test_reduce_overhead_mode_serves_each_new_plan():
     layer = Layer(decoder)
     compiled = torch_compile(layer, fullgraph=True, mode="reduce-overhead")
     for seed, kv_lens in enumerate(BATCHES * 2):
-        _, slots = plan(decoder, kv_lens, seed)
-        x = inputs(seed)
-        eager_caches, compiled_caches = fresh_caches(seed), fresh_caches(seed)
-        with torch.no_grad():
-            expected, _ = layer(x, slots, *eager_caches)
-            got, _ = compiled(x, slots, *compiled_caches)
-        torch.cuda.synchronize()
+        _, _, _, (expected, _), (got, _) = eager_and_compiled(layer, compiled, decoder, kv_lens, seed)
         assert rel_error(got.clone(), expected) < 1e-2
