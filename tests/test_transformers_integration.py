@@ -358,6 +358,19 @@ def generate(model, implementation, max_batch_tokens, num_return_sequences=1):
     return dict(sorted(results.items()))
 
 
+def greedy_batch(model, max_batch_tokens):
+    """generate_batch's (prompt ids, generated tokens) per request: 16 greedy tokens for each of three
+    prompts, in blocks of 16 tokens."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(50, 80))]
+    config = transformers.GenerationConfig(max_new_tokens=16, eos_token_id=None, pad_token_id=0, do_sample=False)
+    batching = ContinuousBatchingConfig(block_size=16, num_blocks=32, max_batch_tokens=max_batch_tokens)
+    out = model.generate_batch(prompts, generation_config=config, progress_bar=False,
+                               continuous_batching_config=batching)
+    return {k: (r.prompt_ids, r.generated_tokens) for k, r in out.items()}
+
+
 @pytest.mark.parametrize("family, window", [("llama", None), ("qwen2", 20), ("qwen2", 8)])
 @pytest.mark.parametrize("max_batch_tokens", [64, 12])  # whole prompts with long ones gathered; 12-token chunks
 def test_generate_batch_with_the_reference_backend_gives_paged_sdpa_tokens(family, window, max_batch_tokens):
@@ -384,19 +397,13 @@ def test_the_greedy_oracle_accepts_paged_sdpas_tokens_and_rejects_changed_ones()
     import copy
 
     from flashjit.integrations.transformers.greedy_oracle import check_sequences
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     exact = tiny_model("llama")
     exact.set_attn_implementation("sdpa")
     plain = copy.deepcopy(exact).to(torch.bfloat16)
     model = copy.deepcopy(plain)
     model.set_attn_implementation(PAGED_SDPA)
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(50, 80))]
-    config = transformers.GenerationConfig(max_new_tokens=16, eos_token_id=None, pad_token_id=0, do_sample=False)
-    out = model.generate_batch(prompts, generation_config=config, progress_bar=False,
-                               continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=32,
-                                                                                   max_batch_tokens=64))
-    outputs = {k: (r.prompt_ids, r.generated_tokens) for k, r in out.items()}
+    outputs = greedy_batch(model, max_batch_tokens=64)
     decisive, positions, failures = check_sequences(exact, plain, outputs)
     assert positions == 48 and failures == [] and decisive >= positions // 2
     # The float32 runner-up fails exactly at the decisive positions (the logits at t see tokens before t only).

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_transformers_integration import generate  # noqa: E402  (skips itself outside the supported releases)
+from test_transformers_integration import generate, greedy_batch  # noqa: E402  (skips outside the supported releases)
 
 from flashjit.integrations.transformers import ReferenceDecode, register  # noqa: E402
 
@@ -53,19 +53,13 @@ def test_gpt_oss_sinks_give_paged_eager_tokens(max_batch_tokens):
 
 def test_gemma2_soft_capped_tokens_are_float32_argmaxes():
     from flashjit.integrations.transformers.greedy_oracle import check_sequences
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model = gemma2()
     exact = copy.deepcopy(model)
     exact.set_attn_implementation("eager")  # Gemma 2's eager attention soft-caps
     plain = copy.deepcopy(exact).to(torch.bfloat16)
     model.set_attn_implementation(register("jit_softcap", backend_factory=ReferenceDecode))
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(50, 80))]
-    config = transformers.GenerationConfig(max_new_tokens=16, eos_token_id=None, pad_token_id=0, do_sample=False)
-    out = model.generate_batch(prompts, generation_config=config, progress_bar=False,
-                               continuous_batching_config=ContinuousBatchingConfig(block_size=16, num_blocks=32,
-                                                                                   max_batch_tokens=12))
-    outputs = {k: (r.prompt_ids, r.generated_tokens) for k, r in out.items()}
+    outputs = greedy_batch(model, max_batch_tokens=12)
     decisive, positions, failures = check_sequences(exact, plain, outputs)
     # A third of the positions leave one token acceptable; with the cap dropped, some of them fail.
     assert positions == 48 and failures == [] and decisive >= positions // 3

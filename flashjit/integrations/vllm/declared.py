@@ -48,7 +48,8 @@ class FlashJITDeclarations:
         return cls.refusals(
             head_size=head_size, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
             capability=None if device_capability is None else tuple(device_capability), attn_type=attn_type,
-            has_sink=has_sink, has_sliding_window=has_sliding_window, use_per_head_quant_scales=use_per_head_quant_scales,
+            has_sink=has_sink, has_sliding_window=has_sliding_window,
+            use_per_head_quant_scales=use_per_head_quant_scales,
             use_mla=use_mla, use_sparse=use_sparse, use_mm_prefix=use_mm_prefix, use_rswa=use_rswa,
             use_non_causal=use_non_causal, use_batch_invariant=use_batch_invariant, use_pcp=use_pcp, use_dcp=use_dcp,
             use_adaptive_verification=use_adaptive_verification)
