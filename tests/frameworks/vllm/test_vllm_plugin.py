@@ -71,12 +71,14 @@ def test_attention_config_accepts_the_name():
     assert FlashJITBackend.get_builder_cls() is FlashJITMetadataBuilder
 
 
+# validate_configuration's settings that both backends serve, at compute capability 9.0.
+SERVED = dict(dtype=torch.bfloat16, kv_cache_dtype="auto", has_sink=False, use_sparse=False, use_mm_prefix=False,
+              use_per_head_quant_scales=False, device_capability=H90, attn_type="decoder")
+
+
 def validate(**changes):
-    settings = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
-                    has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
-                    device_capability=H90, attn_type="decoder")
-    settings.update(changes)
-    return FlashJITBackend.validate_configuration(**settings)
+    return FlashJITBackend.validate_configuration(**{**SERVED, "head_size": 128, "block_size": 16, "use_mla": False,
+                                                     **changes})
 
 
 @pytest.mark.parametrize("changes", [
@@ -377,11 +379,8 @@ def test_mla_backend_is_registered_and_selectable():
 def validate_mla(**changes):
     from flashjit.integrations.vllm.mla import FlashJITMLABackend
 
-    settings = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=64, use_mla=True,
-                    has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
-                    device_capability=H90, attn_type="decoder")
-    settings.update(changes)
-    return FlashJITMLABackend.validate_configuration(**settings)
+    return FlashJITMLABackend.validate_configuration(**{**SERVED, "head_size": 576, "block_size": 64, "use_mla": True,
+                                                        **changes})
 
 
 @pytest.mark.parametrize("changes", [{}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e5m2"},
