@@ -17,8 +17,8 @@ def block_table_of(seq_lens, block_size, width, rng, shared=0, num_blocks=None) 
     table = np.zeros((len(seq_lens), width), dtype=np.int32)
     at = 0
     for r, p in enumerate(pages):
-        table[r, :p] = ids[at:at + p]
-        at += p
-    if shared:
-        table[:, :shared] = table[0, :shared]
+        own = 0 if r == 0 else min(shared, p)  # row 0's shared blocks are drawn once
+        table[r, :own] = table[0, :own]
+        table[r, own:p] = ids[at:at + p - own]
+        at += p - own
     return torch.from_numpy(table)

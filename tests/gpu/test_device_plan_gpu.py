@@ -73,8 +73,14 @@ def assert_planners_agree(engine, heads, kv_heads, head_dim, tensor_cores, mask,
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     page_size, max_q = rng.choice(page_sizes), 1 if mask == "none" else 4
     options = dict(use_cuda_graph=True, max_batch_size=max(batches), max_num_pages=8_000_000, max_q_len=max_q)
-    on_gpu = flashjit.BatchDecode(engine, **options)
-    on_host = flashjit.BatchDecode(engine, load_kernel=host_planned, **options)
+    pairs = {}  # window_left -> (GPU-planned, host-planned) decoders: a graph decoder keeps its first window
+
+    def decoders(window):
+        if window not in pairs:
+            pairs[window] = (flashjit.BatchDecode(engine, **options),
+                             flashjit.BatchDecode(engine, load_kernel=host_planned, **options))
+        return pairs[window]
+
     for batch, split in itertools.product(batches, ["auto", "forced", "none"]):
         # a forced chunk that fits the capacity: a few items per request at 37, one from 700 on
         split = {"auto": {}, "forced": {"chunk_tokens": 4096 if batch < 100 else 65536},
@@ -84,8 +90,9 @@ def assert_planners_agree(engine, heads, kv_heads, head_dim, tensor_cores, mask,
         kv_lens = [max(n, q) for n, q in zip(kv_lens, q_lens)]
         indptr, ids, last, qo = page_table(kv_lens, page_size, gen, q_lens)
         args = (indptr, ids, last, heads, kv_heads, head_dim, page_size)
-        kw = dict(qo_indptr=qo, mask=mask, window_left=rng.choice([0, 37, 3000]) if mask == "sliding_window" else None,
-                  tensor_cores=tensor_cores, check_page_ids=False, **split)
+        window = rng.choice([0, 37, 3000]) if mask == "sliding_window" else None
+        kw = dict(qo_indptr=qo, mask=mask, window_left=window, tensor_cores=tensor_cores, check_page_ids=False, **split)
+        on_gpu, on_host = decoders(window)
         on_gpu.plan(*args, **kw)
         on_host.plan(*args, **kw)
         assert on_gpu.graph_page_table is not None and on_host.graph_page_table is None

@@ -20,8 +20,8 @@ class Layer(torch.nn.Module):
     def __init__(self, decoder):
         super().__init__()
         torch.manual_seed(0)
-        self.qkv = torch.nn.Linear(HIDDEN, (HEADS + 2 * KV_HEADS) * DIM, bias=False, dtype=torch.bfloat16)
-        self.o = torch.nn.Linear(HEADS * DIM, HIDDEN, bias=False, dtype=torch.bfloat16)
+        self.qkv = torch.nn.Linear(HIDDEN, (HEADS + 2 * KV_HEADS) * DIM, bias=False, dtype=torch.bfloat16, device="cuda")
+        self.o = torch.nn.Linear(HEADS * DIM, HIDDEN, bias=False, dtype=torch.bfloat16, device="cuda")
         self.decoder = decoder
 
     def forward(self, x, slots, k_cache, v_cache):

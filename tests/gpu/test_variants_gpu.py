@@ -94,10 +94,10 @@ def test_soft_caps_at_the_edges_of_the_accepted_range(engine, cap, split):
     ref, ref_lse = decode_reference(batch.q, *cache, batch.indptr, batch.indices, batch.last_page_len,
                                     qo_indptr=batch.qo_indptr, mask="sliding_window", mask_params=params,
                                     variant="soft_cap", variant_params=variant_params)
-    out, lse, _ = run_variant(engine, batch, cache, (None, None), "sliding_window", params, "soft_cap",
-                              variant_params, split)
+    out, lse, _ = cm.plan_and_run(engine, batch, "sliding_window", params, split, variant="soft_cap",
+                                  variant_params=variant_params)
     assert out.isfinite().all() and lse.isfinite().all()
-    _, _, failures = cm.compare(out, lse, ref, ref_lse, tolerance=cm.TOLERANCE["bfloat16"])
+    _, _, failures = cm.compare(out, lse, ref, ref_lse, cm.run_tolerance(batch.q.dtype, None, "soft_cap"))
     assert not failures, f"cap {cap}, split={split}: {'; '.join(failures)}"
 
 
