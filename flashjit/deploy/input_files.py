@@ -157,37 +157,28 @@ def number_field(config: dict, key: str, fail, *, minimum: float = 0.0, default=
     return float(value)
 
 
-def str_field(config: dict, key: str, fail, *, default=None):
+def _typed_field(config: dict, key: str, fail, accepts, what: str, default):
+    """config[key] when accepts(value) holds; default when absent or null; else fail naming what it must be."""
     value = config.get(key)
     if value is None:
         return default
-    if not isinstance(value, str):
-        raise fail(key, f"must be a string, got {quote(value)}")
+    if not accepts(value):
+        raise fail(key, f"must be {what}, got {quote(value)}")
     return value
+
+
+def str_field(config: dict, key: str, fail, *, default=None):
+    return _typed_field(config, key, fail, lambda v: isinstance(v, str), "a string", default)
 
 
 def bool_field(config: dict, key: str, fail, *, default=None):
-    value = config.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise fail(key, f"must be true or false, got {quote(value)}")
-    return value
+    return _typed_field(config, key, fail, lambda v: isinstance(v, bool), "true or false", default)
 
 
 def str_list_field(config: dict, key: str, fail, *, default=None):
-    value = config.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise fail(key, f"must be a list of strings, got {quote(value)}")
-    return value
+    return _typed_field(config, key, fail, lambda v: isinstance(v, list) and all(isinstance(i, str) for i in v),
+                        "a list of strings", default)
 
 
 def dict_field(config: dict, key: str, fail, *, default=None):
-    value = config.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, dict):
-        raise fail(key, f"must be an object ({{...}}), got {quote(value)}")
-    return value
+    return _typed_field(config, key, fail, lambda v: isinstance(v, dict), "an object ({...})", default)
