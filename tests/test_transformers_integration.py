@@ -303,7 +303,7 @@ def test_the_default_name_is_one_transformers_serves_as_registered():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device serves flashjit's attention here")
 def test_without_a_cuda_device_register_raises_naming_what_is_missing():
-    """Not generate_batch's background thread, which would log the error and return empty token lists."""
+    """At register(), before any model runs."""
     with pytest.raises(RuntimeError, match=r"^no CUDA device: flashjit's paged attention needs one \(torch .*\); "
                                            r"register\(backend_factory=ReferenceDecode\) serves the float32 "
                                            r"reference instead$"):
@@ -382,6 +382,48 @@ def test_generate_batch_with_the_reference_backend_gives_paged_sdpa_tokens(famil
     assert got == expected and all(len(t) == 20 for t in got.values())
     planned_q = {q for backend in CountingReference.instances for q in backend.max_q_lens}
     assert 1 in planned_q and max(planned_q) > 1  # decode steps and multi-token steps both ran on the backend
+
+
+class FailingReference(ReferenceDecode):
+    """A backend whose kernel fails to build: the error flashjit's compiler would raise in generate_batch's thread."""
+
+    def plan(self, *args, **options):
+        raise RuntimeError("NVRTC compilation failed: spec decode_demo (stand-in)")
+
+
+@pytest.mark.parametrize("head_dim, backend, error, cause", [
+    (32, ReferenceDecode, UnsupportedAttention, r"does not support head_dim 32"),
+    (64, FailingReference, RuntimeError, r"^NVRTC compilation failed: spec decode_demo"),
+])
+def test_generate_batch_raises_what_flashjits_attention_raised_in_the_generation_thread(head_dim, backend, error, cause):
+    """transformers' generation thread logs the exception and fails the requests (empty token lists);
+    the caller gets the exception itself, and a later call on transformers' own attention is untouched."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                                      max_position_embeddings=512)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation(register("jit_failing", backend_factory=backend))
+    with pytest.raises(error, match=cause):
+        greedy_batch(model, max_batch_tokens=64)
+    model.set_attn_implementation(PAGED_SDPA)
+    outputs = greedy_batch(model, max_batch_tokens=64)
+    assert [len(generated) for _, generated in outputs.values()] == [16, 16, 16]
+
+
+def test_errors_are_collected_inside_the_block_only_first_of_each_message():
+    attention, q = PagedAttention(ReferenceDecode), torch.zeros(1, 4, 1, 64)
+    module = SimpleNamespace(layer_idx=0)
+    errors = []
+    with attention.collect_errors() as raised:
+        for _ in range(2):
+            with pytest.raises(ValueError, match="without `cache`") as caught:
+                attention(module, q, q[:, :2], q[:, :2], None)
+            errors.append(caught.value)
+    assert errors[0] is not errors[1] and raised == {str(errors[0]): errors[0]}
+    with pytest.raises(ValueError):
+        attention(module, q, q[:, :2], q[:, :2], None)
+    assert len(raised) == 1  # nothing is kept past the block (a traceback would hold the step's cache)
 
 
 def test_forked_requests_give_paged_sdpa_tokens():

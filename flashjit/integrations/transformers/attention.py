@@ -22,6 +22,7 @@ prefill chunks are cut into pieces the kernel takes, and no length is read back 
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -78,7 +79,7 @@ class PagedAttention:
             raise ValueError(f"max_decode_q_len: expected an int in 1..{MAX_Q_LEN}, got {max_decode_q_len!r}")
         if not isinstance(cuda_graphs, bool):
             raise ValueError(f"cuda_graphs: expected True or False, got {cuda_graphs!r}")
-        if backend_factory is None:  # here, not in generate_batch's thread, which logs errors and returns empty lists
+        if backend_factory is None:  # at register(), before any model runs
             validation.require_cuda(torch, torch.device("cuda"), "flashjit's paged attention",
                                     "register(backend_factory=ReferenceDecode) serves the float32 reference instead")
         self.cuda_graphs = cuda_graphs
@@ -93,11 +94,31 @@ class PagedAttention:
         self._cache_of = lambda: None
         self.plans = 0  # steps planned (all groups), for tests and logs
         self._sinks: dict = {}  # layer -> (weak parameter, its version, float32 copy the kernels read)
+        self._raised: dict | None = None  # inside collect_errors(): message -> the first exception raised with it
+
+    @contextlib.contextmanager
+    def collect_errors(self):
+        """Within the block, the exceptions this function raises are also kept, the first of each message
+        ({str(error): error}). transformers' generation thread catches them, logs them and fails the
+        requests with their message; register()'s generate_batch raises them again from this record."""
+        outer, self._raised = self._raised, {}
+        try:
+            yield self._raised
+        finally:
+            self._raised = outer  # (and nothing is kept past the block: a traceback holds the step's cache)
 
     # transformers' signature; torch.compile leaves it alone (it reads lengths on the host)
     @torch.compiler.disable
     def __call__(self, module, query, key, value, attention_mask=None, dropout: float = 0.0,
                  scaling: float | None = None, **kwargs):
+        try:
+            return self._attend(module, query, key, value, dropout, scaling, kwargs)
+        except Exception as error:
+            if self._raised is not None:
+                self._raised.setdefault(str(error), error)
+            raise
+
+    def _attend(self, module, query, key, value, dropout: float, scaling: float | None, kwargs: dict):
         cache = kwargs.get("cache")
         if cache is None:
             raise ValueError("paged attention called without `cache`: it serves transformers' continuous batching "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from .attention import PagedAttention
@@ -50,7 +51,8 @@ def check_transformers_api():
 def register(name: str = "fjit", **options) -> str:
     """Registers a PagedAttention(**options) as "paged|NAME" (transformers 5.17, 5.18) or "NAME"
     (5.19 on, which drops the prefix) and returns that name, for model.set_attn_implementation()
-    or from_pretrained(attn_implementation=...).
+    or from_pretrained(attn_implementation=...). A model's generate_batch with that name raises the
+    first exception the attention raised in transformers' generation thread (see _raise_from_generate_batch).
 
     The name must not contain "flash": transformers reads such names as FlashAttention variants
     (and looks for their kernels on the hub); "org/name" reads as a hub kernel."""
@@ -64,8 +66,43 @@ def register(name: str = "fjit", **options) -> str:
     else:
         full_name = name
         _accept_in_continuous_batching(full_name)
+    _raise_from_generate_batch(full_name, attention)
     transformers.AttentionInterface.register(full_name, attention)
     return full_name
+
+
+def _raise_from_generate_batch(name: str, attention: PagedAttention) -> None:
+    """Make generate_batch raise what the attention registered as `name` raised.
+
+    transformers runs the model in a background thread that catches every exception, logs it, fails
+    the requests with its message and lets generate_batch return them with empty token lists; its
+    continuous-batching API offers no hook to raise instead. So ContinuousMixin.generate_batch is
+    wrapped once: for a model whose attention is one flashjit registered, it collects what that
+    attention raises during the call, and raises the exception a failed request names (by its
+    message: a warm-up failure transformers recovers from fails no request). Models on other
+    attentions go straight to transformers' generate_batch."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousMixin
+
+    generate_batch = ContinuousMixin.generate_batch
+    attentions = getattr(generate_batch, "flashjit_attentions", None)
+    if attentions is None:
+        attentions = {}
+
+        @functools.wraps(generate_batch)
+        def generate_batch_raising(self, *args, **kwargs):
+            attention = attentions.get(getattr(self.config, "_attn_implementation", None))
+            if attention is None:
+                return generate_batch(self, *args, **kwargs)
+            with attention.collect_errors() as raised:
+                outputs = generate_batch(self, *args, **kwargs)
+            for output in outputs.values():
+                if output.error in raised:
+                    raise raised[output.error]
+            return outputs
+
+        generate_batch_raising.flashjit_attentions = attentions
+        ContinuousMixin.generate_batch = generate_batch_raising
+    attentions[name] = attention
 
 
 def _accept_in_continuous_batching(name: str) -> None:
