@@ -2,7 +2,8 @@
 on the CPU, end to end with the float32 reference backend: gpt-oss's tokens equal transformers' own
 paged eager attention's (which applies the sinks); Gemma 2's, which no paged attention of
 transformers soft-caps, are checked token by token against the float32 model
-(flashjit.integrations.transformers.greedy_oracle)."""
+(flashjit.integrations.transformers.greedy_oracle), which also accepts tokens gpt-oss's router
+sends across a near tie to the other expert, and only those."""
 
 from __future__ import annotations
 
@@ -63,3 +64,43 @@ def test_gemma2_soft_capped_tokens_are_float32_argmaxes():
     decisive, positions, failures = check_sequences(exact, plain, outputs)
     # A third of the positions leave one token acceptable; with the cap dropped, some of them fail.
     assert positions == 48 and failures == [] and decisive >= positions // 3
+
+
+def test_the_oracle_accepts_tokens_routed_across_a_near_tie_and_rejects_a_runner_up(monkeypatch):
+    """gpt-oss routes each token to its top-2 experts; where two router logits nearly tie, another
+    fp16 path may take the other expert and move the logits far past the plain fp16 forward's error.
+    A model with such a tie (layer 1, the prompt's last token) generates in float32 with that
+    routing flipped: the plain check rejects the tokens, the check with routing ties accepts them
+    by flipping exactly that routing, and a runner-up token still fails."""
+    from flashjit.integrations.transformers import greedy_oracle
+    from flashjit.integrations.transformers.greedy_oracle import check_sequence, teacher_forced_logits
+    from flashjit.integrations.transformers.moe_routing import flipped, recorded_router_logits, routers
+
+    exact, layer = gpt_oss(), 1
+    exact.set_attn_implementation("eager")
+    prompt = torch.randint(3, 250, (9,), generator=torch.Generator().manual_seed(0)).tolist()
+    tie = (layer, len(prompt) - 1)
+    with recorded_router_logits(exact) as router_logits:
+        teacher_forced_logits(exact, prompt)
+    router = routers(exact)[layer]
+    values, experts = router_logits[layer][tie[1]].topk(router.top_k + 1)
+    with torch.no_grad():  # the (k+1)-th expert 1e-5 below the k-th at that token
+        router.bias[experts[-1]] += values[-2] - values[-1] - 1e-5
+    plain = copy.deepcopy(exact).to(torch.float16)
+
+    generated = []
+    with flipped(exact, [tie]):
+        for _ in range(12):
+            generated.append(int(teacher_forced_logits(exact, prompt + generated, 1)[-1].argmax()))
+        flipped_logits = teacher_forced_logits(exact, prompt + generated, len(generated) + 1)[:-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(greedy_oracle, "MAX_FLIPPED_TIES", 0)
+        assert check_sequence(exact, plain, prompt, generated).failures  # the tie matters here
+    result = check_sequence(exact, plain, prompt, generated)
+    assert result.failures == [] and result.flipped == (tie,) and result.decisive >= 6
+
+    top2 = flipped_logits.topk(2, dim=-1)
+    clearest = int((top2.values[:, 0] - top2.values[:, 1]).argmax())  # the widest margin under that routing
+    wrong = generated[:clearest] + [int(top2.indices[clearest, 1])] + generated[clearest + 1:]
+    assert check_sequence(exact, plain, prompt, wrong).failures

@@ -14,15 +14,26 @@ decisive when the float32 margin between the two best logits exceeds that tolera
 the float32 argmax passes, so a wrong attention (which moves logits by far more than rounding)
 fails there. `check_sequences` reports how many positions were decisive, so a test can require
 that the check decided something.
+
+Mixture-of-experts models (gpt-oss) route each token to its top-k experts, a choice that jumps
+where two router logits nearly tie: there another fp16 path may take the other expert and move the
+logits by far more than the plain forward's rounding (moe_routing.py). A sequence that fails is
+checked again under the routings flipped at the nearest such ties (each subset of up to
+MAX_FLIPPED_TIES of them): it passes if, under one routing, every token passes. One routing for the
+whole sequence, as generation computes each token's experts once.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from .moe_routing import flipped, near_ties, recorded_router_logits
+
 NOISE_FACTOR = 4.0  # fp16 paths round differently (kernels, accumulation order): a few times one path's error
+MAX_FLIPPED_TIES = 4  # routing ties tried flipped, nearest first: 2^4 - 1 more float32 forwards, on failure only
 
 
 @dataclass
@@ -32,6 +43,7 @@ class SequenceCheck:
     positions: int
     decisive: int
     failures: list  # (position, token, float32 logit of the token, float32 max, tolerance)
+    flipped: tuple = ()  # the (router, token) routings flipped for the sequence to pass (moe_routing.py)
 
 
 def teacher_forced_logits(model, tokens: list[int], keep: int | None = None) -> torch.Tensor:
@@ -51,15 +63,31 @@ def check_sequence(model32, model16, prompt: list[int], generated: list[int],
         return SequenceCheck(0, 0, [])
     sequence = list(prompt) + list(generated)
     keep = len(generated) + 1  # from the prompt's last position: logits at t predict token t + 1
-    exact = teacher_forced_logits(model32, sequence, keep)[:-1]
-    rounded = teacher_forced_logits(model16, sequence, keep)[:-1]
+    with recorded_router_logits(model32) as routing32:
+        exact = teacher_forced_logits(model32, sequence, keep)[:-1]
+    with recorded_router_logits(model16) as routing16:
+        rounded = teacher_forced_logits(model16, sequence, keep)[:-1]
     tolerance = noise_factor * (rounded - exact).abs().amax(dim=-1)
     top2 = exact.topk(2, dim=-1).values
-    chosen = exact.gather(1, torch.tensor(generated, device=exact.device)[:, None])[:, 0]
     decisive = int((top2[:, 0] - top2[:, 1] > tolerance).sum())
-    failed = (chosen < top2[:, 0] - tolerance).nonzero()[:, 0].tolist()
-    failures = [(t, generated[t], float(chosen[t]), float(top2[t, 0]), float(tolerance[t])) for t in failed]
+    chosen = torch.tensor(generated, device=exact.device)[:, None]
+    failures = _failures(exact, chosen, tolerance)
+    if failures and routing32:
+        ties = near_ties(model32, routing32, routing16, noise_factor, MAX_FLIPPED_TIES)
+        subsets = (s for n in range(1, len(ties) + 1) for s in itertools.combinations(ties, n))
+        for subset in subsets:
+            with flipped(model32, subset):
+                if not _failures(teacher_forced_logits(model32, sequence, keep)[:-1], chosen, tolerance):
+                    return SequenceCheck(len(generated), decisive, [], subset)
     return SequenceCheck(len(generated), decisive, failures)
+
+
+def _failures(logits: torch.Tensor, chosen: torch.Tensor, tolerance: torch.Tensor) -> list:
+    """(position, token, its logit, max, tolerance) of each chosen token below max - tolerance."""
+    best = logits.amax(dim=-1)
+    got = logits.gather(1, chosen)[:, 0]
+    failed = (got < best - tolerance).nonzero()[:, 0].tolist()
+    return [(t, int(chosen[t, 0]), float(got[t]), float(best[t]), float(tolerance[t])) for t in failed]
 
 
 def check_sequences(model32, model16, outputs: dict, noise_factor: float = NOISE_FACTOR):
