@@ -61,7 +61,7 @@ def near_ties(model, logits32: list, logits16: list, noise_factor: float, limit:
         gap = values[:, top_k - 1] - values[:, top_k]
         noise = (rounded - exact).abs().amax(dim=-1)
         for t in (gap <= noise_factor * noise).nonzero()[:, 0].tolist():
-            ties.append((float(gap[t] / noise[t]), r, t))
+            ties.append((float(gap[t] / noise[t]) if noise[t] > 0 else 0.0, r, t))  # 0 / 0: an exact tie
     return [(r, t) for _, r, t in sorted(ties)[:limit]]
 
 
