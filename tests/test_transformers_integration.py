@@ -395,7 +395,7 @@ class FailingReference(ReferenceDecode):
     (32, ReferenceDecode, UnsupportedAttention, r"does not support head_dim 32"),
     (64, FailingReference, RuntimeError, r"^NVRTC compilation failed: spec decode_demo"),
 ])
-def test_generate_batch_raises_what_flashjits_attention_raised_in_the_generation_thread(head_dim, backend, error, cause):
+def test_generate_batch_raises_what_flashjits_attention_raised_in_its_thread(head_dim, backend, error, cause):
     """transformers' generation thread logs the exception and fails the requests (empty token lists);
     the caller gets the exception itself, and a later call on transformers' own attention is untouched."""
     torch.manual_seed(0)
