@@ -32,6 +32,7 @@ from flashjit.masks.registry import MaskDef, MaskParam, masks
 from flashjit.jit.compile import compile_source
 from flashjit.jit.render import render, template_root
 
+from built_ins import BUILT_IN_MASKS, BUILT_IN_VARIANTS, HOST_SPAN_MASKS, SCALAR_PARAM_MASKS
 from repo_paths import ROOT
 
 needs_cxx = pytest.mark.skipif(cm.host_compiler() is None, reason="no host C++ compiler")
@@ -311,18 +312,16 @@ def test_sink_window_kv_span_rejects_stale_first_q_pos():
 
 # ---- built-ins: registry entries, render, compile ----------------------------------------------
 
-@pytest.mark.parametrize("name, params", [
-    ("tree", (MaskParam("tree_mask", "int_tensor"), MaskParam("tree_qo_indptr", "int_tensor"))),
-    ("sink_window", (MaskParam("num_sink", "int"), MaskParam("window_left", "int"),
-                     MaskParam("first_q_pos", "int_tensor"))),
-])
-def test_new_built_ins_registered(name, params):
+@pytest.mark.parametrize("name", [name for name in BUILT_IN_MASKS if masks.get(name).params])
+def test_built_ins_with_params_have_a_span_a_predicate_and_a_sampler(name):
+    """Their parameters (tests/masks/test_registry.py) narrow what a request reads: the planner walks the
+    span, the reference applies the predicate, and check-mask and the GPU tests sample the values."""
     mask = masks.get(name)
-    assert mask.params == params and mask.template == f"masks/{name}.cuh.j2"
+    assert mask.template == f"masks/{name}.cuh.j2"
     assert mask.kv_span and mask.reference and mask.sample_params
 
 
-@pytest.mark.parametrize("name", ["sliding_window", "block_sparse", "tree", "sink_window"])
+@pytest.mark.parametrize("name", [name for name in BUILT_IN_MASKS if masks.get(name).sample_params])
 def test_built_in_samplers_fit_their_masks(name):
     mask = masks.get(name)
     rng = random.Random(1)
@@ -335,30 +334,36 @@ def test_built_in_samplers_fit_their_masks(name):
         assert np.all(begin >= 0) and np.all(end >= begin)
 
 
+TENSOR_PARAM_MASKS = tuple(name for name in BUILT_IN_MASKS if name not in SCALAR_PARAM_MASKS)
+
+
 @pytest.fixture(scope="module")
 def mask_cache(tmp_path_factory) -> tuple[Path, list, list]:
-    """A cache holding what `check-mask tree|sink_window --arch sm_90` compiles, compiled in parallel once."""
+    """A cache holding what `check-mask NAME --arch sm_90` compiles for every built-in with tensor
+    parameters, compiled in parallel once."""
     cache_dir = tmp_path_factory.mktemp("mask-cache")
-    specs = cm.compile_specs("tree", ["sm_90"]) + cm.compile_specs("sink_window", ["sm_90"])
+    specs = [spec for name in TENSOR_PARAM_MASKS for spec in cm.compile_specs(name, ["sm_90"])]
     return cache_dir, specs, cm.compile_all(Engine(cache_dir=cache_dir), specs)
 
 
-def test_new_built_ins_render_and_compile(mask_cache):
+def test_tensor_param_built_ins_render_and_compile(mask_cache):
+    """Each kernel reads its mask's tensors through the read-only cache, on both kernel kinds."""
     cache_dir, specs, results = mask_cache
-    assert {s.tensor_cores for s in specs} == {False, True} and {s.mask for s in specs} == {"tree", "sink_window"}
-    assert [r.result for r in results] == ["compiled"] * 4, [r.error for r in results]
+    assert {(s.mask, s.tensor_cores) for s in specs} == set(itertools.product(TENSOR_PARAM_MASKS, (False, True)))
+    assert [r.result for r in results] == ["compiled"] * len(specs), [r.error for r in results]
     engine = Engine(cache_dir=cache_dir)
     for spec in specs:
         assert engine.get_kernel(spec).cubin[:4] == b"\x7fELF"
         source = engine.source(spec)
         assert f"// mask: {spec.mask}" in source
-        assert ("__ldg(params.tree_mask" if spec.mask == "tree" else "__ldg(params.first_q_pos") in source
+        tensors = [p.name for p in masks.get(spec.mask).params if p.kind.endswith("tensor")]
+        assert tensors and all(f"__ldg(params.{name}" in source for name in tensors), spec.name
 
 
 # ---- the host replay ----------------------------------------------------------------------------
 
 @needs_cxx
-@pytest.mark.parametrize("name", ["none", "causal", "sliding_window", "block_sparse", "tree", "sink_window"])
+@pytest.mark.parametrize("name", BUILT_IN_MASKS)
 def test_host_check_passes_built_ins(name):
     result = cm.check_on_host(name)
     assert result.requests > 20 and not result.skipped
@@ -488,7 +493,7 @@ def test_worked_example_mask(isolated_masks, tmp_path):
 
 def test_docs_name_every_built_in():
     text = (ROOT / "docs/masks.md").read_text()
-    for name in ("none", "causal", "sliding_window", "block_sparse", "tree", "sink_window"):
+    for name in BUILT_IN_MASKS + BUILT_IN_VARIANTS:
         assert f"`{name}`" in text
     assert "flashjit.masks" in text and "check-mask" in text
     assert flashjit.register_mask is register_mask
@@ -531,8 +536,10 @@ class _ReferenceDecoder:
         return out
 
 
-@pytest.mark.parametrize("name", ["tree", "sink_window"])
+@pytest.mark.parametrize("name", HOST_SPAN_MASKS)
 def test_check_batch_wiring_on_cpu(name, monkeypatch, isolated_masks):
+    """The masks whose spans the host computes from their tensors: the stand-in decoder checks their
+    parameters through kv_span, as plan() does."""
     from flashjit.serving import batch_decode
 
     monkeypatch.setattr(batch_decode, "BatchDecode", _ReferenceDecoder)

@@ -12,12 +12,20 @@ from flashjit import DecodeSpec, Engine, SpecError, register_mask
 from flashjit.masks.registry import MaskParam, masks
 from flashjit.jit.render import render
 
+from built_ins import BUILT_IN_MASKS
+
+# Each built-in's parameters, as docs/masks.md documents them: the fields of its kernel argument struct.
 BUILT_INS = {
     "none": (),
     "causal": (),
     "sliding_window": (MaskParam("window_left", "int"),),
     "block_sparse": (MaskParam("block_size", "int"), MaskParam("block_indptr", "int_tensor"),
                      MaskParam("block_indices", "int_tensor")),
+    "tree": (MaskParam("tree_mask", "int_tensor"), MaskParam("tree_qo_indptr", "int_tensor")),
+    "sink_window": (MaskParam("num_sink", "int"), MaskParam("window_left", "int"),
+                    MaskParam("first_q_pos", "int_tensor")),
+    "key_range": (MaskParam("range_qo_indptr", "int_tensor"), MaskParam("range_begin", "int_tensor"),
+                  MaskParam("range_end", "int_tensor")),
 }
 
 
@@ -25,6 +33,10 @@ def decode_signature(source: str) -> str:
     match = re.search(r"flashjit_decode\(([^)]*)\)", source)
     assert match, "rendered source has no flashjit_decode entry point"
     return match.group(1)
+
+
+def test_the_table_holds_every_built_in():
+    assert sorted(BUILT_INS) == sorted(BUILT_IN_MASKS)
 
 
 @pytest.mark.parametrize("name, params", BUILT_INS.items())

@@ -26,6 +26,8 @@ from flashjit.kernels.decode.tiling import TUNING, decode_tiling
 from flashjit.serving.batch_decode import BatchDecode
 from flashjit.worklist.host import HostPlanner, item_records
 
+from built_ins import SCALAR_PARAM_MASKS
+
 CPU = torch.device("cpu")
 FIELD = {name: i for i, name in enumerate(WORK_ITEM_FIELDS)}
 # The fields that say what a CTA computes; request, page_begin and q_begin only say where its request sits.
@@ -34,7 +36,9 @@ COMPUTED = [FIELD[name] for name in ("v_begin", "v_end", "kv_len", "q_len", "spl
 # (kv dtype, head_dim, tensor_cores): a case for every tiling the kernels have (TUNING's rows and the CUDA cores).
 TILINGS = [("float8_e4m3fn" if row.fp8 else "bfloat16", row.head_dim, True) for row in TUNING.tensor_cores]
 TILINGS += [("bfloat16", 128, False), ("bfloat16", 96, False)]
-MASKS = [("none", None), ("causal", None), ("sliding_window", 1000)]
+# The masks whose parameters are all scalars: one value serves every batch (a tensor parameter is
+# laid out for the batch it was made for); sliding_window's window still splits the long requests.
+MASKS = [(mask, 1000 if mask == "sliding_window" else None) for mask in SCALAR_PARAM_MASKS]
 
 
 def fake_loaded(kernel, device_index) -> LoadedKernel:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashjit.worklist.record import MERGE_COUNTS, MERGE_WAITS, RECORD_HEADS
-from flashjit.serving import graph_mode
+from flashjit.serving import graph_mode, shared_decode
 from flashjit.worklist.host import HostPlanner, item_records
 from flashjit.worklist.shared import (HEAD_PACK_MAX_TILES, members_per_record, plan_shared_work, record_tiles,
                                           shared_chunks)
@@ -357,7 +357,7 @@ def test_plans_without_sharing_are_unchanged(planner):
     assert np.array_equal(*works)
 
 
-@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("mask", shared_decode.SHARING_MASKS)
 def test_the_staging_buffer_holds_the_shared_records(planner, mask):
     """plan() with the C planner stages the numpy planner's words (its reference), and the work
     summary of the staged list."""

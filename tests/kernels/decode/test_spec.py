@@ -19,6 +19,8 @@ from flashjit.kernels.decode import spec as spec_module
 from flashjit.jit.arch import ARCHS
 from flashjit.kernels.decode.spec import HEAD_DIMS
 
+from built_ins import BUILT_IN_MASKS
+
 
 @pytest.mark.parametrize("value", ["bf16", "bfloat16", "BF16", torch.bfloat16, "torch.bfloat16"])
 def test_bfloat16_aliases_normalize(value):
@@ -79,7 +81,7 @@ def test_bad_value_raises_spec_error_naming_field_value_and_accepted(field, valu
 def test_unknown_mask_lists_registered_masks():
     with pytest.raises(SpecError) as info:
         DecodeSpec(128, mask="diagonal", arch="sm_90")
-    for name in ("none", "causal", "sliding_window", "block_sparse"):
+    for name in BUILT_IN_MASKS:
         assert name in info.value.accepted
 
 
