@@ -14,6 +14,8 @@ from flashjit.kernels.decode.family import ENTRY_TEMPLATE
 from flashjit.jit.render import render, template_root
 from flashjit.kernels.decode.tiling import decode_tiling
 
+from built_ins import BUILT_IN_MASKS
+
 
 def user_mask(tmp_path, name: str, text: str):
     path = tmp_path / f"{name}.cuh.j2"
@@ -89,12 +91,23 @@ def test_edited_user_template_is_rerendered(isolated_masks, tmp_path):
     assert "return kv_pos < 22;" in render(spec)
 
 
-@pytest.mark.parametrize("mask, hook_body", [
-    ("none", "return true;"),
-    ("causal", "return kv_pos <= q_pos;"),
-    ("sliding_window", "return kv_pos <= q_pos && kv_pos >= q_pos - params.window_left;"),
-    ("block_sparse", "params.block_indices"),
-])
+# A line of each built-in mask's hooks, as its template writes it.
+HOOK_BODIES = {
+    "none": "return true;",
+    "causal": "return kv_pos <= q_pos;",
+    "sliding_window": "return kv_pos <= q_pos && kv_pos >= q_pos - params.window_left;",
+    "block_sparse": "params.block_indices",
+    "tree": "__ldg(params.tree_mask + __ldg(params.tree_qo_indptr + request) + q_idx)",
+    "sink_window": "(kv_pos < params.num_sink || q_pos - kv_pos <= params.window_left)",
+    "key_range": "kv_pos >= __ldg(params.range_begin + t) && kv_pos < __ldg(params.range_end + t)",
+}
+
+
+def test_every_built_in_mask_has_its_hooks_checked():
+    assert sorted(HOOK_BODIES) == sorted(BUILT_IN_MASKS)
+
+
+@pytest.mark.parametrize("mask, hook_body", HOOK_BODIES.items())
 def test_source_contains_spec_name_and_mask_hooks(mask, hook_body):
     spec = DecodeSpec(128, mask=mask, group_size=4, arch="sm_90")
     source = render(spec)

@@ -13,12 +13,14 @@ import ctypes
 import dataclasses
 import itertools
 import math
+import random
 
 import numpy as np
 import pytest
 import torch
 
 from flashjit import DecodeSpec
+from flashjit.deploy import mask_check as cm
 from flashjit.serving.batch_decode import BatchDecode
 from flashjit.serving.buffers import Capacity, PageIdRange, PlanBuffers
 from flashjit.serving.graph_mode import SPLIT_WAVES
@@ -29,6 +31,7 @@ from flashjit.masks.registry import masks, register_mask
 from flashjit.kernels.decode import tiling as tiling_module
 from flashjit.kernels.decode.tiling import decode_tiling
 
+from built_ins import BUILT_IN_MASKS
 from cpu_decoders import (CPU, CTAS_PER_SM, DECODE_FN, MERGE_FN, NUM_SMS, cpu_decoder, fake_loaded,
                           launch_of, native_library, tables)
 from planner_oracle import reference_page_table, reference_plan_work
@@ -110,10 +113,8 @@ def assert_planned(decoder, work, kv_lens, indptr_h, tiling, indices, num_qo_hea
     assert plan.max_page == (int(indices[: int(indptr_h[-1])].max()) if indptr_h[-1] else -1)
 
 
-MASK_CASES = [("none", {}), ("causal", {}), ("sliding_window", {"window_left": 300})]
-
-
 def test_plans_random_batches_as_the_old_host_path_did(planner):
+    """Every built-in mask in turn, its parameters sampled for the batch (MaskDef.sample_params)."""
     rng = np.random.default_rng(11)
     decoder = cpu_decoder(planner)
     for step in range(40):
@@ -122,7 +123,8 @@ def test_plans_random_batches_as_the_old_host_path_did(planner):
         page_size = int(rng.choice([1, 16]))
         num_kv_heads, group = int(rng.choice([1, 8])), int(rng.choice([1, 4]))
         head_dim, q_len = int(rng.choice([64, 128])), int(rng.choice([1, 2]))
-        mask, params = MASK_CASES[step % len(MASK_CASES)]
+        mask = BUILT_IN_MASKS[step % len(BUILT_IN_MASKS)]
+        params = cm.sample_params(masks.get(mask), random.Random(step), kv_lens, [q_len] * batch, page_size, CPU)
         chunk_tokens = None if rng.random() < 0.8 else int(rng.integers(16, 4000))
         indptr, indices, last = tables(kv_lens, page_size, rng)
         decoder.plan(indptr, indices, last, num_kv_heads * group, num_kv_heads, head_dim, page_size, q_len=q_len,
