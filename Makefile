@@ -66,8 +66,8 @@ $(LATEST)/.installed: $(BIN)/.installed-test
 	touch $@
 
 test-transformers-latest: $(LATEST)/.installed
-	PYTHONPATH=$(LATEST) $(BIN)/python -m pytest -q tests/test_transformers_integration.py tests/test_transformers_variants.py \
-		tests/test_transformers_benchmark.py
+	PYTHONPATH=$(LATEST) $(BIN)/python -m pytest -q tests/integrations/transformers \
+		tests/benchmarks/test_transformers_benchmark.py
 
 $(FBIN)/.installed: pyproject.toml $(FRAMEWORK_REQS) $(FRAMEWORK_NODEPS)
 	$(PYTHON) -m venv $(FVENV)

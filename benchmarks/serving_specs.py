@@ -1,5 +1,5 @@
 """vLLM's attention-benchmark batch grammar, and the per-row output check of
-benchmarks/serving_backends.py (CPU-testable: tests/test_serving_specs.py).
+benchmarks/serving_backends.py (CPU-testable: tests/benchmarks/test_serving_specs.py).
 
 A spec is segments joined by "_", each `<count>?q<q_len>[k](s<seq_len>[k])?(p<shared>[k])?`:
 count requests of q_len new tokens over seq_len keys (default seq_len = q_len: a prefill from

@@ -1,4 +1,13 @@
-"""Shared fixtures of the CPU suite.
+"""Shared fixtures of the CPU suite, and the suite's layout.
+
+The tests mirror the package: tests/<package>/ holds the tests of flashjit/<package>/ (tests/jit/,
+tests/kernels/mla/, tests/integrations/vllm/, ...), tests/benchmarks/ those of benchmarks/, and
+tests/ itself those of flashjit's top-level modules (env, validation, cuda_flavour) and of the
+package as a whole (layering, the API docs, the golden sources). tests/gpu/ runs on a GPU only,
+tests/frameworks/ in .venv-frameworks only. The CPU folders hold no __init__.py: pytest puts each
+test file's folder and this one on sys.path, so test file names are unique across the suite, and
+what tests in several folders share is a module here (cpu_decoders, cli_runner, repo_paths, ...),
+imported by name; its fixtures are plugins of this file (pytest_plugins).
 
 NVRTC needs no GPU, so these tests compile real kernels; each compile costs ~0.4 s on two CPU
 cores, so one engine for the whole run (`warm`) compiles WARM_SPEC once and tests that only need
@@ -8,7 +17,6 @@ a valid cache entry copy it instead of compiling again.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import os
 import shutil
@@ -23,6 +31,12 @@ from flashjit.jit.cache import KernelCache
 from flashjit.jit.compile import CompiledKernel
 from flashjit.kernels.worklist_kernel import Kernel
 from flashjit.masks.registry import masks
+from flashjit.masks.variants import variants
+
+from fake_cubins import fake_cubin
+
+# Fixtures that tests of several folders use: cpu_decoders' `planner` and `launches`, build_box's `built`.
+pytest_plugins = ["cpu_decoders", "build_box"]
 
 # tests/frameworks imports vLLM and SGLang, installed in .venv-frameworks only: `make test` runs it
 # there with FLASHJIT_FRAMEWORK_TESTS=1, and the main suite leaves it out.
@@ -98,6 +112,16 @@ def isolated_masks(monkeypatch):
     masks._scanned_env = saved[1]
 
 
+@pytest.fixture
+def isolated_variants():
+    """Undo every variant registration a test makes (the golden sources cross every registered variant)."""
+    saved = dict(variants._variants)
+    yield variants
+    with variants._lock:
+        variants._variants.clear()
+        variants._variants.update(saved)
+
+
 def write_mask(folder: Path, name: str, visible: str, header: str = "") -> Path:
     """A user mask template that extends masks/base.cuh.j2 and overrides `visible`."""
     path = folder / f"{name}.cuh.j2"
@@ -111,11 +135,6 @@ def write_mask(folder: Path, name: str, visible: str, header: str = "") -> Path:
 def mask_file():
     """write_mask, for tests: mask_file(folder, name, visible_body, header='')."""
     return write_mask
-
-
-def fake_cubin(source: str, arch: str) -> bytes:
-    """What fake_nvrtc 'compiles' a source to: deterministic, distinct per source and arch."""
-    return b"\x7fELF fake cubin " + hashlib.sha256(f"{arch}\0{source}".encode()).digest()
 
 
 class CompiledNames(list):
@@ -142,34 +161,6 @@ def fake_nvrtc(monkeypatch) -> CompiledNames:
 
     monkeypatch.setattr(engine_module, "compile_source", compile_source)
     return compiled
-
-
-def collect_flashjit_log() -> list[str]:
-    """Send the 'flashjit' logger's INFO records (e.g. 'compiling ...') to a list; for spawned children."""
-    messages: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-
-    logger = logging.getLogger("flashjit")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(Collect())
-    return messages
-
-
-def run_children(children, results, timeout: float = 120) -> list:
-    """Start the processes, collect one report each from the results queue, and reap them (killing
-    any still alive after 30 s), so a hung child fails the test instead of blocking the run."""
-    for child in children:
-        child.start()
-    try:
-        return [results.get(timeout=timeout) for _ in children]
-    finally:
-        for child in children:
-            child.join(30)
-            if child.is_alive():
-                child.kill()
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import torch
 
 from flashjit.deploy.random_batches import make_batch
 from flashjit.parallel import split_page_table
+from flashjit.parallel.shard_mask import GLOBAL_MASKS
 from flashjit.serving.reference import decode_reference
 
 PAGE_SIZE = 4
@@ -16,7 +17,15 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
 # Zero keys, fewer keys than query tokens, one page, many pages; several query tokens beside one.
 KV_LENS = [37, 0, 16, 101, 2, 9]
 Q_LENS = [3, 1, 2, 4, 3, 1]
-MASKS = [("none", None), ("causal", None), ("sliding_window", 5), ("sliding_window", 0)]
+
+
+def global_masks(windows) -> list[tuple[str, int | None]]:
+    """(mask, window_left) of every mask context-parallel decode takes (shard_mask.GLOBAL_MASKS),
+    sliding_window once per window in windows."""
+    return [(mask, window) for mask in GLOBAL_MASKS for window in (windows if mask == "sliding_window" else (None,))]
+
+
+MASKS = global_masks((5, 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +123,7 @@ def nccl_worker(rank: int, world: int, init_file: str, output: str):
                   heads=8, kv_heads=2, head_dim=128)
         for layout, (mask, window_left) in itertools.product(
                 [Layout("contiguous", uneven=True), Layout("interleaved", block_pages=2)],
-                [("none", None), ("causal", None), ("sliding_window", 100)]):
+                global_masks((100,))):
             single = flashjit.BatchDecode()
             single.plan(b.indptr, b.indices, b.last_page_len, 8, 2, 128, 16, qo_indptr=b.qo_indptr, mask=mask,
                         window_left=window_left)

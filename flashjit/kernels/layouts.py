@@ -4,8 +4,9 @@ Each function is the formula a kernel computes with a constexpr function or cons
 layout_checks(spec, tiling) gives static_asserts, which render() pastes into that kernel's source
 beside the ABI checks (abi.py), that the kernel's function returns these values over its whole
 domain. A formula edited on one side only fails the NVRTC compile with a message naming both. The
-CPU tests that replay the layouts lane by lane (tests/test_fp8_layout.py, test_mla_layout.py,
-test_shared_wgmma.py) replay these functions, so they replay what the compiled kernel computes.
+CPU tests that replay the layouts lane by lane (test_fp8_layout.py and test_shared_wgmma.py in
+tests/kernels/decode/, test_mla_layout.py in tests/kernels/mla/) replay these functions, so they
+replay what the compiled kernel computes.
 
 * fp8 tensor cores (decode_tc_fp8.cuh): which 4 key bytes lane column t reads at k-step ks
   (k_byte), and which head dim row r of O^T's m-tile mt holds (o_dim).

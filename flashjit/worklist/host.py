@@ -85,7 +85,7 @@ def item_records(host: np.ndarray, starts: tuple) -> np.ndarray:
 
 
 class PlanParams(ctypes.Structure):
-    """Mirror of fj_plan_t in native/host_plan.c (tests/test_worklist_abi.py checks the layout)."""
+    """Mirror of fj_plan_t in native/host_plan.c (tests/worklist/test_worklist_abi.py checks the layout)."""
 
     _c_name_ = "fj_plan_t"
     _fields_ = [(name, ctypes.c_void_p) for name in (

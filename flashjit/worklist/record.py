@@ -8,7 +8,7 @@ checks that tie the sides together:
 * The entry templates define FJ_ITEM_INTS as ITEM_INTS, and WorkItem asserts the width it reads.
 * The C planner is built with HOST_PLAN_DEFINES (-DFJ_ITEM_INTS=ITEM_INTS); the file refuses to
   build without it, or with a width other than the one it writes. Its structs' layout is checked
-  against the ctypes mirrors in worklist/host.py (tests/test_worklist_abi.py).
+  against the ctypes mirrors in worklist/host.py (tests/worklist/test_worklist_abi.py).
 * PlanArgs is checked field by field in every kernel source that carries the GPU planner
   (jit/abi_checks.py).
 """

@@ -1,7 +1,7 @@
 """The work list of a batch with shared prefixes (spans.SharedSpans): shared records, member slots, own items.
 
 In numpy: the reference of native/host_plan.c's fj_shared_plan and fj_shared_fill, which plan()
-uses with the native host tables (tests/test_shared_plan_native.py holds them to the same bytes).
+uses with the native host tables (tests/worklist/test_shared_plan_native.py holds them to the same bytes).
 
 The grid runs the records; the merge reads partial slots, which here are not grid positions:
   * The records: first the shared ones, each one chunk of a group's span for a run of consecutive

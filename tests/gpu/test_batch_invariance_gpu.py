@@ -25,6 +25,8 @@ import flashjit
 from flashjit.worklist.record import WORK_ITEM_FIELDS
 from flashjit.serving.reference import decode_reference
 
+from built_ins import DEVICE_PLANNED_MASKS, SCALAR_PARAM_MASKS
+
 from .batches import assert_exact, tolerance
 
 PAGE = 16
@@ -32,9 +34,10 @@ NUM_KV_HEADS = 2
 KV_SCALES = (0.07, 0.05)  # fp8 caches: K / 0.07 and V / 0.05 stored, the same in every batch
 WINDOW = 5000  # the long tracked request still splits into several items
 # (head_dim, kv dtype, mask, query tokens per tracked request, GQA group): tensor cores at group 4,
-# CUDA cores (one row per KV head) at group 1.
+# CUDA cores (one row per KV head) at group 1. The masks whose parameters are all scalars: one value
+# serves every batch (a tensor parameter is laid out for the batch it was made for).
 CASES = [(d, kv, m, q, 4) for d, kv, m, q in itertools.product(
-    [64, 128, 256], ["bfloat16", "float8_e4m3fn"], ["none", "causal", "sliding_window"], [1, 4])]
+    [64, 128, 256], ["bfloat16", "float8_e4m3fn"], SCALAR_PARAM_MASKS, [1, 4])]
 CASES += [(128, "bfloat16", "causal", 1, 1), (64, "float8_e4m3fn", "sliding_window", 1, 1),
           (256, "bfloat16", "none", 1, 1)]
 TRIALS = 4  # batches with others per case
@@ -244,7 +247,7 @@ def device_records(decoder) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window"])
+@pytest.mark.parametrize("mask", DEVICE_PLANNED_MASKS)
 def test_the_gpu_planner_writes_the_host_planners_fixed_split_records(engine, head_dim, mask):
     rng = random.Random(head_dim + len(mask))
     options = dict(use_cuda_graph=True, max_batch_size=64, max_num_pages=20000)

@@ -13,9 +13,13 @@ from flashjit.deploy import mask_check as cm
 from flashjit.masks.registry import masks
 from flashjit.serving.reference import decode_reference
 
+from built_ins import DEVICE_PLANNED_MASKS
+
 from .batches import assert_exact, make_batch, tolerance
 
-MASKS = ["none", "causal", "sliding_window", "block_sparse"]
+# The masks the GPU planner plans; the others, whose spans the host computes from their tensors,
+# run through the same matrix in test_masks_gpu.py. Together: every built-in mask.
+MASKS = DEVICE_PLANNED_MASKS
 DTYPES = [torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 128, 256]
 GROUPS = [1, 4, 7, 8]

@@ -14,6 +14,8 @@ import torch
 import flashjit
 from flashjit.serving.reference import decode_reference
 
+from built_ins import DEVICE_PLANNED_MASKS
+
 from .batches import assert_exact, make_batch, tolerance
 
 PAGE_POOL = 6000
@@ -106,7 +108,7 @@ def assert_planners_agree(engine, heads, kv_heads, head_dim, tensor_cores, mask,
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, tensor_cores", CONFIGS)
-@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window"])
+@pytest.mark.parametrize("mask", DEVICE_PLANNED_MASKS)
 def test_gpu_planner_writes_the_host_planners_work_list(engine, heads, kv_heads, head_dim, tensor_cores, mask):
     assert_planners_agree(engine, heads, kv_heads, head_dim, tensor_cores, mask, [1, 37, 700], heads * 7 + head_dim)
 

@@ -21,10 +21,12 @@ from flashjit.serving.quantize import dequantize_kv, quantize_kv
 from flashjit.serving.reference import decode_reference
 from flashjit.masks.registry import masks
 
+from built_ins import BUILT_IN_MASKS
+
 from .batches import assert_exact, make_batch, tolerance
 
 KV_AND_Q = [("float8_e4m3fn", torch.bfloat16), ("float8_e5m2", torch.float16)]
-MASKS = ["none", "causal", "sliding_window", "block_sparse", "tree", "sink_window"]
+MASKS = BUILT_IN_MASKS
 HEAD_DIMS = [64, 96, 128, 256]
 GROUPS = [1, 4, 8]
 Q_LENS = [1, 4]

@@ -1,8 +1,8 @@
 """Group 1 (MHA) and head_dim 96 on the tensor-core kernels, against the float32 reference.
 
 16-bit (bf16, f16) and fp8 (e4m3, e5m2) K/V; every split policy of check-mask (none, the planner's,
-two chunks, 16-token chunks, fixed 48-token items); the masks whose key positions jump (sliding window, block sparse) beside none
-and causal; one and several query tokens; page sizes that divide head_dim 96's copy runs (of 6
+two chunks, 16-token chunks, fixed 48-token items); every built-in mask (those whose key positions
+jump among them); one and several query tokens; page sizes that divide head_dim 96's copy runs (of 6
 keys, 3 for fp8: page 12) and ones they straddle (5, 16, 64: runs over two pages; 1: key by key).
 Every output row (query token x head) is written (no NaN) and matches the reference within a bound
 from the dtypes, and fully masked rows are 0 with lse -inf.
@@ -21,10 +21,12 @@ from flashjit.masks.registry import masks
 from flashjit.serving.quantize import dequantize_kv, quantize_kv
 from flashjit.serving.reference import decode_reference
 
+from built_ins import BUILT_IN_MASKS
+
 from .batches import assert_exact, make_batch, tolerance
 
 NUM_KV_HEADS = 2
-MASKS = ["none", "causal", "sliding_window", "block_sparse"]
+MASKS = BUILT_IN_MASKS
 # (query dtype, K/V dtype): 16-bit K/V take the query's dtype
 DTYPES = [("bfloat16", "bfloat16"), ("float16", "float16"), ("bfloat16", "float8_e4m3fn"), ("float16", "float8_e5m2")]
 # (head_dim, group): head_dim 96 at MHA and GQA groups, MHA at the other head_dims

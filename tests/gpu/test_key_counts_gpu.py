@@ -9,7 +9,6 @@ random queries in the same runs, judged row by row. MLA and shared-prefix decode
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -22,11 +21,12 @@ from flashjit.serving.mla_reference import mla_reference
 from flashjit.serving.quantize import dequantize_kv, quantize_kv
 from flashjit.serving.reference import decode_reference
 
+from built_ins import BUILT_IN_MASKS
+
 from .batches import assert_exact, check_key_counts, key_counts, make_batch, tolerance
 from .test_mla_gpu import SM_SCALE, latent_caches, mla_tolerance, rounded_pe
 from .test_mla_gpu import make_batch as latent_batch
 
-BUILT_IN_MASKS = sorted(name for name in masks.names() if not os.path.isabs(masks.get(name).template))
 # kernel path -> (query dtype, cache dtype, tensor cores, head_dim, GQA group)
 PATHS = {
     "cuda_cores": ("bfloat16", "bfloat16", False, 128, 1),

@@ -1,4 +1,6 @@
-"""tree and sink_window kernels against the torch reference, through check-mask's runner.
+"""The masks whose key spans the host computes from their tensors (block_sparse, tree, sink_window,
+key_range: every built-in the GPU planner does not plan) against the torch reference, through
+check-mask's runner, over test_decode_gpu.py's matrix.
 
 Each batch runs under every split policy and with random and zero queries
 (flashjit.deploy.mask_check.check_batch), every row judged on its own; zero queries make the lse an
@@ -18,9 +20,11 @@ from flashjit.masks import sink_window
 from flashjit.serving.reference import decode_reference
 from flashjit.masks.registry import masks
 
+from built_ins import HOST_SPAN_MASKS
+
 from .batches import assert_exact, make_batch, tolerance
 
-MASKS = ["tree", "sink_window"]
+MASKS = HOST_SPAN_MASKS
 DTYPES = [torch.float16, torch.bfloat16]
 HEAD_DIMS = [64, 128, 256]
 GROUPS = [1, 4, 7, 8]

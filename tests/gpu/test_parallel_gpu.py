@@ -23,7 +23,7 @@ import parallel_cases as cases  # noqa: E402
 
 KV_LENS = [0, 1, 17, 300, 2048, 5000]
 Q_LENS = [1, 4]
-MASKS = [("none", None), ("causal", None), ("sliding_window", 100)]
+MASKS = cases.global_masks((100,))
 LAYOUTS = [cases.Layout("contiguous"), cases.Layout("contiguous", uneven=True), cases.Layout("interleaved"),
            cases.Layout("interleaved", block_pages=4)]
 

@@ -87,7 +87,7 @@ PATTERNS = ["none", "full", "samples", "two_levels", "prefix_of_another", "many_
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("mask", shared_decode.SHARING_MASKS)
 @pytest.mark.parametrize("q_len", [1, 3])
 def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q_len, monkeypatch):
     rng = random.Random(zlib.crc32(f"{pattern} {mask} {q_len}".encode()))
@@ -124,7 +124,7 @@ def test_shared_prefix_equals_per_request_decode(engine, cache, pattern, mask, q
         assert_exact(*outs[way], plain.float(), plain_lse, BF16, f"{way} against per-request decode")
 
 
-@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("mask", shared_decode.SHARING_MASKS)
 def test_multi_token_queries_merge_in_the_kernel(engine, cache, mask):
     """6 samples of a prompt, 3 query tokens each (12 rows a request and KV head, one row tile):
     one wave, which the kernel merges, each request's last own item combining the others' partials."""

@@ -22,10 +22,12 @@ from flashjit.masks.registry import masks
 from flashjit.masks.variants import variants
 from flashjit.serving.reference import decode_reference
 
+from built_ins import BUILT_IN_MASKS, PARAMETRIZED_VARIANTS
+
 from .batches import assert_exact, make_batch
 
-VARIANTS = ("soft_cap", "sinks", "soft_cap_sinks")
-MASKS = ("none", "causal", "sliding_window", "sink_window", "tree", "block_sparse")
+VARIANTS = PARAMETRIZED_VARIANTS
+MASKS = BUILT_IN_MASKS
 HEAD_DIMS = (64, 128, 256, 512)
 NUM_KV_HEADS = 2
 
