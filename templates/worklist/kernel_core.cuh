@@ -116,12 +116,6 @@ struct WorkItem {
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
 
-// A visible score in the kernels' base-2 units (q . k * sm_scale * log2 e) through the variant's
-// logits hook, which takes and returns natural units.
-FJ_INLINE float variant_logits2(const VariantParams& vparams, float score2, int q_pos, int kv_pos, int qo_head) {
-  return variant_logits(vparams, score2 * FJ_LN2, q_pos, kv_pos, qo_head) * FJ_LOG2E;
-}
-
 // The variant's sink logit of a query head in base 2 (-inf without a sink). The kernels load it
 // as a CTA starts and use it in the epilogue: the load's latency hides behind the main loop.
 FJ_INLINE float row_sink2(const VariantParams& vparams, int qo_head) {
