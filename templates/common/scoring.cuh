@@ -54,36 +54,36 @@ struct KeyScorer {
 // a function here compiled the attend loops into other branches and selects than the same code
 // written in place (a different PTX for every decode and MLA kernel). Pasted in place, the scoring
 // compiles as if each body spelled it out.
-#define FJ_SCORE_KEY(KEYS, VARIANT_KEYS, scorer, row, vpos, score, logit, row_max)                          \
-  {                                                                                                         \
+#define FJ_SCORE_KEY(KEYS, VARIANT_KEYS, scorer, row, vpos, score, logit, row_max)                           \
+  {                                                                                                          \
     const decode::QueryRow& fj_row = (row);                                                                  \
-    const int fj_vpos = (vpos);                                                                             \
-    bool fj_visible;                                                                                        \
-    int fj_kv_pos;                                                                                          \
-    if constexpr (KEYS == decode::SpanKeys::as_is) {                                                        \
-      fj_visible = fj_row.valid && (scorer).item.in_span(fj_vpos) &&                                        \
-                   mask_visible((scorer).params, (scorer).item.request, fj_row.q_idx, (scorer).item.q_len,  \
-                                fj_row.q_pos, fj_vpos, (scorer).item.kv_len);                               \
-      fj_kv_pos = fj_vpos;                                                                                  \
-    } else {                                                                                                \
-      fj_visible = fj_row.valid && (scorer).item.in_span(fj_vpos);                                          \
-      fj_kv_pos = 0;                                                                                        \
-      if (fj_visible) {                                                                                     \
-        fj_kv_pos = mask_kv_position((scorer).params, (scorer).item.request, fj_vpos);                      \
-        fj_visible = fj_kv_pos >= 0 && fj_kv_pos < (scorer).item.kv_len &&                                  \
+    const int fj_vpos = (vpos);                                                                              \
+    bool fj_visible;                                                                                         \
+    int fj_kv_pos;                                                                                           \
+    if constexpr (KEYS == decode::SpanKeys::as_is) {                                                         \
+      fj_visible = fj_row.valid && (scorer).item.in_span(fj_vpos) &&                                         \
+                   mask_visible((scorer).params, (scorer).item.request, fj_row.q_idx, (scorer).item.q_len,   \
+                                fj_row.q_pos, fj_vpos, (scorer).item.kv_len);                                \
+      fj_kv_pos = fj_vpos;                                                                                   \
+    } else {                                                                                                 \
+      fj_visible = fj_row.valid && (scorer).item.in_span(fj_vpos);                                           \
+      fj_kv_pos = 0;                                                                                         \
+      if (fj_visible) {                                                                                      \
+        fj_kv_pos = mask_kv_position((scorer).params, (scorer).item.request, fj_vpos);                       \
+        fj_visible = fj_kv_pos >= 0 && fj_kv_pos < (scorer).item.kv_len &&                                   \
                      mask_visible((scorer).params, (scorer).item.request, fj_row.q_idx, (scorer).item.q_len, \
-                                  fj_row.q_pos, fj_kv_pos, (scorer).item.kv_len);                           \
-      }                                                                                                     \
-    }                                                                                                       \
-    if constexpr (VARIANT_LOGITS && VARIANT_KEYS == decode::VariantKeys::every) {                           \
+                                  fj_row.q_pos, fj_kv_pos, (scorer).item.kv_len);                            \
+      }                                                                                                      \
+    }                                                                                                        \
+    if constexpr (VARIANT_LOGITS && VARIANT_KEYS == decode::VariantKeys::every) {                            \
       (logit) = decode::variant_logits2((scorer).vparams, (score), fj_row.q_pos, fj_kv_pos, fj_row.qo_head); \
-      (logit) = fj_visible ? (logit) : FJ_NEG_INF;                                                          \
-    } else if constexpr (VARIANT_LOGITS) {                                                                  \
+      (logit) = fj_visible ? (logit) : FJ_NEG_INF;                                                           \
+    } else if constexpr (VARIANT_LOGITS) {                                                                   \
       (logit) = fj_visible ? decode::variant_logits2((scorer).vparams, (score), fj_row.q_pos, fj_kv_pos,     \
-                                                     fj_row.qo_head)                                        \
-                           : FJ_NEG_INF;                                                                    \
-    } else {                                                                                                \
-      (logit) = fj_visible ? (score) : FJ_NEG_INF;                                                          \
-    }                                                                                                       \
-    (row_max) = fmaxf((row_max), (logit));                                                                  \
+                                                     fj_row.qo_head)                                         \
+                           : FJ_NEG_INF;                                                                     \
+    } else {                                                                                                 \
+      (logit) = fj_visible ? (score) : FJ_NEG_INF;                                                           \
+    }                                                                                                        \
+    (row_max) = fmaxf((row_max), (logit));                                                                   \
   }

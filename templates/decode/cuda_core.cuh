@@ -5,7 +5,7 @@
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN VEC CHUNKS_PER_ROW BDX ROWS
 //                  ROWS_PAD BDZ TILE_TOKENS STAGES
 //   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (those, fj::e4m3_t or fj::e5m2_t)
-//   the mask and variant templates (their hooks reach it through common/scoring.cuh's KeyScorer,
+//   the mask and variant templates (their hooks reach it through common/scoring.cuh's FJ_SCORE_KEY,
 //   the sink through worklist/kernel_core.cuh's row_sink2 and join_sink).
 //
 // A work item is (request, [v_begin, v_end)) over the span the planner chose for the request.
@@ -97,7 +97,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
       }
 #pragma unroll
       for (int off = BDX / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      FJ_SCORE_KEY(SpanKeys::mapped, VariantKeys::every, scorer, query, item.tile_begin + t * TILE + tok, dot, s[j], tile_max);
+      FJ_SCORE_KEY(SpanKeys::mapped, VariantKeys::every, scorer, query, item.tile_begin + t * TILE + tok, dot, s[j],
+                   tile_max);
     }
 
     // Online softmax in the log2 domain; a finite reference keeps all-masked tiles NaN-free.

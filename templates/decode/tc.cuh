@@ -3,12 +3,12 @@
 // per (work item, KV head, tile of 16 query rows). The rows are the GQA group's heads times the
 // request's query tokens, packed into the MMA's M dimension, so each K/V byte is read once for the
 // whole group and the arithmetic costs a few instructions per key instead of tens. K and V reach
-// the MMAs through ldmatrix. (fp8 caches take decode_tc_fp8.cuh.)
+// the MMAs through ldmatrix. (fp8 caches take decode/tc_fp8.cuh.)
 //
 // Expects from the including template:
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN WARPS COL_SPLIT STAGES K_PITCH V_PITCH Q_SMEM_BYTES
 //   types q_t, kv_t, out_t (fj::half_t or fj::bfloat16_t)
-//   the mask and variant templates (through common/scoring.cuh's KeyScorer and the sink helpers
+//   the mask and variant templates (through common/scoring.cuh's FJ_SCORE_KEY and the sink helpers
 //   of worklist/kernel_core.cuh).
 //
 // Each warp owns a 16-key slice of every pipeline stage (S = Q K^T, online softmax, O += P V in
@@ -29,7 +29,7 @@
 // of loads (record, page ids, K and V) serves WARPS heads and its stream runs WARPS times longer.
 // Only the entry point attend_packed() reads such records (a plan without them launches attend(),
 // which runs the other records without the packed path's branches: 1-2% faster on the H200).
-// Same outputs as decode.cuh: direct for one-item requests, else normalized fp32 partials and
+// Same outputs as decode/cuda_core.cuh: direct for one-item requests, else normalized fp32 partials and
 // base-2 LSEs for the merge.
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
 
@@ -135,10 +135,11 @@ FJ_INLINE void merge_here(const Args& a, const WorkItem& item, const PlanPart& p
 }
 
 // The two query rows this thread's fragments touch, quad and quad + 8 of the CTA's 16 (or, with rows
-// by warp, of the warp's): as the mask and the variant see them (q_idx: the row's query token in its
-// request), and where their queries and partials are. A shared-prefix record's rows are the GQA
-// groups x query tokens of `members` requests from item.request on, over a span every one of their
-// queries sees whole (the planner shares nothing else).
+// by warp, of the warp's): as the mask and the variant see them, and where their queries and
+// partials are. A shared-prefix record's rows are the GQA groups x query tokens of `members`
+// requests from item.request on, over a span every one of their queries sees whole (the planner
+// shares nothing else). A view of arrays attend_records declares one by one: kept apart, they
+// compile as the kernel's other locals do (one struct of arrays numbered the registers otherwise).
 struct FragmentRows {
   int (&tok)[2];     // the row's query token in its request
   int (&head)[2];    // its query head
@@ -148,9 +149,10 @@ struct FragmentRows {
   int (&slot)[2];    // shared-prefix kernels: the slot of the row's partial
   bool (&valid)[2];  // the tile holds a row there
 
-  // The rows from first_row (quad's), of the head kv_head's group; slot_of_item: where an ordinary
-  // item's partial goes; members: a shared record's (0: none).
-  FJ_INLINE void locate(const WorkItem& item, int first_row, int kv_head, bool packed, int members, int slot_of_item) {
+  // The rows first_row (the thread's quad's) and first_row + 8, of KV head kv_head's group; members:
+  // a shared record's (0: an ordinary item); slot_of_item: where an ordinary item's partial goes.
+  FJ_INLINE void locate(const WorkItem& item, int first_row, int kv_head, bool packed, int members,
+                        int slot_of_item) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = first_row + 8 * h;
@@ -272,8 +274,8 @@ FJ_INLINE void probabilities(float (*s)[4], int nj, int key0, u32 (*pa)[4], cons
   for (int j = 0; j < nj; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      FJ_SCORE_KEY(SpanKeys::mapped, VariantKeys::visible, scorer, rows.query(e >> 1), key0 + 8 * j + pair + (e & 1), s[j][e] * score_scale, s[j][e],
-                   tile_max[e >> 1]);
+      FJ_SCORE_KEY(SpanKeys::mapped, VariantKeys::visible, scorer, rows.query(e >> 1), key0 + 8 * j + pair + (e & 1),
+                   s[j][e] * score_scale, s[j][e], tile_max[e >> 1]);
   }
   float m_ref[2], rescale[2];
 #pragma unroll

@@ -2,7 +2,7 @@
 // Paged-KV decode attention on tensor cores for fp8 K/V (e4m3, e5m2; mma.sync m16n8k16 in f16,
 // sm_80+): one CTA per (work item, KV head, tile of 8 query rows).
 //
-// The MMA's operands are swapped relative to decode_tc.cuh: S^T = K Q^T and O^T += V^T P^T, so
+// The MMA's operands are swapped relative to decode/tc.cuh: S^T = K Q^T and O^T += V^T P^T, so
 // keys and head dims fill the MMA's M = 16 and the query rows its N = 8.
 // A GQA group of 4-8 rows then leaves at most half of each MMA idle rather than three quarters,
 // the MMAs per key halve, and O^T costs 4 registers per 16 head dims instead of 8, which buys
@@ -12,7 +12,7 @@
 // Expects from the including template:
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN ROWS WARPS COL_SPLIT STAGES K_PITCH V_PITCH
 //   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (fj::e4m3_t or fj::e5m2_t)
-//   the mask and variant templates (through common/scoring.cuh's KeyScorer and the sink helpers
+//   the mask and variant templates (through common/scoring.cuh's FJ_SCORE_KEY and the sink helpers
 //   of worklist/kernel_core.cuh).
 //
 // fp8 bytes are read from shared memory with 16-byte loads (8 at head_dim 64; 8 and 4 at 96), bank-conflict free
@@ -26,7 +26,7 @@
 //      (2t, 2t + 1, 2t + 8, 2t + 9); prmt pairs the bytes of two keys for each dim.
 // P goes from S^T's C fragments to O^T's B fragments by an 8x8 transpose in registers (movmatrix).
 //
-// Same outputs as decode_tc.cuh (finish_rows). Empty spans and fully masked rows give o = 0,
+// Same outputs as decode/tc.cuh (finish_rows). Empty spans and fully masked rows give o = 0,
 // lse = -inf: never NaN.
 
 namespace decode {
@@ -218,7 +218,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     for (int c = 0; c < COLS; ++c) tile_max[c] = FJ_NEG_INF;
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      FJ_SCORE_KEY(SpanKeys::mapped, VariantKeys::visible, scorer, col[e & 1], key0 + g + 8 * (e >> 1), s[e] * scales.score, s[e], tile_max[e & 1]);
+      FJ_SCORE_KEY(SpanKeys::mapped, VariantKeys::visible, scorer, col[e & 1], key0 + g + 8 * (e >> 1),
+                   s[e] * scales.score, s[e], tile_max[e & 1]);
     float m_ref[COLS], rescale[COLS];
     bool grew = false;
 #pragma unroll

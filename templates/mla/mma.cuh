@@ -18,14 +18,14 @@
 // a 16-bit tile the MMAs read like a 16-bit cache. The c_kv scale folds into the softmax scale and
 // the epilogue; the k_pe scale, where it differs, into Q's RoPE part (kpe_scale / ckv_scale).
 //
-// Outputs as decode_tc.cuh: a request's only work item writes its rows directly; split items write
+// Outputs as decode/tc.cuh: a request's only work item writes its rows directly; split items write
 // normalized fp32 partials and base-2 LSEs, and the last CTA of a request merges them
 // (decode::merge_partials_if_last). Empty spans and rows that see no key give o = 0, lse = -inf.
 //
 // Expects from the including template: namespace cfg (QK_DIM LATENT_DIM HEAD_DIM PAGE_SIZE
 // GROUP_SIZE MAX_Q_LEN ROWS WARPS TILE_TOKENS STAGES RING_BYTES CONVERT_BYTES Q_BYTES P_PITCH
-// L2_PREFETCH RING_ALIGN MIN_CTAS), types q_t kv_t out_t, the causal mask's mask_visible,
-// kv_types.cuh, decode_common.cuh and decode_tc_common.cuh.
+// L2_PREFETCH RING_ALIGN MIN_CTAS), types q_t kv_t out_t, the causal mask and the "none" variant
+// (through common/scoring.cuh's FJ_SCORE_KEY), and the headers its first line names.
 
 namespace mla {
 using namespace fj;
@@ -108,7 +108,7 @@ FJ_INLINE constexpr int operand_offset(int row, int chunk) {
 // page-table read per thread and pass, resolved a stage ahead (locate) of the copies (issue).
 // 16-bit rows land swizzled (operand_offset), ready for ldmatrix or wgmma; fp8 rows land as
 // stored, for convert().
-template <int THREADS>  // the threads that copy: the CTA's, or one warpgroup's (mla_wgmma.cuh)
+template <int THREADS>  // the threads that copy: the CTA's, or one warpgroup's (mla/wgmma.cuh)
 struct LatentCopies {
   static constexpr int TPK = FP8 ? 4 : 8;
   static constexpr int KPP = THREADS / TPK, PASSES = ceil_div(TILE, KPP), CPT = STORED_CHUNKS / TPK;
@@ -402,8 +402,8 @@ FJ_INLINE void attend(const Args& a) {
     for (int n = 0; n < NTQ; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        FJ_SCORE_KEY(SpanKeys::as_is, VariantKeys::visible, scorer, rows[e >> 1], tile_v0 + ks * KW + 8 * n + pair + (e & 1),
-                     s[n][e] * score_scale, s[n][e], tile_max[e >> 1]);
+        FJ_SCORE_KEY(SpanKeys::as_is, VariantKeys::visible, scorer, rows[e >> 1],
+                     tile_v0 + ks * KW + 8 * n + pair + (e & 1), s[n][e] * score_scale, s[n][e], tile_max[e >> 1]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -17,9 +17,10 @@
 // Each tile starts when its copies are in (each copying thread waits for its own, fenced to the
 // async proxy that wgmma reads through) at a CTA barrier, and ends at another, after which its
 // stage takes the tile after next; warpgroup 1 waits for P on a named barrier.
-// Outputs, partials, the fused merge and empty rows as in mla.cuh's attend.
+// Outputs, partials, the fused merge and empty rows as in mla/mma.cuh's attend.
 //
-// Expects mla.cuh (Args, LatentCopies, load_q, operand_offset) and the wgmma wrappers (wgmma.cuh.j2).
+// Expects mla/mma.cuh (Args, LatentCopies, load_q, operand_offset), common/scoring.cuh and the
+// wgmma wrappers (common/wgmma.cuh.j2) pasted before it.
 
 namespace mla {
 
@@ -119,8 +120,8 @@ FJ_INLINE void attend_wgmma(const Args& a) {
       float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
 #pragma unroll
       for (int i = 0; i < S_REGS; ++i)
-        FJ_SCORE_KEY(SpanKeys::as_is, VariantKeys::visible, scorer, rows[(i >> 1) & 1], tile_v0 + 8 * (i >> 2) + pair + (i & 1),
-                     s[i] * score_scale, s[i], tile_max[(i >> 1) & 1]);
+        FJ_SCORE_KEY(SpanKeys::as_is, VariantKeys::visible, scorer, rows[(i >> 1) & 1],
+                     tile_v0 + 8 * (i >> 2) + pair + (i & 1), s[i] * score_scale, s[i], tile_max[(i >> 1) & 1]);
       float m_ref[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

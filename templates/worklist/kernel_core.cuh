@@ -2,6 +2,10 @@
 // What the decode kernels (CUDA-core and tensor-core) share: the launch arguments and the paged
 // K/V copy pipeline. The host's copy of Args is flashjit.jit.abi.DecodeArgs; the rendered source
 // asserts that the two lay out every field alike.
+// Expects from the including template: namespace cfg (HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN
+// HEADS_FIRST FUSED_MERGE STATIC_SHARE MERGE_CHUNK RING_ALIGN L2_PREFETCH SHARED_WGMMA), FJ_ITEM_INTS,
+// types q_t kv_t out_t, the mask template (MaskParams, mask_kv_position) and the variant template
+// (VariantParams, VARIANT_SINK, variant_sink).
 namespace decode {
 using namespace fj;
 
@@ -48,7 +52,7 @@ struct HeadScales {
 // grid is (item, head, row tile).
 struct CtaCoords {
   int work, kv_head, row_tile;
-  // The packed entry point's grid (decode_tc.cuh's attend_packed), heads first: the items before
+  // The packed entry point's grid (decode/tc.cuh's attend_packed), heads first: the items before
   // a.packed_from a CTA a KV head, then the packed own items a CTA for each `pack` heads.
   FJ_INLINE CtaCoords(const Args& a, int pack) {
     const int heads = a.num_qo_heads / cfg::GROUP_SIZE, plain = a.packed_from * heads, x = blockIdx.x;
