@@ -1,8 +1,8 @@
 //! needs: common/prelude.cuh worklist/kernel_core.cuh
-// What the two tensor-core decode kernels (decode_tc.cuh: 16-bit K/V; decode_tc_fp8.cuh: fp8 K/V)
+// What the two tensor-core decode kernels (decode/tc.cuh: 16-bit K/V; decode/tc_fp8.cuh: fp8 K/V)
 // share: the MMA and its operand moves, and the epilogue that merges the warps' softmax states.
 //
-// Expects from the including template: cfg::HEAD_DIM GROUP_SIZE MAX_Q_LEN WARPS; decode_common.cuh.
+// Expects from the including template: cfg::HEAD_DIM GROUP_SIZE MAX_Q_LEN WARPS; worklist/kernel_core.cuh.
 namespace decode {
 using namespace fj;
 

@@ -1,12 +1,12 @@
-//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh
+//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh common/scoring.cuh
 // Paged-KV decode attention on CUDA cores, one CTA per (work item, KV head, row tile).
 //
 // Expects from the including template:
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN VEC CHUNKS_PER_ROW BDX ROWS
 //                  ROWS_PAD BDZ TILE_TOKENS STAGES
 //   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (those, fj::e4m3_t or fj::e5m2_t)
-//   MaskParams, mask_kv_position(), mask_visible() from the mask template; VariantParams,
-//   VARIANT_LOGITS, VARIANT_SINK and their hooks from the variant template; decode_common.cuh.
+//   the mask and variant templates (their hooks reach it through common/scoring.cuh's FJ_SCORE_KEY,
+//   the sink through worklist/kernel_core.cuh's row_sink2 and join_sink).
 //
 // A work item is (request, [v_begin, v_end)) over the span the planner chose for the request.
 // A request with one work item writes its output directly; otherwise each item writes a
@@ -76,6 +76,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
   }
 
   PagedKVStage<TILE, ROW_BYTES, ROW_BYTES, NT> loader(a, params, kv_head, k_smem, v_smem, tid, item);
+  const KeyScorer scorer{params, vparams, item};
+  const QueryRow query{q_tok, q_pos, qo_head, row_valid};
   float m = FJ_NEG_INF, dsum = 0.f, o[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o[i] = 0.f;
@@ -95,17 +97,8 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
       }
 #pragma unroll
       for (int off = BDX / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-      const int vpos = item.tile_begin + t * TILE + tok;
-      bool visible = row_valid && item.in_span(vpos);
-      int pos = 0;
-      if (visible) {
-        pos = mask_kv_position(params, item.request, vpos);
-        visible = pos >= 0 && pos < item.kv_len &&
-                  mask_visible(params, item.request, q_tok, item.q_len, q_pos, pos, item.kv_len);
-      }
-      if constexpr (VARIANT_LOGITS) dot = variant_logits2(vparams, dot, q_pos, pos, qo_head);
-      s[j] = visible ? dot : FJ_NEG_INF;
-      tile_max = fmaxf(tile_max, s[j]);
+      FJ_SCORE_KEY(SpanKeys::mapped, VariantKeys::every, scorer, query, item.tile_begin + t * TILE + tok, dot, s[j],
+                   tile_max);
     }
 
     // Online softmax in the log2 domain; a finite reference keeps all-masked tiles NaN-free.

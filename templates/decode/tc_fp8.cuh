@@ -1,8 +1,8 @@
-//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh common/mma.cuh
+//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh common/scoring.cuh common/mma.cuh
 // Paged-KV decode attention on tensor cores for fp8 K/V (e4m3, e5m2; mma.sync m16n8k16 in f16,
 // sm_80+): one CTA per (work item, KV head, tile of 8 query rows).
 //
-// The MMA's operands are swapped relative to decode_tc.cuh: S^T = K Q^T and O^T += V^T P^T, so
+// The MMA's operands are swapped relative to decode/tc.cuh: S^T = K Q^T and O^T += V^T P^T, so
 // keys and head dims fill the MMA's M = 16 and the query rows its N = 8.
 // A GQA group of 4-8 rows then leaves at most half of each MMA idle rather than three quarters,
 // the MMAs per key halve, and O^T costs 4 registers per 16 head dims instead of 8, which buys
@@ -12,8 +12,8 @@
 // Expects from the including template:
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN ROWS WARPS COL_SPLIT STAGES K_PITCH V_PITCH
 //   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (fj::e4m3_t or fj::e5m2_t)
-//   MaskParams, mask_kv_position(), mask_visible() from the mask template; decode_common.cuh and
-//   decode_tc_common.cuh.
+//   the mask and variant templates (through common/scoring.cuh's FJ_SCORE_KEY and the sink helpers
+//   of worklist/kernel_core.cuh).
 //
 // fp8 bytes are read from shared memory with 16-byte loads (8 at head_dim 64; 8 and 4 at 96), bank-conflict free
 // for the pitches of flashjit.jit.tiling.tc_row_pitches, and converted to f16 in registers. The head
@@ -26,7 +26,7 @@
 //      (2t, 2t + 1, 2t + 8, 2t + 9); prmt pairs the bytes of two keys for each dim.
 // P goes from S^T's C fragments to O^T's B fragments by an 8x8 transpose in registers (movmatrix).
 //
-// Same outputs as decode_tc.cuh (finish_rows). Empty spans and fully masked rows give o = 0,
+// Same outputs as decode/tc.cuh (finish_rows). Empty spans and fully masked rows give o = 0,
 // lse = -inf: never NaN.
 
 namespace decode {
@@ -166,16 +166,16 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
 
   // The query rows of this lane's S^T and O^T columns: 2t + c.
   constexpr int COLS = 2;
-  int col_tok[COLS], col_pos[COLS], col_head[COLS];
-  bool col_valid[COLS];
+  QueryRow col[COLS];
 #pragma unroll
   for (int c = 0; c < COLS; ++c) {
     const int row = cta.row_tile * M + 2 * t + c;
-    col_tok[c] = row / cfg::GROUP_SIZE;
-    col_head[c] = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
-    col_valid[c] = row < ROWS_TOTAL && col_tok[c] < item.q_len;
-    col_pos[c] = item.kv_len - item.q_len + col_tok[c];
+    col[c].q_idx = row / cfg::GROUP_SIZE;
+    col[c].qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+    col[c].valid = row < ROWS_TOTAL && col[c].q_idx < item.q_len;
+    col[c].q_pos = item.kv_len - item.q_len + col[c].q_idx;
   }
+  const KeyScorer scorer{params, vparams, item};
 
   PagedKVStage<TILE, K_PITCH, V_PITCH, NT, SWIZZLE> loader(a, params, kv_head, k_smem, v_smem, tid, item);
 
@@ -217,21 +217,9 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
 #pragma unroll
     for (int c = 0; c < COLS; ++c) tile_max[c] = FJ_NEG_INF;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int c = e & 1, vpos = key0 + g + 8 * (e >> 1);
-      bool visible = col_valid[c] && item.in_span(vpos);
-      int pos = 0;
-      if (visible) {
-        pos = mask_kv_position(params, item.request, vpos);
-        visible = pos >= 0 && pos < item.kv_len &&
-                  mask_visible(params, item.request, col_tok[c], item.q_len, col_pos[c], pos, item.kv_len);
-      }
-      if constexpr (VARIANT_LOGITS)
-        s[e] = visible ? variant_logits2(vparams, s[e] * scales.score, col_pos[c], pos, col_head[c]) : FJ_NEG_INF;
-      else
-        s[e] = visible ? s[e] * scales.score : FJ_NEG_INF;
-      tile_max[c] = fmaxf(tile_max[c], s[e]);
-    }
+    for (int e = 0; e < 4; ++e)
+      FJ_SCORE_KEY(SpanKeys::mapped, VariantKeys::visible, scorer, col[e & 1], key0 + g + 8 * (e >> 1),
+                   s[e] * scales.score, s[e], tile_max[e & 1]);
     float m_ref[COLS], rescale[COLS];
     bool grew = false;
 #pragma unroll

@@ -1,4 +1,4 @@
-//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh common/mma.cuh
+//! needs: common/prelude.cuh common/kv_types.cuh worklist/kernel_core.cuh common/scoring.cuh common/mma.cuh
 // Multi-head latent attention decode (DeepSeek-V3/R1, Kimi-K2) on tensor cores, mma.sync m16n8k16
 // (sm_80+): one CTA per (work item, tile of ROWS query rows). The rows are the request's heads times
 // its query tokens (row = token * heads + head), 16 per m-tile of the MMA's M.
@@ -18,18 +18,22 @@
 // a 16-bit tile the MMAs read like a 16-bit cache. The c_kv scale folds into the softmax scale and
 // the epilogue; the k_pe scale, where it differs, into Q's RoPE part (kpe_scale / ckv_scale).
 //
-// Outputs as decode_tc.cuh: a request's only work item writes its rows directly; split items write
+// Outputs as decode/tc.cuh: a request's only work item writes its rows directly; split items write
 // normalized fp32 partials and base-2 LSEs, and the last CTA of a request merges them
 // (decode::merge_partials_if_last). Empty spans and rows that see no key give o = 0, lse = -inf.
 //
 // Expects from the including template: namespace cfg (QK_DIM LATENT_DIM HEAD_DIM PAGE_SIZE
 // GROUP_SIZE MAX_Q_LEN ROWS WARPS TILE_TOKENS STAGES RING_BYTES CONVERT_BYTES Q_BYTES P_PITCH
-// L2_PREFETCH RING_ALIGN MIN_CTAS), types q_t kv_t out_t, the causal mask's mask_visible,
-// kv_types.cuh, decode_common.cuh and decode_tc_common.cuh.
+// L2_PREFETCH RING_ALIGN MIN_CTAS), types q_t kv_t out_t, the causal mask and the "none" variant
+// (through common/scoring.cuh's FJ_SCORE_KEY), and the headers its first line names.
 
 namespace mla {
 using namespace fj;
+using decode::KeyScorer;
 using decode::Mma;
+using decode::QueryRow;
+using decode::SpanKeys;
+using decode::VariantKeys;
 using decode::WorkItem;
 static_assert(!VARIANT_LOGITS && !VARIANT_SINK, "MLA kernels render the \"none\" variant: no logits or sink hooks");
 
@@ -104,7 +108,7 @@ FJ_INLINE constexpr int operand_offset(int row, int chunk) {
 // page-table read per thread and pass, resolved a stage ahead (locate) of the copies (issue).
 // 16-bit rows land swizzled (operand_offset), ready for ldmatrix or wgmma; fp8 rows land as
 // stored, for convert().
-template <int THREADS>  // the threads that copy: the CTA's, or one warpgroup's (mla_wgmma.cuh)
+template <int THREADS>  // the threads that copy: the CTA's, or one warpgroup's (mla/wgmma.cuh)
 struct LatentCopies {
   static constexpr int TPK = FP8 ? 4 : 8;
   static constexpr int KPP = THREADS / TPK, PASSES = ceil_div(TILE, KPP), CPT = STORED_CHUNKS / TPK;
@@ -249,6 +253,85 @@ FJ_INLINE void merge_if_split(const Args& a, const WorkItem& item, int row_tile,
                                           item.q_len, 0, row_tile, tid);
 }
 
+// S = Q K^T over this warp's KW keys of a stage (kv): s[n][0..1] row quad, s[n][2..3] row quad + 8,
+// keys 8n + pair (+1). q_row: the lane's ldmatrix row of Q (a_row), k_key: its first key. With one
+// n-tile per warp the odd k-steps accumulate apart (CHAINS = 2), halving the chain of dependent
+// MMAs; with more, the n-tiles' chains interleave already.
+FJ_INLINE void stage_scores(float (*s)[4], const unsigned char* q_row, const unsigned char* kv, int a_row, int a_sub,
+                            int k_key, int k_sub) {
+  constexpr int CHAINS = NTQ == 1 ? 2 : 1;
+  float s_odd[CHAINS == 2 ? NTQ : 1][4];
+#pragma unroll
+  for (int n = 0; n < NTQ; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+  s_odd[0][0] = s_odd[0][1] = s_odd[0][2] = s_odd[0][3] = 0.f;
+#pragma unroll
+  for (int kp = 0; kp < QK / 32; ++kp) {  // two k-steps (32 dims) per round
+    u32 qa0[4], qa1[4];
+    decode::ldmatrix_x4(qa0, q_row + swizzled(a_row, 4 * kp + a_sub) * 16);
+    decode::ldmatrix_x4(qa1, q_row + swizzled(a_row, 4 * kp + 2 + a_sub) * 16);
+#pragma unroll
+    for (int n = 0; n < NTQ; ++n) {
+      const int key = k_key + 8 * n;
+      u32 kb[4];  // dims 32kp + 0..7, 8..15 (k-step 2kp), 16..23, 24..31 (k-step 2kp + 1)
+      decode::ldmatrix_x4(kb, kv + key * ROW_BYTES + swizzled(key, 4 * kp + k_sub) * 16);
+      Mma<mma_t>::run(s[n], qa0, kb[0], kb[1]);
+      Mma<mma_t>::run(CHAINS == 2 ? s_odd[0] : s[n], qa1, kb[2], kb[3]);
+    }
+  }
+  if constexpr (CHAINS == 2) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[0][e] += s_odd[0][e];
+  }
+}
+
+// O's rows rescaled by the factors the scoring warps published for the stage (rescale_rows: 1 where
+// a row's running maximum held).
+FJ_INLINE void rescale_outputs(float (*o)[NTV][4], const float* rescale_rows, int quad) {
+  float rescale[MT][2];
+  bool grew = false;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rescale[mt][h] = rescale_rows[mt * 16 + quad + 8 * h];
+      grew = grew || rescale[mt][h] != 1.f;
+    }
+  if (__any_sync(0xffffffffu, grew)) {  // after the first tiles the running maxima rarely grow
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < NTV; ++n) {
+        o[mt][n][0] *= rescale[mt][0]; o[mt][n][1] *= rescale[mt][0];
+        o[mt][n][2] *= rescale[mt][1]; o[mt][n][3] *= rescale[mt][1];
+      }
+  }
+}
+
+// O += P V over this warp's columns of every m-tile: P from shared memory (ldmatrix rows p_row),
+// V from the stage's latent rows (kv; ldmatrix.trans keys v_key, chunks from v_chunk).
+FJ_INLINE void accumulate_values(float (*o)[NTV][4], const unsigned char* p_smem, const unsigned char* kv, int p_row,
+                                 int a_sub, int v_key, int v_chunk) {
+#pragma unroll
+  for (int kk = 0; kk < TILE / 16; ++kk) {
+    u32 pa[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      decode::ldmatrix_x4(pa[mt], p_smem + (mt * 16 + p_row) * cfg::P_PITCH + (2 * kk + a_sub) * 16);
+    const int key = 16 * kk + v_key;
+    const unsigned char* v_row = kv + key * ROW_BYTES;
+#pragma unroll
+    for (int n = 0; n < NTV; n += 2) {
+      u32 vb[4];  // keys 0..7 and 8..15 of n-tile n, then of n-tile n + 1
+      decode::ldmatrix_x4_trans(vb, v_row + swizzled(key, v_chunk + n) * 16);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        Mma<mma_t>::run(o[mt][n], pa[mt], vb[0], vb[1]);
+        Mma<mma_t>::run(o[mt][n + 1], pa[mt], vb[2], vb[3]);
+      }
+    }
+  }
+}
+
 FJ_INLINE void attend(const Args& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* ring = decode::aligned_ring(smem_raw);
@@ -272,16 +355,20 @@ FJ_INLINE void attend(const Args& a) {
   load_q(a, item, row_tile, q_smem, kpe_scale / ckv_scale, tid);
 
   // The two rows of this warp's m-tile that its fragments touch: quad and quad + 8.
-  int row_of[2], row_pos[2], row_tok[2];
-  bool row_ok[2];
+  int row_of[2];
+  QueryRow rows[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_of[h] = mt_q * 16 + quad + 8 * h;
     const int row = row_tile * M + row_of[h];
-    row_tok[h] = row / cfg::GROUP_SIZE;
-    row_ok[h] = row < ROWS_TOTAL && row_tok[h] < item.q_len;
-    row_pos[h] = item.kv_len - item.q_len + row_tok[h];
+    rows[h].q_idx = row / cfg::GROUP_SIZE;
+    rows[h].qo_head = row % cfg::GROUP_SIZE;
+    rows[h].valid = row < ROWS_TOTAL && rows[h].q_idx < item.q_len;
+    rows[h].q_pos = item.kv_len - item.q_len + rows[h].q_idx;
   }
+  const MaskParams causal{};  // (the causal mask reads no parameter)
+  const VariantParams no_variant{};
+  const KeyScorer scorer{causal, no_variant, item};
   float m[2] = {FJ_NEG_INF, FJ_NEG_INF}, dsum[2] = {0.f, 0.f};
   float o[MT][NTV][4];
 #pragma unroll
@@ -307,45 +394,16 @@ FJ_INLINE void attend(const Args& a) {
     }
     const int tile_v0 = item.v_begin + t * TILE;
 
-    // S = Q K^T over this warp's KW keys: s[n][0..1] row quad, s[n][2..3] row quad + 8, keys 8n + pair (+1).
-    // With one n-tile per warp the odd k-steps accumulate apart (CHAINS = 2), halving the chain of
-    // dependent MMAs; with more, the n-tiles' chains interleave already.
-    constexpr int CHAINS = NTQ == 1 ? 2 : 1;
-    float s[NTQ][4], s_odd[CHAINS == 2 ? NTQ : 1][4];
-#pragma unroll
-    for (int n = 0; n < NTQ; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    s_odd[0][0] = s_odd[0][1] = s_odd[0][2] = s_odd[0][3] = 0.f;
-#pragma unroll
-    for (int kp = 0; kp < QK / 32; ++kp) {  // two k-steps (32 dims) per round
-      u32 qa0[4], qa1[4];
-      decode::ldmatrix_x4(qa0, q_row + swizzled(a_row, 4 * kp + a_sub) * 16);
-      decode::ldmatrix_x4(qa1, q_row + swizzled(a_row, 4 * kp + 2 + a_sub) * 16);
-#pragma unroll
-      for (int n = 0; n < NTQ; ++n) {
-        const int key = k_key + 8 * n;
-        u32 kb[4];  // dims 32kp + 0..7, 8..15 (k-step 2kp), 16..23, 24..31 (k-step 2kp + 1)
-        decode::ldmatrix_x4(kb, kv + key * ROW_BYTES + swizzled(key, 4 * kp + k_sub) * 16);
-        Mma<mma_t>::run(s[n], qa0, kb[0], kb[1]);
-        Mma<mma_t>::run(CHAINS == 2 ? s_odd[0] : s[n], qa1, kb[2], kb[3]);
-      }
-    }
-    if constexpr (CHAINS == 2) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][e] += s_odd[0][e];
-    }
+    float s[NTQ][4];
+    stage_scores(s, q_row, kv, a_row, a_sub, k_key, k_sub);
     // Scale and mask; each row's maximum over the stage, agreed by the m-tile's KS warps.
     float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
 #pragma unroll
     for (int n = 0; n < NTQ; ++n) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1, pos = tile_v0 + ks * KW + 8 * n + pair + (e & 1);
-        const bool visible = row_ok[h] && item.in_span(pos) &&
-                             mask_visible(MaskParams{}, item.request, row_tok[h], item.q_len, row_pos[h], pos,
-                                          item.kv_len);
-        s[n][e] = visible ? s[n][e] * score_scale : FJ_NEG_INF;
-        tile_max[h] = fmaxf(tile_max[h], s[n][e]);
-      }
+      for (int e = 0; e < 4; ++e)
+        FJ_SCORE_KEY(SpanKeys::as_is, VariantKeys::visible, scorer, rows[e >> 1],
+                     tile_v0 + ks * KW + 8 * n + pair + (e & 1), s[n][e] * score_scale, s[n][e], tile_max[e >> 1]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -380,43 +438,8 @@ FJ_INLINE void attend(const Args& a) {
     __syncthreads();
 
     // O += P V over this warp's columns, for every m-tile.
-    float rescale[MT][2];
-    bool grew = false;
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        rescale[mt][h] = rescale_rows[mt * 16 + quad + 8 * h];
-        grew = grew || rescale[mt][h] != 1.f;
-      }
-    if (__any_sync(0xffffffffu, grew)) {  // after the first tiles the running maxima rarely grow
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int n = 0; n < NTV; ++n) {
-          o[mt][n][0] *= rescale[mt][0]; o[mt][n][1] *= rescale[mt][0];
-          o[mt][n][2] *= rescale[mt][1]; o[mt][n][3] *= rescale[mt][1];
-        }
-    }
-#pragma unroll
-    for (int kk = 0; kk < TILE / 16; ++kk) {
-      u32 pa[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        decode::ldmatrix_x4(pa[mt], p_smem + (mt * 16 + p_row) * cfg::P_PITCH + (2 * kk + a_sub) * 16);
-      const int key = 16 * kk + v_key;
-      const unsigned char* v_row = kv + key * ROW_BYTES;
-#pragma unroll
-      for (int n = 0; n < NTV; n += 2) {
-        u32 vb[4];  // keys 0..7 and 8..15 of n-tile n, then of n-tile n + 1
-        decode::ldmatrix_x4_trans(vb, v_row + swizzled(key, v_chunk + n) * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          Mma<mma_t>::run(o[mt][n], pa[mt], vb[0], vb[1]);
-          Mma<mma_t>::run(o[mt][n + 1], pa[mt], vb[2], vb[3]);
-        }
-      }
-    }
+    rescale_outputs(o, rescale_rows, quad);
+    accumulate_values(o, p_smem, kv, p_row, a_sub, v_key, v_chunk);
   });
 
   // The rows' sums over the key slices, and their maxima, for every warp's columns.

@@ -1,4 +1,4 @@
-//! needs: common/prelude.cuh worklist/kernel_core.cuh common/mma.cuh mla/mma.cuh
+//! needs: common/prelude.cuh worklist/kernel_core.cuh common/scoring.cuh common/mma.cuh mla/mma.cuh
 // Multi-head latent attention decode on Hopper's warpgroup MMAs (wgmma, sm_90a): the kernel for
 // 16-bit latents whose request fills 64-row tiles (flashjit.jit.mla_tiling.uses_wgmma). One CTA per
 // (work item, 64 query rows), two warpgroups of 128 threads; each stage holds TILE = 64 latent rows.
@@ -17,9 +17,10 @@
 // Each tile starts when its copies are in (each copying thread waits for its own, fenced to the
 // async proxy that wgmma reads through) at a CTA barrier, and ends at another, after which its
 // stage takes the tile after next; warpgroup 1 waits for P on a named barrier.
-// Outputs, partials, the fused merge and empty rows as in mla.cuh's attend.
+// Outputs, partials, the fused merge and empty rows as in mla/mma.cuh's attend.
 //
-// Expects mla.cuh (Args, LatentCopies, load_q, operand_offset) and the wgmma wrappers (wgmma.cuh.j2).
+// Expects mla/mma.cuh (Args, LatentCopies, load_q, operand_offset), common/scoring.cuh and the
+// wgmma wrappers (common/wgmma.cuh.j2) pasted before it.
 
 namespace mla {
 
@@ -41,6 +42,23 @@ FJ_INLINE void barrier_wait(int id, int threads) {
 }
 constexpr int P_READY = 1;  // the named barrier on which warpgroup 1 waits for P
 
+// S = Q K^T of warpgroup 0's 64 rows and a stage's 64 keys, Q and the stage read from shared memory
+// (q_at, kv_at) as 128-byte-swizzled blocks of 64 columns.
+FJ_INLINE void stage_scores_wgmma(float (&s)[S_REGS], u32 q_at, u32 kv_at) {
+#pragma unroll
+  for (int i = 0; i < S_REGS; ++i) s[i] = 0.f;
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < QK / 16; ++k) {  // 16 dims a step: 32 bytes into the step's 64-column block
+    const u32 step = (k % 4) * 32;
+    wgmma_m64n64_ss(s, smem_operand(q_at + (k / 4) * Q_BLOCK + step, 16),
+                    smem_operand(kv_at + (k / 4) * KV_BLOCK + step, 16), k > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  hold_registers(s);
+}
+
 FJ_INLINE void attend_wgmma(const Args& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* ring = decode::aligned_ring(smem_raw);
@@ -61,15 +79,18 @@ FJ_INLINE void attend_wgmma(const Args& a) {
   const float score_scale = a.sm_scale_log2 * value_scale;
   load_q(a, item, row_tile, q_smem, 1.f, tid);
 
-  int row_pos[2], row_tok[2];
-  bool row_ok[2];
+  QueryRow rows[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row_tile * M + first_row + 8 * h;
-    row_tok[h] = row / cfg::GROUP_SIZE;
-    row_ok[h] = row < ROWS_TOTAL && row_tok[h] < item.q_len;
-    row_pos[h] = item.kv_len - item.q_len + row_tok[h];
+    rows[h].q_idx = row / cfg::GROUP_SIZE;
+    rows[h].qo_head = row % cfg::GROUP_SIZE;
+    rows[h].valid = row < ROWS_TOTAL && rows[h].q_idx < item.q_len;
+    rows[h].q_pos = item.kv_len - item.q_len + rows[h].q_idx;
   }
+  const MaskParams causal{};  // (the causal mask reads no parameter)
+  const VariantParams no_variant{};
+  const KeyScorer scorer{causal, no_variant, item};
   float m[2] = {FJ_NEG_INF, FJ_NEG_INF}, dsum[2] = {0.f, 0.f};
   float o[O_REGS];
 #pragma unroll
@@ -94,30 +115,13 @@ FJ_INLINE void attend_wgmma(const Args& a) {
     if (group == 0) {
       // S: s[4j + e] is row first_row (e < 2) or first_row + 8, key 8j + pair + e % 2.
       float s[S_REGS];
-#pragma unroll
-      for (int i = 0; i < S_REGS; ++i) s[i] = 0.f;
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < QK / 16; ++k) {  // 16 dims a step: 32 bytes into the step's 64-column block
-        const u32 step = (k % 4) * 32;
-        wgmma_m64n64_ss(s, smem_operand(q_at + (k / 4) * Q_BLOCK + step, 16),
-                        smem_operand(kv_at + (k / 4) * KV_BLOCK + step, 16), k > 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      hold_registers(s);
-
+      stage_scores_wgmma(s, q_at, kv_at);
       const int tile_v0 = item.v_begin + t * TILE;
       float tile_max[2] = {FJ_NEG_INF, FJ_NEG_INF};
 #pragma unroll
-      for (int i = 0; i < S_REGS; ++i) {
-        const int h = (i >> 1) & 1, pos = tile_v0 + 8 * (i >> 2) + pair + (i & 1);
-        const bool visible = row_ok[h] && item.in_span(pos) &&
-                             mask_visible(MaskParams{}, item.request, row_tok[h], item.q_len, row_pos[h], pos,
-                                          item.kv_len);
-        s[i] = visible ? s[i] * score_scale : FJ_NEG_INF;
-        tile_max[h] = fmaxf(tile_max[h], s[i]);
-      }
+      for (int i = 0; i < S_REGS; ++i)
+        FJ_SCORE_KEY(SpanKeys::as_is, VariantKeys::visible, scorer, rows[(i >> 1) & 1],
+                     tile_v0 + 8 * (i >> 2) + pair + (i & 1), s[i] * score_scale, s[i], tile_max[(i >> 1) & 1]);
       float m_ref[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {

@@ -12,6 +12,9 @@
 // The inputs come from the device's page-table buffer, where a host-side plan() copies them, or
 // where the caller wrote them in place; they are clamped rather than trusted (a negative page
 // count is an empty request, a last-page length outside the page is clamped to it).
+//
+// Expects from the including template: FJ_SPLIT_CANDIDATES, FJ_PLAN_SMEM_INTS and the mask
+// template (MaskParams, mask_span_begin).
 
 // Thread 0's %clock64 after each step of a plan, for benchmarks/planner_phases.py, compiled in only
 // with -DFJ_PLAN_STAMPS (the cubin built without it is unchanged): the plan's time is a chain of

@@ -2,6 +2,10 @@
 // What the decode kernels (CUDA-core and tensor-core) share: the launch arguments and the paged
 // K/V copy pipeline. The host's copy of Args is flashjit.jit.abi.DecodeArgs; the rendered source
 // asserts that the two lay out every field alike.
+// Expects from the including template: namespace cfg (HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN
+// HEADS_FIRST FUSED_MERGE STATIC_SHARE MERGE_CHUNK RING_ALIGN L2_PREFETCH SHARED_WGMMA), FJ_ITEM_INTS,
+// types q_t kv_t out_t, the mask template (MaskParams, mask_kv_position) and the variant template
+// (VariantParams, VARIANT_SINK, variant_sink).
 namespace decode {
 using namespace fj;
 
@@ -48,7 +52,7 @@ struct HeadScales {
 // grid is (item, head, row tile).
 struct CtaCoords {
   int work, kv_head, row_tile;
-  // The packed entry point's grid (decode_tc.cuh's attend_packed), heads first: the items before
+  // The packed entry point's grid (decode/tc.cuh's attend_packed), heads first: the items before
   // a.packed_from a CTA a KV head, then the packed own items a CTA for each `pack` heads.
   FJ_INLINE CtaCoords(const Args& a, int pack) {
     const int heads = a.num_qo_heads / cfg::GROUP_SIZE, plain = a.packed_from * heads, x = blockIdx.x;
@@ -115,12 +119,6 @@ struct WorkItem {
   FJ_INLINE bool in_span(int vpos) const { return vpos >= v_begin && vpos < v_end; }
   FJ_INLINE int num_tiles(int tile) const { return ceil_div(v_end - tile_begin, tile); }
 };
-
-// A visible score in the kernels' base-2 units (q . k * sm_scale * log2 e) through the variant's
-// logits hook, which takes and returns natural units.
-FJ_INLINE float variant_logits2(const VariantParams& vparams, float score2, int q_pos, int kv_pos, int qo_head) {
-  return variant_logits(vparams, score2 * FJ_LN2, q_pos, kv_pos, qo_head) * FJ_LOG2E;
-}
 
 // The variant's sink logit of a query head in base 2 (-inf without a sink). The kernels load it
 // as a CTA starts and use it in the epilogue: the load's latency hides behind the main loop.
