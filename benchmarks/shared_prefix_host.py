@@ -32,11 +32,11 @@ def main(argv=None):
     import numpy as np
     import torch
 
-    from flashjit.jit import host_library
     from flashjit.jit.cache import KernelCache
+    from flashjit.serving.host_plan import load_host_plan
     from flashjit.worklist.host import HostPlanner
 
-    library = host_library.load("host_plan", KernelCache(tempfile.mkdtemp(prefix="flashjit-bench-host-")))
+    library = load_host_plan(KernelCache(tempfile.mkdtemp(prefix="flashjit-bench-host-")))
     if library is None:
         raise SystemExit("no C compiler: the detection's C helper cannot be built here")
     planner = HostPlanner(library)

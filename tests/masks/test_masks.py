@@ -438,6 +438,12 @@ def test_random_cases_cover_the_grid():
     assert {0, 1, 16, 49} <= set(lengths)
 
 
+def test_a_variant_check_cycles_through_every_built_in_mask():
+    from flashjit.deploy.mask_check.cases import VARIANT_MASKS
+
+    assert sorted(VARIANT_MASKS) == sorted(BUILT_IN_MASKS)
+
+
 # ---- flashjit check-mask on the CPU -------------------------------------------------------------
 
 def test_cli_check_mask_compiles_and_skips_the_gpu(mask_cache, tmp_path):
