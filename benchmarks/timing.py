@@ -34,12 +34,16 @@ class Timer:
         if self.clean:  # the reads evict the written lines, which are written back now
             self.scratch.view(self.torch.int64).sum()
 
-    def median_us(self, fn, flush: bool = True) -> float:
+    def median_us(self, fn, flush: bool = True, before=None) -> float:
+        """Median µs of fn(). before(), if given, runs ahead of every call, after the flush and
+        outside the timed span: the per-step work a server does once before its layers' calls."""
         torch = self.torch
         deadline, calls = time.perf_counter() + WARMUP_S, 0
         while calls < WARMUP_CALLS or time.perf_counter() < deadline:
             if flush:
                 self.flush(calls)
+            if before is not None:
+                before()
             fn()
             torch.cuda.synchronize()  # the wall time counts work done, not work queued
             calls += 1
@@ -47,6 +51,8 @@ class Timer:
         for i in range(self.iters):
             if flush:
                 self.flush(i)
+            if before is not None:
+                before()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(HOLD_CYCLES)  # the call's host work happens while the GPU spins
             start.record()

@@ -11,7 +11,7 @@ from flashjit.serving.reference import decode_reference
 
 from .batches import rel_error
 
-HEADS, KV_HEADS, DIM, PAGE, HIDDEN, PAGES = 32, 8, 128, 16, 1024, 256
+HEADS, KV_HEADS, DIM, PAGE, HIDDEN, PAGES = 32, 8, 128, 16, 1024, 512  # the longest batch takes 311 pages
 BATCHES = ([70, 3, 2000, 16], [71, 4, 2001, 17], [900, 1, 33, 4000])  # one new token per request
 torch_compile = torch.compile  # the module-level name keeps pytest's assertion rewriting out of the traced code
 
