@@ -54,6 +54,9 @@ def measure(impl: Impl, ref, timer, *, sync, capture, graph: bool = True, host: 
     if problem:
         return {"error": problem}
     entry = {"us": timer.median_us(impl.eager.call), "row_error": err}
+    _, problem = checked_output(impl.eager.call, ref, sync, tol)  # the timed calls left it able to run right
+    if problem:
+        return {"error": f"after the timed calls: {problem}"}
     if impl.eager.info:
         entry.update(impl.eager.info())
     if host:
@@ -65,13 +68,14 @@ def measure(impl: Impl, ref, timer, *, sync, capture, graph: bool = True, host: 
 
 def measure_graph(make_step, ref, timer, *, sync, capture, host: bool = False, tol: Tolerance = ROW_TOLERANCE) -> dict:
     """The step a server captures, planned before the capture and again before the replays; every
-    replay writes the output the capture returned, checked once (from NaNs) before it is timed."""
+    replay writes the output the capture returned, checked (from NaNs) before it is timed and again
+    after: a replay that leans on state its first run used up shows there."""
     state = {}
 
     def replay_once():
         step: Step = make_step()
         graph, out = capture(step.call)
-        state.update(step=step, graph=graph)
+        state.update(step=step, graph=graph, out=out)
         if step.before_replay:
             step.before_replay()
         out.fill_(float("nan"))
@@ -83,6 +87,15 @@ def measure_graph(make_step, ref, timer, *, sync, capture, host: bool = False, t
         return {"graph_error": problem}
     step, graph = state["step"], state["graph"]
     entry = {"graph_us": timer.median_us(graph.replay), "graph_row_error": err}
+
+    def replay_again():  # as the timed replays ran: no plan between them
+        state["out"].fill_(float("nan"))
+        graph.replay()
+        return state["out"]
+
+    _, problem = checked_output(replay_again, ref, sync, tol)
+    if problem:
+        return {"graph_error": f"after the timed replays: {problem}"}
     if step.info:
         entry.update({f"graph_{key}": value for key, value in step.info().items()})
     if host:

@@ -186,6 +186,30 @@ def test_no_graph_column_without_graph_or_for_a_step_that_cannot_be_captured():
         assert "us" in entry and not any(key.startswith("graph") for key in entry)
 
 
+def used_up_after(calls: int, out=REF):
+    """A step right for its first calls and wrong after: state its first runs consumed (a work
+    counter left unreset) makes the later ones skip work."""
+    count = []
+
+    def call():
+        count.append(1)
+        return out.clone() if len(count) <= calls else out * 0
+
+    return call
+
+
+def test_a_graph_whose_timed_replays_used_up_its_state_is_reported_not_timed():
+    # the check replay and the fake timer's call are right; the replay after timing is not
+    graph_step = Step(used_up_after(3), before_replay=lambda: None)
+    entry = measure(Impl(steady(), lambda: graph_step), REF, FakeTimer(), sync=lambda: None, capture=fake_capture)
+    assert "graph_us" not in entry and entry["graph_error"].startswith("after the timed replays:")
+
+
+def test_an_eager_call_wrong_after_its_timed_calls_is_reported():
+    entry = measure(Impl(Step(used_up_after(2))), REF, FakeTimer(), sync=lambda: None, capture=fake_capture)
+    assert entry == {"error": entry["error"]} and entry["error"].startswith("after the timed calls:")
+
+
 def test_a_wrong_step_is_reported_not_timed():
     timer = FakeTimer()
     entry = measure(Impl(steady(REF + 1)), REF, timer, sync=lambda: None, capture=fake_capture)
