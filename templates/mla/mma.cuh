@@ -332,6 +332,17 @@ FJ_INLINE void accumulate_values(float (*o)[NTV][4], const unsigned char* p_smem
   }
 }
 
+// The query a row of the CTA's tile stands for (row: its index among the ROWS_TOTAL rows): its
+// token, head and position, and whether the item has it (a tile's last rows may be past them).
+FJ_INLINE QueryRow query_row(int row, const WorkItem& item) {
+  QueryRow r;
+  r.q_idx = row / cfg::GROUP_SIZE;
+  r.qo_head = row % cfg::GROUP_SIZE;
+  r.valid = row < ROWS_TOTAL && r.q_idx < item.q_len;
+  r.q_pos = item.kv_len - item.q_len + r.q_idx;
+  return r;
+}
+
 FJ_INLINE void attend(const Args& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* ring = decode::aligned_ring(smem_raw);
@@ -360,11 +371,7 @@ FJ_INLINE void attend(const Args& a) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_of[h] = mt_q * 16 + quad + 8 * h;
-    const int row = row_tile * M + row_of[h];
-    rows[h].q_idx = row / cfg::GROUP_SIZE;
-    rows[h].qo_head = row % cfg::GROUP_SIZE;
-    rows[h].valid = row < ROWS_TOTAL && rows[h].q_idx < item.q_len;
-    rows[h].q_pos = item.kv_len - item.q_len + rows[h].q_idx;
+    rows[h] = query_row(row_tile * M + row_of[h], item);
   }
   const MaskParams causal{};  // (the causal mask reads no parameter)
   const VariantParams no_variant{};

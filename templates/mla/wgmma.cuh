@@ -81,13 +81,7 @@ FJ_INLINE void attend_wgmma(const Args& a) {
 
   QueryRow rows[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row_tile * M + first_row + 8 * h;
-    rows[h].q_idx = row / cfg::GROUP_SIZE;
-    rows[h].qo_head = row % cfg::GROUP_SIZE;
-    rows[h].valid = row < ROWS_TOTAL && rows[h].q_idx < item.q_len;
-    rows[h].q_pos = item.kv_len - item.q_len + rows[h].q_idx;
-  }
+  for (int h = 0; h < 2; ++h) rows[h] = query_row(row_tile * M + first_row + 8 * h, item);
   const MaskParams causal{};  // (the causal mask reads no parameter)
   const VariantParams no_variant{};
   const KeyScorer scorer{causal, no_variant, item};
