@@ -16,7 +16,8 @@ the backend's writer. Per layer (32 q / 8 kv heads, head_dim 128, blocks of 16 b
 - fa3: vLLM's FLASH_ATTN path on Hopper: one flash_attn_with_kvcache (tokenspeed-fa3's
   flash_attn_interface, the FA3 kernels vLLM ships) over every row, with scheduler metadata
   computed once per step (vLLM's AOT schedule), so before every timed call or replay and outside
-  its timing; eager with FA3's own split choice, in a graph with vLLM's split cap (32). With an fp8 cache its queries are fp8, as vLLM quantizes them for FA3.
+  its timing; eager with FA3's own split choice, in a graph with vLLM's split cap (32). With an fp8
+  cache its queries are fp8, as vLLM quantizes them for FA3.
 
 Every implementation's output is checked request by request against the float32 reference
 before it is timed, and each graph's again after its timed replays; a wrong one is reported, not
@@ -96,11 +97,12 @@ def fa3_calls(torch, fa3, pair, scales, inputs, q, shape: Shape, graph: bool):
         extra = dict(q_descale=torch.ones(shape2, device="cuda"), k_descale=scales[0].expand(shape2),
                      v_descale=scales[1].expand(shape2))
     max_q = int(max(np.diff(inputs["query_start_loc_cpu"].numpy())))
+
     def scheduled():
         return fa3.get_scheduler_metadata(rows, max_q, inputs["max_seq_len"], shape.heads, shape.kv_heads,
                                           shape.head_dim, inputs["seq_lens"], qkv_dtype=q_in.dtype,
-                                          cu_seqlens_q=inputs["query_start_loc"], page_size=shape.block, causal=True,
-                                          num_splits=splits)
+                                          cu_seqlens_q=inputs["query_start_loc"], page_size=shape.block,
+                                          causal=True, num_splits=splits)
 
     metadata = scheduled()
 
@@ -114,6 +116,16 @@ def fa3_calls(torch, fa3, pair, scales, inputs, q, shape: Shape, graph: bool):
                                            scheduler_metadata=metadata, num_splits=splits, **extra)
 
     return call, schedule
+
+
+def checked_replay(name: str, graph, out, check, tolerance: dict, before=None) -> float:
+    """One replay (after before(), the step's scheduling, if given) into out, filled with NaN first,
+    checked row by row: its largest row error, or AssertionError naming it."""
+    if before is not None:
+        before()
+    out.fill_(float("nan"))
+    graph.replay()
+    return check(name, out, tolerance)
 
 
 def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, graphs: bool) -> dict:
@@ -147,30 +159,24 @@ def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, gr
     out = torch.empty_like(q)
     forward = lambda: layer.forward(step, q, kv_cache, out, k_scale=scales[0], v_scale=scales[1])  # noqa: E731
     qsl, decode_tokens = inputs["query_start_loc_cpu"], step.rows.num_decode_tokens
+    check = lambda name, got, tol: check_rows(name, got, ref, qsl, decode_tokens, tol)  # noqa: E731
     row = {"spec": spec, "kv": kind, "decode_rows": step.rows.num_decodes, "prefill_rows": step.rows.num_prefills,
            "shared_prefix": bool(step.decoders) and step.decoders[form].spec.shared_prefix}
     forward()
-    row["flashjit_error"] = check_rows("flashjit", out, ref, qsl, decode_tokens, TOLERANCE[kind])
+    row["flashjit_error"] = check("flashjit", out, TOLERANCE[kind])
     row["flashjit_us"] = timer.median_us(forward)
     row["plan_host_us"] = host_us(lambda: planner.plan(**inputs, seq_lens_cpu=inputs["seq_lens"].cpu(), graph=False),
                                   sync, calls=200)
     tolerance = FA3_FP8_TOLERANCE if kind == "fp8" else TOLERANCE[kind]
     fa3_eager, fa3_schedule = fa3_calls(torch, fa3, pair, scales, inputs, q, shape, graph=False)
-    row["fa3_error"] = check_rows("fa3", fa3_eager(), ref, qsl, decode_tokens, tolerance)
+    row["fa3_error"] = check("fa3", fa3_eager(), tolerance)
     row["fa3_us"] = timer.median_us(fa3_eager, before=fa3_schedule)
     if graphs:
         fa3_call, fa3_schedule = fa3_calls(torch, fa3, pair, scales, inputs, q, shape, graph=True)
         fa3_graph, fa3_out = capture(torch, fa3_call)
-
-        def checked_replay(when: str):
-            fa3_schedule()
-            fa3_out.fill_(float("nan"))
-            fa3_graph.replay()
-            return check_rows(f"fa3 graph ({when})", fa3_out, ref, qsl, decode_tokens, tolerance)
-
-        row["fa3_graph_error"] = checked_replay("first replay")
+        row["fa3_graph_error"] = checked_replay("fa3 graph", fa3_graph, fa3_out, check, tolerance, fa3_schedule)
         row["fa3_graph_us"] = timer.median_us(fa3_graph.replay, before=fa3_schedule)
-        checked_replay("after the timed replays")
+        checked_replay("fa3 graph, after the timed replays", fa3_graph, fa3_out, check, tolerance, fa3_schedule)
         if step.rows.pure_decode:
             plan = lambda: planner.plan(**inputs, seq_lens_cpu=inputs["seq_lens"].cpu(), graph=True)  # noqa: E731
             graph_step = plan()
@@ -178,14 +184,9 @@ def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, gr
             graph, _ = capture(torch, lambda: layer.forward(graph_step, q, kv_cache, graph_out, k_scale=scales[0],
                                                             v_scale=scales[1]))
             plan()  # a step's build() before its replay
-            graph_out.fill_(float("nan"))
-            graph.replay()
-            row["flashjit_graph_error"] = check_rows("flashjit graph", graph_out, ref, qsl, decode_tokens,
-                                                     TOLERANCE[kind])
+            row["flashjit_graph_error"] = checked_replay("flashjit graph", graph, graph_out, check, TOLERANCE[kind])
             row["flashjit_graph_us"] = timer.median_us(graph.replay)
-            graph_out.fill_(float("nan"))
-            graph.replay()
-            check_rows("flashjit graph (after the timed replays)", graph_out, ref, qsl, decode_tokens, TOLERANCE[kind])
+            checked_replay("flashjit graph, after the timed replays", graph, graph_out, check, TOLERANCE[kind])
     return row
 
 

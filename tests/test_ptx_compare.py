@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from repo_paths import ROOT
+
 SCRIPT = ROOT / "scripts" / "ptx_compare.py"
 SPEC = "merge_states_f32_sm80"  # one small kernel: the golden list's f32 merge for sm_80
 

@@ -52,3 +52,26 @@ def test_check_rows_names_the_row_off_the_reference():
     assert check_rows("x", out, ref, qsl, 4, {"decode": 1e-2, "prefill": 1.0}) == errors[3][2]
     with pytest.raises(AssertionError, match="flashjit: request 3 \\(prefill rows\\)"):
         check_rows("flashjit", out, ref, qsl, 4, {"decode": 1e-2, "prefill": 1e-2})
+
+
+def test_a_checked_replay_schedules_first_and_sees_a_replay_that_writes_nothing():
+    from benchmarks.serving_backends import checked_replay
+
+    ref, qsl = torch.randn(4, 2, 8), [0, 1, 2, 3, 4]
+    check = lambda name, got, tol: check_rows(name, got, ref, qsl, 4, tol)  # noqa: E731
+    tolerance = {"decode": 1e-2, "prefill": 1e-2}
+    out, order = torch.zeros_like(ref), []
+
+    class Graph:
+        def __init__(self, writes: bool):
+            self.writes = writes
+
+        def replay(self):
+            order.append("replay")
+            if self.writes:
+                out.copy_(ref)
+
+    assert checked_replay("right", Graph(True), out, check, tolerance, before=lambda: order.append("schedule")) == 0
+    assert order == ["schedule", "replay"]
+    with pytest.raises(AssertionError, match="stale"):  # the previous replay's output is not taken for this one's
+        checked_replay("stale", Graph(False), out, check, tolerance)
