@@ -19,6 +19,12 @@ the backend's writer. Per layer (32 q / 8 kv heads, head_dim 128, blocks of 16 b
   its timing; eager with FA3's own split choice, in a graph with vLLM's split cap (32). With an fp8
   cache its queries are fp8, as vLLM quantizes them for FA3.
 
+The read floor streams the bytes of every request's keys and values once (benchmarks/read_floor.py,
+same flush and timing): no kernel that reads each request's cache can beat it, so FA3 ÷ floor is
+the largest ratio over FA3 any such kernel reaches (a shared prompt read once goes below it). Steps
+mixing prefill rows also time their parts: flashjit's decode rows, its prefill rows (the fp8
+query cast and FA3 into the output), and FA3 alone on the prefill rows (queries cast before).
+
 Every implementation's output is checked request by request against the float32 reference
 before it is timed, and each graph's again after its timed replays; a wrong one is reported, not
 timed (benchmarks/timing.py: L2 flushed before each timed call, CUDA events, median).
@@ -56,6 +62,11 @@ def make_cache(torch, shape: Shape, num_blocks: int, kind: str):
         scales = (torch.tensor([K_SCALE], device="cuda"), torch.tensor([V_SCALE], device="cuda"))
         return raw.permute(0, 2, 1, 3), scales, "fp8"
     return raw.bfloat16().permute(0, 2, 1, 3), (None, None), "auto"
+
+
+def kv_bytes(requests, shape: Shape, kind: str) -> int:
+    """The bytes of every request's keys and values, read once."""
+    return int(sum(requests.seq_lens)) * shape.kv_heads * shape.head_dim * 2 * (1 if kind == "fp8" else 2)
 
 
 def step_inputs(torch, requests, table):
@@ -128,7 +139,33 @@ def checked_replay(name: str, graph, out, check, tolerance: dict, before=None) -
     return check(name, out, tolerance)
 
 
-def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, graphs: bool) -> dict:
+def fa3_prefill_alone(fa3, pair, scales, prefill, q, shape: Shape):
+    """FA3 on a step's prefill rows only, its queries cast to fp8 beforehand over an fp8 cache."""
+    from flashjit.integrations.core.prefill import fa3_descales, quantized_query
+
+    q_in, extra = q, {}
+    if scales[0] is not None:
+        q_in = quantized_query(q, pair.k.dtype, None)
+        extra = fa3_descales(prefill, shape.kv_heads, None, *scales)
+    return lambda: fa3.flash_attn_with_kvcache(  # noqa: E731
+        q_in, pair.k, pair.v, cache_seqlens=prefill.seqused_k, page_table=prefill.block_table,
+        cu_seqlens_q=prefill.cu_seqlens_q, max_seqlen_q=prefill.max_seqlen_q, softmax_scale=shape.head_dim ** -0.5,
+        causal=True, **extra)
+
+
+def time_parts(row, timer, layer, step, q, pair, out, scales, fa3, shape: Shape) -> None:
+    """A mixed step's parts into row: decode_us, prefill_us (flashjit's), fa3_prefill_us (FA3 alone)."""
+    n, p, sm_scale = step.decode_tokens, step.prefill, shape.head_dim ** -0.5
+    decoder = next(iter(step.decoders.values()))
+    rows = slice(p.token_begin, p.token_end)
+    row["decode_us"] = timer.median_us(lambda: decoder.run(q[:n], pair, out=out[:n], k_scale=scales[0],
+                                                           v_scale=scales[1]))
+    row["prefill_us"] = timer.median_us(lambda: layer.prefill(q[rows], pair, out[rows], p, sm_scale=sm_scale,
+                                                              k_scale=scales[0], v_scale=scales[1]))
+    row["fa3_prefill_us"] = timer.median_us(fa3_prefill_alone(fa3, pair, scales, p, q[rows], shape))
+
+
+def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, floor, graphs: bool) -> dict:
     from benchmarks.timing import capture, host_us
     from flashjit.integrations.core import DecodeForm, Fa3KVCachePrefill, LayerAttention, StepPlanner, split_kv_cache
 
@@ -165,6 +202,11 @@ def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, gr
     forward()
     row["flashjit_error"] = check("flashjit", out, TOLERANCE[kind])
     row["flashjit_us"] = timer.median_us(forward)
+    row["floor_us"] = floor.us(timer, kv_bytes(requests, shape, kind))
+    if step.prefill is not None and step.rows.num_decodes:
+        time_parts(row, timer, layer, step, q, pair, out, scales, fa3, shape)
+        forward()
+        check("flashjit, after timing its parts", out, TOLERANCE[kind])
     row["plan_host_us"] = host_us(lambda: planner.plan(**inputs, seq_lens_cpu=inputs["seq_lens"].cpu(), graph=False),
                                   sync, calls=200)
     tolerance = FA3_FP8_TOLERANCE if kind == "fp8" else TOLERANCE[kind]
@@ -199,8 +241,14 @@ def report(row):
     cells = [row["spec"], row["kv"], f"{row['flashjit_us']:.1f}", f"{row.get('flashjit_graph_us', float('nan')):.1f}",
              f"{row['fa3_us']:.1f}", f"{row.get('fa3_graph_us', float('nan')):.1f}",
              "-" if eager is None else f"{eager:.2f}x", "-" if graph is None else f"{graph:.2f}x",
-             "yes" if row["shared_prefix"] else "no", f"{row['plan_host_us']:.0f}"]
+             f"{row['floor_us']:.1f} ({row['floor_us'] / row['flashjit_us']:.0%})",
+             f"{row['fa3_us'] / row['floor_us']:.2f}x", "yes" if row["shared_prefix"] else "no",
+             f"{row['plan_host_us']:.0f}"]
     print("| " + " | ".join(cells) + " |", flush=True)
+    if "decode_us" in row:
+        print(f"|   parts of {row['spec']} {row['kv']}: flashjit decode rows {row['decode_us']:.1f} µs + prefill rows "
+              f"{row['prefill_us']:.1f} µs; FA3 alone on the prefill rows {row['fa3_prefill_us']:.1f} µs |",
+              flush=True)
 
 
 def main(argv=None):
@@ -222,19 +270,20 @@ def main(argv=None):
     import flash_attn_interface as fa3  # tokenspeed-fa3
 
     import flashjit
+    from benchmarks.read_floor import ReadFloor
     from benchmarks.timing import Timer
 
-    shape, timer, engine = Shape(args), Timer(torch, args.iters), flashjit.Engine()
+    shape, timer, engine, floor = Shape(args), Timer(torch, args.iters), flashjit.Engine(), ReadFloor(torch)
     print(f"{torch.cuda.get_device_name()}: {shape.heads} q / {shape.kv_heads} kv heads, head_dim {shape.head_dim}, "
           f"blocks of {shape.block}; per-layer µs, median of {args.iters}")
     print("| spec | kv | flashjit | flashjit graph | fa3 | fa3 graph (splits 32) | eager ratio | graph ratio | "
-          "shared | plan host µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "read floor (÷ flashjit) | fa3 ÷ floor | shared | plan host µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for spec in args.specs:
         for kind in args.kv:
             try:
-                row = bench_spec(torch, fa3, engine, spec, kind, shape, timer, graphs=not args.no_graph)
+                row = bench_spec(torch, fa3, engine, spec, kind, shape, timer, floor, graphs=not args.no_graph)
             except AssertionError as wrong:  # check_rows: an implementation's output is wrong
                 print(f"| {spec} | {kind} | wrong output, not timed: {wrong} |", flush=True)
                 row = {"spec": spec, "kv": kind, "wrong": str(wrong)}

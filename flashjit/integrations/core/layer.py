@@ -44,7 +44,8 @@ class LayerAttention:
     def forward(self, step: StepPlan, query: torch.Tensor, kv_cache, output: torch.Tensor, *, q_scale=None,
                 k_scale=None, v_scale=None) -> torch.Tensor:
         """Attention of query ([tokens, qo_heads, head_dim]) into output (the same shape) for the
-        step's rows; k_scale / v_scale (tensors or floats) for an fp8 cache."""
+        step's rows; k_scale / v_scale (tensors or floats) for an fp8 cache, and q_scale for the
+        prefill rows' fp8 queries (a host float reads no device value)."""
         pair = self.kv_pair(kv_cache)
         rows, form = step.rows, self.form
         fp8 = form.kv_is_fp8

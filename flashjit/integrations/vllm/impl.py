@@ -56,7 +56,8 @@ class FlashJITImpl(AttentionImpl):
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
         attention = self.layer_attention(kv_cache.shape[2], query.dtype)
-        return attention.forward(attn_metadata.step, query, kv_cache, output, q_scale=layer._q_scale,
+        # the host copy of the query scale: quantizing the prefill rows' queries then reads no device value
+        return attention.forward(attn_metadata.step, query, kv_cache, output, q_scale=layer._q_scale_float,
                                  k_scale=layer._k_scale, v_scale=layer._v_scale)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:

@@ -285,7 +285,7 @@ def test_impl_refuses_alibi_naming_it():
 def scales(k=1.0, v=1.0):
     from types import SimpleNamespace
 
-    return SimpleNamespace(_q_scale=torch.tensor([1.0]), _k_scale=torch.tensor([k]), _v_scale=torch.tensor([v]))
+    return SimpleNamespace(_q_scale=torch.tensor([1.0]), _q_scale_float=1.0, _k_scale=torch.tensor([k]), _v_scale=torch.tensor([v]))
 
 
 def vllm_kv_cache(num_blocks, dtype=torch.bfloat16):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from flashjit.integrations.core.decoders import graph_capacity
-from flashjit.integrations.core import (DecodeForm, LayerAttention, ReferencePrefill, StepPlanner, device_page_table,
-                                        host_page_table, prefill_rows, shared_leading_blocks, split_kv_cache,
-                                        split_rows, write_kv)
+from flashjit.integrations.core import (DecodeForm, KVPair, LayerAttention, ReferencePrefill, StepPlanner,
+                                        device_page_table, host_page_table, prefill_rows, shared_leading_blocks,
+                                        split_kv_cache, split_rows, write_kv)
 from flashjit.kernels.worklist_kernel import LoadedKernel
 
 from block_tables import block_table_of
@@ -233,6 +233,93 @@ def test_reference_prefill_matches_a_dense_causal_attention():
     visible = torch.arange(37)[None, :] <= torch.arange(17, 37)[:, None]
     want = torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), v)
     assert torch.allclose(out[3:], want, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("cast", ["as probed", "clamped"])
+@pytest.mark.parametrize("q_scale", [None, 1.0, 2.0, torch.tensor([2.0])])
+def test_quantized_query_saturates_and_divides_by_the_scale(q_scale, cast, kv_dtype, monkeypatch):
+    from flashjit.integrations.core import prefill
+
+    if cast == "clamped":  # a torch whose cast does not saturate
+        monkeypatch.setattr(prefill, "casts_saturate", lambda *_: False)
+    limit = torch.finfo(kv_dtype).max
+    q = torch.tensor([3 * limit, -3 * limit, 0.75, -5.5, 1e-3], dtype=torch.bfloat16)
+    got = prefill.quantized_query(q, kv_dtype, q_scale)
+    scale = 1.0 if q_scale is None else float(q_scale)
+    want = (q.float() / scale).clamp(-limit, limit).to(kv_dtype)
+    assert got.dtype == kv_dtype
+    assert got.float().tolist() == want.float().tolist()
+    assert got.float()[:2].tolist() == [limit, -limit]
+
+
+def test_casts_saturate_probes_the_device_cast_once(monkeypatch):
+    from flashjit.integrations.core import prefill
+
+    monkeypatch.setattr(prefill, "_SATURATING_CASTS", {})
+    answer = prefill.casts_saturate(CPU, torch.bfloat16, torch.float8_e4m3fn)
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    direct = torch.tensor([2 * limit], dtype=torch.bfloat16).to(torch.float8_e4m3fn).float().item()
+    assert answer == (direct == limit)
+    assert list(prefill._SATURATING_CASTS) == [(CPU, torch.bfloat16, torch.float8_e4m3fn)]
+
+
+@pytest.mark.parametrize("q_scale, want", [(None, None), (1.0, None), (0.5, 0.5), (torch.tensor([0.25]), 0.25)])
+def test_fa3_descales_skip_unit_host_scales_and_expand_the_others(q_scale, want):
+    from types import SimpleNamespace
+
+    from flashjit.integrations.core.prefill import fa3_descales
+
+    rows = SimpleNamespace(num_rows=3, seqused_k=torch.zeros(3, dtype=torch.int32))
+    got = fa3_descales(rows, 2, q_scale, torch.tensor([0.5]), None)
+    assert got["v_descale"] is None and got["k_descale"].shape == (3, 2)
+    if want is None:
+        assert got["q_descale"] is None
+    else:
+        assert got["q_descale"].shape == (3, 2) and torch.all(got["q_descale"] == want)
+
+
+def test_fa3_forward_args_place_names_in_the_ops_order_and_refuse_unknown_ones():
+    from flashjit.integrations.core.prefill import FA3_FORWARD_ARGS, fa3_forward_args
+
+    args = fa3_forward_args(q="Q", out_="OUT", page_table="TABLE", sinks="SINKS", num_splits=3)
+    assert len(args) == len(FA3_FORWARD_ARGS) == 35
+    named = dict(zip(FA3_FORWARD_ARGS, args))
+    assert (args[0], args[6], args[14], args[-1]) == ("Q", "OUT", "TABLE", "SINKS")
+    assert (named["num_splits"], named["rotary_interleaved"], named["window_size_left"]) == (3, True, -1)
+    assert named["k_new"] is None
+    with pytest.raises(TypeError, match="window_size"):
+        fa3_forward_args(window_size=(-1, 0))
+
+
+@pytest.mark.parametrize("kind, out_dtype", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16), ("fp8", torch.float16)])
+def test_fa3_prefill_writes_the_rows_in_place_with_fp8_queries_over_an_fp8_cache(kind, out_dtype):
+    from types import SimpleNamespace
+
+    from flashjit.integrations.core import Fa3KVCachePrefill
+    from flashjit.integrations.core.prefill import FA3_FORWARD_ARGS
+
+    calls = []
+
+    def fwd(*args):
+        named = dict(zip(FA3_FORWARD_ARGS, args))
+        named["out_"].fill_(2.0)  # FA3 writes its rows into the given out
+        calls.append(named)
+
+    fa3 = SimpleNamespace(flash_attn_3_gpu=SimpleNamespace(fwd=fwd))
+    dtype = torch.float8_e4m3fn if kind == "fp8" else torch.bfloat16
+    cache = KVPair(torch.zeros(4, 16, 2, 64, dtype=dtype), torch.zeros(4, 16, 2, 64, dtype=dtype))
+    rows = SimpleNamespace(num_rows=1, seqused_k=torch.tensor([20], dtype=torch.int32), max_seqlen_q=5,
+                           cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32), block_table=torch.tensor([[3, 1]]))
+    q, out = torch.randn(5, 8, 64).to(out_dtype), torch.zeros(5, 8, 64, dtype=out_dtype)
+    Fa3KVCachePrefill(fa3)(q, cache, out, rows, sm_scale=0.125, window_left=7, k_scale=torch.tensor([0.5]))
+    call = calls[0]
+    assert torch.all(out == 2.0)
+    assert (call["out_"] is out) == (out_dtype == torch.bfloat16)  # fp8 queries give bf16: a copy for fp16 outputs
+    assert call["q"].dtype == dtype and call["page_table"] is rows.block_table
+    assert (call["causal"], call["window_size_left"], call["window_size_right"], call["softmax_scale"]) == (True, 7, 0,
+                                                                                                          0.125)
+    assert (call["k_descale"] is not None) == (kind == "fp8") and call["q_descale"] is None
 
 
 # ---- MLA ------------------------------------------------------------------------------------------
