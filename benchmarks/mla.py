@@ -1,7 +1,7 @@
 """MLA decode benchmark: flashjit's BatchDecodeMLA against FlashInfer's MLA wrapper
 (flashinfer.mla.BatchMLAPagedAttentionWrapper) and FlashMLA (flash_mla), where they import.
 
-    python -m benchmarks.mla [--rows PATTERN] [--iters N] [--json out.json]
+    python -m benchmarks.mla [--rows PATTERN] [--iters N] [--no-graph] [--json out.json]
     python -m benchmarks.mla --sweep [--rows PATTERN]   # flashjit under other MLA tilings (warps, tile, stages)
 
 Method as benchmarks/decode.py: random inputs, shuffled pages (page size 64, the size FlashMLA
@@ -11,7 +11,12 @@ before it is timed (a wrong one is reported, not timed). Each row reports its ti
 latent bytes attended plus q and out, the read floor (a streaming read of those bytes, timed the same
 way: benchmarks/read_floor.py) and TFLOP/s (2 x 1088 flops per query row and key: the 576-wide score
 and the 512-wide output). At 16 heads a step is memory-bound (compare with the floor); at 128 heads
-compute-bound (compare TFLOP/s with the ~790 a large bf16 GEMM reaches on an H200).
+compute-bound: the run first times a large bf16 GEMM (torch.matmul, 8192 cubed) the same way, and
+each row gives its TFLOP/s as a share of that ceiling.
+
+Skewed rows mix mostly short requests with a few long ones; q2/q4 rows are multi-token prediction
+(speculative decoding). flashjit's graph column replays a CUDA graph of replan() and run() on a
+CUDA-graph decoder: every replay plans on the GPU (as a server's captured step does) and then attends.
 """
 
 from __future__ import annotations
@@ -28,39 +33,52 @@ SM_SCALE = 192 ** -0.5 * (0.1 * math.log(40) + 1) ** 2  # DeepSeek-V3's, with Ya
 
 @dataclasses.dataclass(frozen=True)
 class Row:
+    """batch requests of kv_len keys, of which the last `long` have long_len keys instead."""
+
     name: str
     batch: int
     kv_len: int
     heads: int
     q_len: int = 1
     kv: str = "bf16"
+    long: int = 0
+    long_len: int = 0
+
+    @property
+    def kv_lens(self) -> list[int]:
+        return [self.kv_len] * (self.batch - self.long) + [self.long_len] * self.long
 
     @property
     def attended_bytes(self) -> int:
-        latent = self.batch * self.kv_len * 576 * (1 if self.kv == "e4m3" else 2)
+        latent = sum(self.kv_lens) * 576 * (1 if self.kv == "e4m3" else 2)
         return latent + self.batch * self.q_len * self.heads * (576 + 512) * 2
 
     @property
     def flops(self) -> int:
-        return 2 * self.batch * self.q_len * self.heads * self.kv_len * (576 + 512)
+        return 2 * self.q_len * self.heads * sum(self.kv_lens) * (576 + 512)
 
 
 ROWS = (Row("b64 L8192 h16", 64, 8192, 16), Row("b16 L8192 h128", 16, 8192, 128),
         Row("b64 L8192 h16 e4m3", 64, 8192, 16, kv="e4m3"), Row("b16 L8192 h128 e4m3", 16, 8192, 128, kv="e4m3"),
-        Row("b64 L4096 h16 q2", 64, 4096, 16, q_len=2), Row("b128 L2048 h128", 128, 2048, 128))
+        Row("b64 L4096 h16 q2", 64, 4096, 16, q_len=2), Row("b128 L2048 h128", 128, 2048, 128),
+        Row("b32 L4096 h128 q4", 32, 4096, 128, q_len=4),
+        Row("skewed 60xL512 + 4xL32768 h16", 64, 512, 16, long=4, long_len=32768),
+        Row("skewed 30xL1024 + 2xL16384 h128", 32, 1024, 128, long=2, long_len=16384))
+GEMM_SIZE = 8192  # the bf16 GEMM whose TFLOP/s is each row's compute ceiling
 
 
 def build(torch, row: Row, seed: int = 0) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    pages_per = -(-row.kv_len // PAGE_SIZE)
-    total = row.batch * pages_per
+    lens = torch.tensor(row.kv_lens, dtype=torch.int32)
+    pages = (lens + PAGE_SIZE - 1) // PAGE_SIZE
+    total = int(pages.sum())
     perm = torch.randperm(total, generator=gen).to(torch.int32)
     cache = (torch.randn(total, PAGE_SIZE, 576, generator=gen) * 0.5).to(torch.bfloat16).cuda()
     tokens = row.batch * row.q_len
     q = (torch.randn(tokens, row.heads, 576, generator=gen) * 0.5).to(torch.bfloat16).cuda()
     inputs = dict(cache=cache, q_nope=q[..., :512].contiguous(), q_pe=q[..., 512:].contiguous(),
-                  indptr=torch.arange(row.batch + 1, dtype=torch.int32) * pages_per, indices=perm.cuda(),
-                  last=torch.full((row.batch,), row.kv_len - (pages_per - 1) * PAGE_SIZE, dtype=torch.int32),
+                  indptr=torch.cat([torch.zeros(1, dtype=torch.int32), pages.cumsum(0).to(torch.int32)]),
+                  indices=perm.cuda(), last=(lens - (pages - 1) * PAGE_SIZE).to(torch.int32),
                   qo=torch.arange(row.batch + 1, dtype=torch.int32) * row.q_len, scale=None)
     if row.kv == "e4m3":
         from flashjit.serving.quantize import quantize_latent
@@ -77,15 +95,26 @@ def reference(torch, row: Row, x: dict):
                          qo_indptr=x["qo"], sm_scale=SM_SCALE)[0]
 
 
-def flashjit_call(torch, row: Row, x: dict, engine=None):
+def flashjit_call(torch, row: Row, x: dict, engine=None, graph: bool = False):
+    """flashjit's step: plan() once, then run(); with graph, a CUDA-graph decoder whose step is
+    replan() (the GPU planner) and run()."""
     from flashjit.serving.batch_mla import BatchDecodeMLA
 
-    decoder = BatchDecodeMLA(engine)
+    sizes = dict(use_cuda_graph=True, max_batch_size=row.batch, max_num_pages=x["indices"].numel(),
+                 max_q_len=row.q_len) if graph else {}
+    decoder = BatchDecodeMLA(engine, **sizes)
     decoder.plan(x["indptr"], x["indices"], x["last"], row.heads, PAGE_SIZE, qo_indptr=x["qo"], sm_scale=SM_SCALE,
                  kv_dtype=None if row.kv == "bf16" else "e4m3")
     out = torch.empty(x["q_nope"].shape, dtype=torch.bfloat16, device="cuda")
     scale = None if x["scale"] is None else x["scale"].item()
-    return lambda: decoder.run(x["q_nope"], x["q_pe"], x["cache"], out=out, ckv_scale=scale)
+    run = lambda: decoder.run(x["q_nope"], x["q_pe"], x["cache"], out=out, ckv_scale=scale)  # noqa: E731
+    if not graph:
+        return run
+
+    def step():
+        decoder.replan()
+        return run()
+    return step
 
 
 def flashinfer_call(torch, row: Row, x: dict):
@@ -95,7 +124,7 @@ def flashinfer_call(torch, row: Row, x: dict):
         raise RuntimeError("FlashInfer's MLA wrapper takes 16-bit caches here")
     workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
     wrapper = BatchMLAPagedAttentionWrapper(workspace)
-    kv_lens = torch.full((row.batch,), row.kv_len, dtype=torch.int32, device="cuda")
+    kv_lens = torch.tensor(row.kv_lens, dtype=torch.int32, device="cuda")
     wrapper.plan(x["qo"].cuda(), x["indptr"].cuda(), x["indices"], kv_lens, row.heads, 512, 64, PAGE_SIZE,
                  row.q_len > 1, SM_SCALE, torch.bfloat16, torch.bfloat16)
     ckv, kpe = x["cache"][..., :512], x["cache"][..., 512:]
@@ -105,8 +134,8 @@ def flashinfer_call(torch, row: Row, x: dict):
 def flashmla_call(torch, row: Row, x: dict):
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
-    if row.kv != "bf16":
-        raise RuntimeError("FlashMLA's dense path takes bf16 caches")
+    if row.kv != "bf16" or row.long:
+        raise RuntimeError("FlashMLA's dense path is timed on bf16 caches of equal lengths here")
     seqlens = torch.full((row.batch,), row.kv_len, dtype=torch.int32, device="cuda")
     metadata, splits = get_mla_metadata(seqlens, row.q_len * row.heads, 1)
     table = x["indices"].view(row.batch, -1)
@@ -120,31 +149,57 @@ def flashmla_call(torch, row: Row, x: dict):
     return call
 
 
-IMPLEMENTATIONS = {"flashjit": flashjit_call, "flashinfer": flashinfer_call, "flashmla": flashmla_call}
+def flashjit_graph_call(torch, row: Row, x: dict):
+    """A CUDA graph of flashjit's graph step (replan() and run()): each replay plans on the GPU."""
+    from benchmarks.timing import capture
+
+    graph, out = capture(torch, flashjit_call(torch, row, x, graph=True))
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
 
 
-def measure(torch, rows, iters: int) -> list[dict]:
+IMPLEMENTATIONS = {"flashjit": flashjit_call, "flashjit graph": flashjit_graph_call, "flashinfer": flashinfer_call,
+                   "flashmla": flashmla_call}
+
+
+def gemm_tflops(torch, timer) -> float:
+    """The TFLOP/s of a large bf16 GEMM, timed as the rows are: the compute ceiling this GPU reaches."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    out = torch.empty_like(a)
+    us = timer.median_us(lambda: torch.matmul(a, b, out=out))
+    return 2 * GEMM_SIZE ** 3 / us / 1e6
+
+
+def measure(torch, rows, iters: int, graphs: bool = True) -> list[dict]:
     from benchmarks.measure import row_problem
     from benchmarks.read_floor import ReadFloor
     from benchmarks.timing import Timer
 
     timer, floor = Timer(torch, iters), ReadFloor(torch)
+    ceiling = gemm_tflops(torch, timer)
+    print(f"{torch.cuda.get_device_name()}: bf16 GEMM ({GEMM_SIZE} cubed) {ceiling:.0f} TFLOP/s", flush=True)
     results = []
     for row in rows:
         x = build(torch, row)
         ref = reference(torch, row, x)
-        entry = {"row": row.name, "bytes": row.attended_bytes, "flops": row.flops,
+        entry = {"row": row.name, "bytes": row.attended_bytes, "flops": row.flops, "gemm_tflops": ceiling,
                  "floor_us": floor.us(timer, row.attended_bytes), "impls": {}}
         for name, make in IMPLEMENTATIONS.items():
+            if name == "flashjit graph" and not graphs:
+                continue
             try:
                 call = make(torch, row, x)
-                out = call()
-                torch.cuda.synchronize()
-                err, problem = row_problem(out, ref)
+                err, problem = checked(torch, call, ref, row_problem)
+                if problem is None:
+                    us = timer.median_us(call)
+                    _, problem = checked(torch, call, ref, row_problem)  # as the timed calls left it
                 if problem:
                     entry["impls"][name] = {"error": f"wrong output: {problem}"}
                     continue
-                us = timer.median_us(call)
                 entry["impls"][name] = {"us": us, "gbs": row.attended_bytes / us / 1e3,
                                         "tflops": row.flops / us / 1e6, "row_error": err}
             except Exception as exc:  # a peer that does not import or refuses the row is a note, not a failure
@@ -154,11 +209,27 @@ def measure(torch, rows, iters: int) -> list[dict]:
     return results
 
 
+def checked(torch, call, ref, row_problem):
+    """(largest row error, problem or None) of a call's output; the output of a call before is
+    NaN-filled first, so a call that reuses its output (a graph replay) must write it again."""
+    call().fill_(float("nan"))
+    out = call()
+    torch.cuda.synchronize()
+    return row_problem(out, ref)
+
+
 def format_row(entry: dict) -> str:
     parts = [f"{entry['row']:<22} floor {entry['floor_us']:8.1f} us"]
     for name, r in entry["impls"].items():
+        if "us" not in r:
+            parts.append(f"{name}: {r['error']}")
+            continue
+        share = f", {r['tflops'] / entry['gemm_tflops']:.0%} of GEMM" if "gemm_tflops" in entry else ""
         parts.append(f"{name} {r['us']:8.1f} us {r['gbs']:6.0f} GB/s {r['tflops']:6.1f} TFLOP/s "
-                     f"({entry['floor_us'] / r['us']:.0%} of floor)" if "us" in r else f"{name}: {r['error']}")
+                     f"({entry['floor_us'] / r['us']:.0%} of floor{share})")
+    eager, graph = entry["impls"].get("flashjit", {}), entry["impls"].get("flashjit graph", {})
+    if "us" in eager and "us" in graph:
+        parts.append(f"graph ÷ eager speed {eager['us'] / graph['us']:.2f}")
     return " | ".join(parts)
 
 
@@ -230,11 +301,12 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--sweep", action="store_true", help="time flashjit under other MLA tilings instead")
+    parser.add_argument("--no-graph", action="store_true", help="leave out flashjit's CUDA-graph column")
     args = parser.parse_args(argv)
     rows = [row for row in ROWS if re.search(args.rows, row.name)]
     if args.sweep:
         return sweep(torch, rows, args.iters)
-    results = measure(torch, rows, args.iters)
+    results = measure(torch, rows, args.iters, graphs=not args.no_graph)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -426,7 +426,11 @@ def test_benchmark_rows_and_sweep_variants():
     assert row.attended_bytes == 2 * 100 * 576 * 2 + 2 * 16 * 1088 * 2
     assert bench.Row("x", 2, 100, 16, kv="e4m3").attended_bytes == 2 * 100 * 576 + 2 * 16 * 1088 * 2
     assert row.flops == 2 * 2 * 16 * 100 * 1088
+    skewed = bench.Row("x", 4, 100, 16, q_len=2, long=1, long_len=5000)
+    assert skewed.kv_lens == [100, 100, 100, 5000]
+    assert skewed.attended_bytes == 5300 * 576 * 2 + 4 * 2 * 16 * 1088 * 2 and skewed.flops == 2 * 2 * 16 * 5300 * 1088
     assert {r.name for r in bench.ROWS} >= {"b64 L8192 h16", "b16 L8192 h128"}
+    assert any(r.long for r in bench.ROWS) and {r.q_len for r in bench.ROWS} >= {1, 2, 4}
     for (fp8, rows), variants in bench.SWEEP.items():
         for warps, tile, stages, min_ctas in variants:
             table = MLA_TUNING.with_rows(fp8=fp8, rows=rows, warps=warps, tile_tokens=tile, stages=stages,
@@ -437,10 +441,12 @@ def test_benchmark_rows_and_sweep_variants():
             assert (t.rows, t.warps, t.tile_tokens) == (rows, warps, tile)
             assert t.warps % t.m_tiles == 0 and (t.tile_tokens // t.key_slices) % 8 == 0
             assert t.smem_bytes <= dynamic_shared_limit("sm_90")
-    entry = {"row": "b2 L100 h16", "floor_us": 10.0,
-             "impls": {"flashjit": {"us": 12.5, "gbs": 1.0, "tflops": 2.0}, "flashinfer": {"error": "ImportError: x"}}}
+    entry = {"row": "b2 L100 h16", "floor_us": 10.0, "gemm_tflops": 4.0,
+             "impls": {"flashjit": {"us": 12.5, "gbs": 1.0, "tflops": 2.0}, "flashinfer": {"error": "ImportError: x"},
+                       "flashjit graph": {"us": 12.0, "gbs": 1.0, "tflops": 2.1}}}
     text = bench.format_row(entry)
-    assert "flashjit     12.5 us" in text and "80% of floor" in text and "flashinfer: ImportError: x" in text
+    assert "flashjit     12.5 us" in text and "80% of floor, 50% of GEMM" in text
+    assert "flashinfer: ImportError: x" in text and "graph ÷ eager speed 1.04" in text
 
 
 # ---- run()'s checks on the CPU ---------------------------------------------------------------
