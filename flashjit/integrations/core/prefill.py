@@ -84,6 +84,8 @@ class Fa3KVCachePrefill:
         # FA3's forward op given out: the rows land in place, as vLLM's flash_attn_varlen_func(out=...)
         # puts them. FA3 writes bf16 from fp8 queries: other outputs take a copy.
         target = out if not fp8 or out.dtype == torch.bfloat16 else torch.empty_like(out, dtype=torch.bfloat16)
+        if sinks is not None:  # this FA3 build takes its sink logits in bf16
+            sinks = sinks.to(torch.bfloat16)
         self._fa3.flash_attn_3_gpu.fwd(*fa3_forward_args(
             q=q, k=cache.k, v=cache.v, out_=target, cu_seqlens_q=rows.cu_seqlens_q, seqused_k=rows.seqused_k,
             max_seqlen_q=rows.max_seqlen_q, page_table=rows.block_table, softmax_scale=sm_scale, causal=True,

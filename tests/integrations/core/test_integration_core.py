@@ -312,8 +312,10 @@ def test_fa3_prefill_writes_the_rows_in_place_with_fp8_queries_over_an_fp8_cache
     rows = SimpleNamespace(num_rows=1, seqused_k=torch.tensor([20], dtype=torch.int32), max_seqlen_q=5,
                            cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32), block_table=torch.tensor([[3, 1]]))
     q, out = torch.randn(5, 8, 64).to(out_dtype), torch.zeros(5, 8, 64, dtype=out_dtype)
-    Fa3KVCachePrefill(fa3)(q, cache, out, rows, sm_scale=0.125, window_left=7, k_scale=torch.tensor([0.5]))
+    sinks = torch.tensor([0.5, 1.25, -2.0, 3.0, 0.0, 1.0, 2.0, 4.0])
+    Fa3KVCachePrefill(fa3)(q, cache, out, rows, sm_scale=0.125, window_left=7, k_scale=torch.tensor([0.5]), sinks=sinks)
     call = calls[0]
+    assert call["sinks"].dtype == torch.bfloat16 and call["sinks"].float().tolist() == sinks.tolist()
     assert torch.all(out == 2.0)
     assert (call["out_"] is out) == (out_dtype == torch.bfloat16)  # fp8 queries give bf16: a copy for fp16 outputs
     assert call["q"].dtype == dtype and call["page_table"] is rows.block_table
