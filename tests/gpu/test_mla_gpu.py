@@ -206,50 +206,41 @@ def test_cuda_graph_replay_after_replan(engine):
         check(out[:tokens], lse[:tokens], ref_out, ref_lse, "replay after a re-plan")
 
 
-def replay_compositions(engine, heads, q_len, kv, page_size, compositions, seed):
-    """A graph of replan() and run() on a CUDA-graph decoder, replayed for each composition (kv_lens,
-    q_lens) written into graph_page_table in place, with no plan() in between; every replay against
-    the float32 reference."""
-    batches = [make_batch(lens, q_lens, heads, page_size, seed + i) for i, (lens, q_lens) in enumerate(compositions)]
-    rows, max_batch = max(b["q_nope"].shape[0] for b in batches), max(len(lens) for lens, _ in compositions)
-    pages = max(b["cache"].shape[0] for b in batches)
-    decoder = BatchDecodeMLA(engine, use_cuda_graph=True, max_batch_size=max_batch, max_num_pages=pages,
-                             max_q_len=q_len)
-    ckv = torch.zeros(pages, page_size, 512, dtype=torch.bfloat16, device="cuda")
-    kpe = torch.zeros(pages, page_size, 64, dtype=torch.bfloat16, device="cuda")
-    if kv in FP8:
-        ckv, kpe = ckv.to(getattr(torch, KV_DTYPES[kv])), kpe.to(getattr(torch, KV_DTYPES[kv]))
-    q_nope = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device="cuda")
-    q_pe = torch.zeros(rows, heads, 64, dtype=torch.bfloat16, device="cuda")
-    out = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.zeros(rows, heads, dtype=torch.float32, device="cuda")
-    scale = torch.ones(2, dtype=torch.float32, device="cuda")  # ckv, kpe: read at launch, so new each batch
+def test_a_captured_replan_plans_the_page_table_written_in_place(engine):
+    """A graph of replan() and run(): each replay plans, on the GPU, the skewed batch whose page
+    table was written into graph_page_table in place, with no plan() in between."""
+    heads, page_size, max_batch = 64, 16, 8
+    decoder = BatchDecodeMLA(engine, use_cuda_graph=True, max_batch_size=max_batch, max_num_pages=4096, max_q_len=2)
+    batches = [make_batch([4000, 30, 61, 5, 700, 2, 1, 90], [2, 1, 2, 1, 1, 2, 1, 1], heads, page_size, 31),
+               make_batch([17], [2], heads, page_size, 32),
+               make_batch([9000, 12, 12], [1, 2, 1], heads, page_size, 33)]
+    cache = torch.zeros(max(b["cache"].shape[0] for b in batches), page_size, 576, dtype=torch.bfloat16, device="cuda")
+    q_nope = torch.zeros(2 * max_batch, heads, 512, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.zeros(2 * max_batch, heads, 64, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(2 * max_batch, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(2 * max_batch, heads, dtype=torch.float32, device="cuda")
 
-    def load(batch):
-        caches, scales, reference_caches = latent_caches(batch, kv)
-        n = caches[0].shape[0]
-        ckv.view(torch.uint8).zero_(), kpe.view(torch.uint8).zero_()  # bytes: fp8 tensors have no fill
-        ckv[:n].copy_(caches[0]), kpe[:n].copy_(caches[1])
-        if kv in FP8:
-            scale.copy_(torch.tensor(scales))
+    def load(batch) -> int:
+        cache.zero_()
+        cache[:batch["cache"].shape[0]].copy_(batch["cache"])
         tokens = batch["q_nope"].shape[0]
-        q_nope[:tokens].copy_(batch["q_nope"]), q_pe[:tokens].copy_(batch["q_pe"])
-        return tokens, scales, reference_caches
+        q_nope[:tokens].copy_(batch["q_nope"])
+        q_pe[:tokens].copy_(batch["q_pe"])
+        return tokens
 
     first = batches[0]
     load(first)
     decoder.plan(first["indptr"], first["indices"], first["last"], heads, page_size, qo_indptr=first["qo"],
-                 sm_scale=SM_SCALE, kv_dtype=KV_DTYPES[kv] if kv in FP8 else None)
-    scales = dict(ckv_scale=scale[0:1], kpe_scale=scale[1:2]) if kv in FP8 else {}
-    decoder.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **scales)  # loads the module before capture
+                 sm_scale=SM_SCALE)
+    decoder.run(q_nope, q_pe, cache, out=out, lse=lse)  # loads the module before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         decoder.replan()
-        decoder.run(q_nope, q_pe, ckv, kpe, out=out, lse=lse, **scales)
+        decoder.run(q_nope, q_pe, cache, out=out, lse=lse)
     table, ids = decoder.graph_page_table, decoder.graph_page_ids
     assert table is not None
     for batch in batches[1:] + batches[:1]:
-        (tokens, batch_scales, reference_caches), n = load(batch), batch["last"].numel()
+        tokens, n = load(batch), batch["last"].numel()
         table.batch.fill_(n)
         table.indptr[: n + 1].copy_(batch["indptr"])
         table.last_page_len[:n].copy_(batch["last"])
@@ -258,29 +249,9 @@ def replay_compositions(engine, heads, q_len, kv, page_size, compositions, seed)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref_out, ref_lse = reference(batch, reference_caches, batch_scales)
-        check(out[:tokens], lse[:tokens], ref_out, ref_lse, f"{decoder.spec.name}: captured replan, {n} requests")
-
-
-def test_a_captured_replan_plans_the_page_table_written_in_place(engine):
-    """Skewed batches, each planned on the GPU by the replay itself: a long request splits."""
-    replay_compositions(engine, 64, 2, "bf16", 16, [([4000, 30, 61, 5, 700, 2, 1, 90], [2, 1, 2, 1, 1, 2, 1, 1]),
-                                                    ([17], [2]), ([9000, 12, 12], [1, 2, 1])], 31)
-
-
-GRAPH_PAGES = (1, 16, 64)
-
-
-@pytest.mark.parametrize("kv", ["bf16", "e4m3"])
-@pytest.mark.parametrize("q_len", [1, 2, 4])
-@pytest.mark.parametrize("heads", [16, 32, 64, 128])
-def test_graph_grid(engine, heads, q_len, kv):
-    """Every head count, query length and cache type in a graph re-planned by its replays: an
-    unsplit batch, a skewed one whose long request splits, and one request alone."""
-    page_size = GRAPH_PAGES[(heads // 16 + q_len) % 3]
-    replay_compositions(engine, heads, q_len, kv, page_size,
-                        [([300, 45, 0, 7], [q_len] * 4), ([5000, 20, 64, 1], [q_len, 1, q_len, 1]),
-                         ([1500], [q_len])], heads + q_len)
+        ref_out, ref_lse = mla_reference(batch["q_nope"], batch["q_pe"], cache.float(), None, batch["indptr"],
+                                         batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
+        check(out[:tokens], lse[:tokens], ref_out, ref_lse, f"captured replan, {n} requests")
 
 
 def test_empty_batch_returns_without_launch(engine):
