@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flashjit
-from flashjit.integrations.core import device_page_table, host_page_table
+from flashjit.integrations.core import host_page_table
 from flashjit.integrations.core.mla import MLADecoders, MLAForm, latent_cache
 from flashjit.serving.mla_reference import mla_reference
 from flashjit.serving.quantize import quantize_latent
@@ -77,11 +77,8 @@ def test_eager_steps(kind, engine):
         check(kind, cache, scale, table, seq, qsl, q_nope, q_pe, out, f"eager {kind} composition {n}")
 
 
-@pytest.mark.parametrize("lengths", ["host", "device"])
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_graph_replays_after_new_compositions(kind, lengths, engine):
-    """Each composition planned before the replay: from the host's lengths (plan()), or from a page
-    table built on the device (the GPU planner's replan(), nothing read back)."""
+def test_graph_replays_after_new_compositions(kind, engine):
     cache, scale, cache_dtype = make_cache(kind)
     form = MLAForm(HEADS, BLOCK, "bfloat16", "float8_e4m3fn" if kind == "fp8" else "bfloat16", SCALE)
     size = 16
@@ -94,13 +91,7 @@ def test_graph_replays_after_new_compositions(kind, lengths, engine):
 
     def plan(seq_lens, query_lens):
         table, seq, qsl = step(seq_lens, query_lens, rng)
-        if lengths == "host":
-            decoder = decoders.plan_graph(size, host_page_table(table, seq, qsl, len(seq), BLOCK, out_indices=buffer))
-        else:
-            on_device = device_page_table(table, seq.to(CUDA), qsl.to(CUDA), len(seq), BLOCK, 4)
-            buffer[: on_device.page_ids.numel()].copy_(on_device.page_ids)
-            assert decoders.plans_on_device(size)
-            decoder = decoders.plan_graph_on_device(size, on_device)
+        decoder = decoders.plan_graph(size, host_page_table(table, seq, qsl, len(seq), BLOCK, out_indices=buffer))
         return decoder, (table, seq, qsl)
 
     decoder, _ = plan(*COMPOSITIONS[0])

@@ -109,22 +109,17 @@ class FormDecoders:
     def plan_graph_on_device(self, tokens: int, table: DevicePageTable) -> BatchDecode:
         """Re-plan the graph decoder of that size from a page table on the device: its GPU planner
         runs on the current stream, nothing is read back. The page ids must be in the shared buffer."""
-        return replan_on_device(self.graph_decoder(tokens), tokens, table,
-                                "this form's graph decoders plan on the host (shared-prefix kernel): give host lengths")
-
-
-def replan_on_device(decoder, tokens: int, table: DevicePageTable, host_planned: str):
-    """decoder (a graph decoder of `tokens` padded query tokens) re-planned by its GPU planner from
-    a device page table, copied into its graph_page_table; host_planned: the error where it has none."""
-    page_table = decoder.graph_page_table
-    if page_table is None:
-        raise RuntimeError(host_planned)
-    rows = table.indptr.numel() - 1
-    if rows > graph_capacity(tokens):
-        raise ValueError(f"a graph step of {tokens} tokens holds at most {graph_capacity(tokens)} requests, got {rows}")
-    page_table.batch.copy_(table.batch)
-    page_table.indptr[: rows + 1].copy_(table.indptr)
-    page_table.last_page_len[:rows].copy_(table.last_page_len)
-    page_table.qo_indptr[: rows + 1].copy_(table.qo_indptr)
-    decoder.replan()
-    return decoder
+        decoder = self.graph_decoder(tokens)
+        page_table = decoder.graph_page_table
+        if page_table is None:
+            raise RuntimeError("this form's graph decoders plan on the host (shared-prefix kernel): give host lengths")
+        rows = table.indptr.numel() - 1
+        if rows > graph_capacity(tokens):
+            raise ValueError(f"a graph step of {tokens} tokens holds at most {graph_capacity(tokens)} requests, "
+                             f"got {rows}")
+        page_table.batch.copy_(table.batch)
+        page_table.indptr[: rows + 1].copy_(table.indptr)
+        page_table.last_page_len[:rows].copy_(table.last_page_len)
+        page_table.qo_indptr[: rows + 1].copy_(table.qo_indptr)
+        decoder.replan()
+        return decoder

@@ -2,9 +2,8 @@
 planned once a step: the MLA counterpart of FormDecoders.
 
 An eager BatchDecodeMLA serves eager steps; graph steps use a graph decoder per power of two of
-query tokens (as FormDecoders'), with its page ids in one buffer the step owner writes, planned
-before every replay from the host's page table (plan_graph) or by its GPU planner from a page table
-on the device (plan_graph_on_device: no lengths read back)."""
+query tokens (as FormDecoders'), each planned on the host before every replay from the host's page
+table, with its page ids in one buffer the step owner writes."""
 
 from __future__ import annotations
 
@@ -17,9 +16,9 @@ from ...kernels.decode.spec import normalize_dtype, KV_DTYPES
 from ...jit.engine import default_engine
 from ...serving.batch_mla import BatchDecodeMLA
 from ... import validation
-from .decoders import graph_decoder_of, replan_on_device
+from .decoders import graph_decoder_of
 from .kv_cache import FP8_CACHE_DTYPES
-from .page_tables import DevicePageTable, HostPageTable
+from .page_tables import HostPageTable
 
 LATENT_WIDTH = 576  # kv_lora_rank 512 + rope 64: the only MLA shape flashjit's kernels take
 
@@ -89,16 +88,6 @@ class MLADecoders:
         decoder.plan(table.indptr, table.indices, table.last_page_len, qo_indptr=table.qo_indptr,
                      check_page_ids=False, **self.form.plan_kwargs())
         return decoder
-
-    def plans_on_device(self, tokens: int) -> bool:
-        """Whether the graph decoder of that size plans on the GPU (no host lengths needed)."""
-        return self.graph_decoder(tokens).graph_page_table is not None
-
-    def plan_graph_on_device(self, tokens: int, table: DevicePageTable) -> BatchDecodeMLA:
-        """Re-plan the graph decoder of that size from a page table on the device (its GPU planner,
-        on the current stream; nothing is read back). The page ids must be in the shared buffer."""
-        return replan_on_device(self.graph_decoder(tokens), tokens, table,
-                                "this GPU's MLA graph decoders plan on the host: give host lengths")
 
     def run(self, decoder: BatchDecodeMLA, q_nope, q_pe, kv_cache: torch.Tensor, out, *, scale=None):
         """Attention of the decode rows over the latent cache (as latent_cache() sees it) into out

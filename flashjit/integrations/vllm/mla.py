@@ -21,7 +21,7 @@ from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 
 from ...kernels.mla.spec import MAX_Q_LEN
-from ..core import FP8_CACHE_DTYPES, device_page_table, host_page_table
+from ..core import FP8_CACHE_DTYPES, host_page_table
 from ..core.mla import MLADecoders, MLAForm, latent_cache
 from .builder import _read_seq_lens
 from .checks import MLA_HEAD_SIZE, MLA_KV_CACHE_DTYPES, mla_refusal_reasons
@@ -111,21 +111,14 @@ class FlashJITMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         m = self._step
         rows = block_table_tensor.shape[0]
         host = m.seq_lens_cpu_upper_bound if self.exact_host_lengths else None
+        seq_cpu = host[:rows] if host is not None else _read_seq_lens(seq_lens_device)
         graph = bool(self.page_ids is not None and num_decode_tokens == m.num_actual_tokens
                      and num_decode_tokens <= self.graph_tokens)
+        table = host_page_table(block_table_tensor, seq_cpu, query_start_loc_cpu, rows, self.block_size,
+                                out_indices=self.page_ids if graph else None)
         tokens = self._graph_size(num_decode_tokens)
-        if graph and host is None and all(d.plans_on_device(tokens) for d in self.decoders.values()):
-            # speculative steps' exact lengths are on the device only: the GPU planner reads them there
-            table = device_page_table(block_table_tensor, seq_lens_device, query_start_loc_device, rows,
-                                      self.block_size, self.reorder_batch_threshold)
-            self.page_ids[: table.page_ids.numel()].copy_(table.page_ids)
-            planned = {form: d.plan_graph_on_device(tokens, table) for form, d in self.decoders.items()}
-        else:
-            seq_cpu = host[:rows] if host is not None else _read_seq_lens(seq_lens_device)
-            table = host_page_table(block_table_tensor, seq_cpu, query_start_loc_cpu, rows, self.block_size,
-                                    out_indices=self.page_ids if graph else None)
-            planned = {form: (d.plan_graph(tokens, table) if graph else d.plan_eager(table))
-                       for form, d in self.decoders.items()}
+        planned = {form: (d.plan_graph(tokens, table) if graph else d.plan_eager(table))
+                   for form, d in self.decoders.items()}
         return FlashJITMLADecodeMetadata(block_table=block_table_tensor, seq_lens=seq_lens_device,
                                          dcp_tot_seq_lens=dcp_tot_seq_lens_device, decoders=planned)
 

@@ -29,7 +29,6 @@ from flashjit.integrations.vllm.backend import FlashJITBackend  # noqa: E402
 from flashjit.integrations.vllm.builder import FlashJITMetadataBuilder  # noqa: E402
 from flashjit.integrations.vllm.impl import FlashJITImpl  # noqa: E402
 from flashjit.kernels.worklist_kernel import LoadedKernel  # noqa: E402
-from flashjit.serving.device_planner import DeviceTables  # noqa: E402
 
 H90 = DeviceCapability(9, 0)
 
@@ -402,55 +401,3 @@ def test_mla_configurations_are_accepted(changes):
 def test_mla_refusals_name_the_setting(changes, reason):
     reasons = validate_mla(**changes)
     assert any(r.startswith(reason) for r in reasons), reasons
-
-
-@pytest.mark.parametrize("exact_host_lengths", [True, False])
-def test_mla_graph_steps_of_speculative_decoding_plan_on_the_gpu_reading_nothing_back(exact_host_lengths, engine,
-                                                                                      fake_nvrtc, monkeypatch):
-    """With drafts (no exact host lengths), a graph step's page table is built on the device and the
-    graph decoders' GPU planner plans it: no device-to-host read. With exact host lengths the page
-    table is the host's (plan(), whose graph decoders plan on the GPU too)."""
-    import dataclasses
-    from types import SimpleNamespace
-
-    from flashjit.integrations.core import device_page_table as core_device_page_table
-    from flashjit.integrations.core.mla import MLADecoders, MLAForm
-    from flashjit.integrations.vllm import mla as vllm_mla
-    from flashjit.jit import launch as launcher
-
-    plan_fn = 0xF0
-    launched = []
-    monkeypatch.setattr(launcher, "_cu_launch", lambda *args: launched.append(args[1].value) or 0)
-    monkeypatch.setattr(vllm_mla, "_read_seq_lens", lambda seq_lens: pytest.fail("read the lengths back"))
-    device_tables = []
-    monkeypatch.setattr(vllm_mla, "device_page_table",
-                        lambda *args: device_tables.append(core_device_page_table(*args)) or device_tables[-1])
-
-    def loaded(kernel, device_index):
-        return dataclasses.replace(LoadedKernel(None, 0xD0, None, 1, 132), plan=plan_fn)
-
-    block, rows = 64, 3
-    buffer = torch.zeros(4 * 40, dtype=torch.int32)
-    form = MLAForm(16, block, "bfloat16", "bfloat16", 0.1)
-    decoders = MLADecoders(form, "cpu", max_decode_q_len=2, engine=engine, page_ids_buffer=buffer, arch="sm_90",
-                           load_kernel=loaded, current_stream=lambda device_index: 0)
-    builder = object.__new__(vllm_mla.FlashJITMLAMetadataBuilder)  # the step's attributes alone, no vLLM config
-    seq = torch.tensor([700, 65, 2000], dtype=torch.int32)
-    qsl = torch.tensor([0, 2, 4, 6], dtype=torch.int32)
-    builder.__dict__.update(decoders={form: decoders}, page_ids=buffer, graph_tokens=8, capture_sizes=[8],
-                            block_size=block, reorder_batch_threshold=2, exact_host_lengths=exact_host_lengths,
-                            _step=SimpleNamespace(seq_lens_cpu_upper_bound=seq, num_actual_tokens=6))
-    table = torch.randint(1, 100, (rows, 40), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
-    launched.clear()
-    meta = builder._build_decode(table, seq, 2000, qsl, qsl, 6, 2, None)
-    decoder = meta.decoders[form]
-    assert decoder is decoders.graph_decoder(8)
-    on_gpu = not exact_host_lengths
-    assert plan_fn in launched and isinstance(decoder.current_plan.tables, DeviceTables)
-    assert bool(device_tables) == on_gpu
-    if on_gpu:  # the page table the GPU planner reads, and the page ids the kernels read
-        page_table = decoder.graph_page_table
-        assert int(page_table.batch[0]) == rows and page_table.qo_indptr[: rows + 1].tolist() == qsl.tolist()
-        assert page_table.indptr[: rows + 1].tolist() == [0, 11, 13, 45]
-        assert page_table.last_page_len[:rows].tolist() == [700 - 640, 1, 2000 - 31 * 64]
-        assert buffer[11:13].tolist() == table[1, :2].tolist()
