@@ -50,8 +50,7 @@ def cpu_decoder(engine, **options) -> BatchDecode:
 def cpu_mla(engine, **options) -> BatchDecodeMLA:
     """A BatchDecodeMLA on the CPU (the numpy host planner unless options name another)."""
     options.setdefault("host_planner", HostPlanner(None))
-    options.setdefault("load_kernel", fake_loaded_mla)
-    return BatchDecodeMLA(engine, CPU, arch="sm_90", **options)
+    return BatchDecodeMLA(engine, CPU, arch="sm_90", load_kernel=fake_loaded_mla, **options)
 
 
 @functools.cache

@@ -24,9 +24,11 @@ from ..jit.engine import Engine
 from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
 from ..worklist.host import HostPlanner
+from ..worklist.record import PLAN_MAX_BATCH
 from . import run_checks, variant_args
 from .buffers import PageIdRange, PlanBuffers
 from .decoder import Decoder
+from .device_planner import DeviceTables
 from .plan_setup import MAX_SETUPS, PlanScalars, Setup, make_setup
 from .plan_state import Plan, prepare_launches, split_rule
 from .planning import Batch, choose_planning, reads_page_ids
@@ -237,6 +239,32 @@ class BatchDecode(Decoder):
         return buffers.decode_params(mask_params + variant_params, values)
 
     # ---- what the current plan decided ------------------------------------------------------
+
+    def replan(self):
+        """Queues the GPU planner on the current stream over the page table as graph_page_table
+        holds it now. Captured at the start of a CUDA-graph step (before the first run()), it makes
+        every replay plan for the lengths the caller wrote into graph_page_table in place, with no
+        plan() in between. plan() queues the planner itself: a step that calls plan() and replays a
+        graph of run()s alone plans once."""
+        plan = self._plan
+        if plan is None or not isinstance(plan.tables, DeviceTables):
+            if plan is None:
+                why = "there is no plan"
+            elif self._graph is None:
+                why = "no CUDA graph mode (use_cuda_graph=True)"
+            else:
+                why = self._graph.host_planned_because(plan.setup) or "the current plan was made on the host"
+            raise RuntimeError("replan() needs a plan made on the GPU (use_cuda_graph=True, max_batch_size up to "
+                               f"{PLAN_MAX_BATCH}, fewer on GPUs of about 100 KB of shared memory a block, and "
+                               f"a mask without host-side spans: none, causal, sliding_window): {why}")
+        self._graph.planner(self._current_stream(self._device_index))
+
+    @property
+    def graph_page_table(self):
+        """CUDA-graph mode planned on the GPU: the page-table buffer its planner reads (see
+        device_planner.PageTable and replan()); None otherwise."""
+        planner = None if self._graph is None else self._graph.planner
+        return None if planner is None else planner.page_table
 
     spec = _of_plan("setup.spec", "The current plan's DecodeSpec.")
     kernel = _of_plan("setup.kernel", "The current plan's Kernel.")

@@ -9,9 +9,8 @@ q_pe [tokens, heads, 64]; the output is [tokens, heads, 512]. Several query toke
 (multi-token prediction, speculative decoding) attend causally.
 
 The lifecycle is BatchDecode's (serving/decoder.py): the same host planner (page-table checks,
-split-KV chunk search, work records), work-list buffers, CUDA-graph limits, GPU planner (CUDA-graph
-plans, and replan() captured in a graph) and fused split merge; only the kernel family (MLASpec)
-and its arguments (kernels/mla/args.MLAArgs) differ.
+split-KV chunk search, work records), work-list buffers, CUDA-graph limits and fused split merge;
+only the kernel family (MLASpec) and its arguments (kernels/mla/args.MLAArgs) differ.
 """
 
 from __future__ import annotations
@@ -31,9 +30,7 @@ from ..worklist.host import HostPlanner
 from ..worklist.tables import Tables
 from .buffers import Capacity, PageIdRange, PlanBuffers
 from .decoder import Decoder
-from .device_planner import DeviceTables
 from .plan_setup import LOG2E
-from .plan_state import check_forced_chunk_fits, split_rule
 from .run_checks import MAX_VALIDATED_CACHES, scale_key
 
 LATENT_DIM, ROPE_DIM = 512, 64
@@ -50,8 +47,6 @@ class MLASetup(typing.NamedTuple):
     page_size: int
     q_dtype: object  # torch dtypes of the queries/output and of the cache
     kv_dtype: object
-
-    num_kv_heads = 1  # the one latent head (what the GPU planner counts CTAs per work item by)
 
 
 class MLAPlan(typing.NamedTuple):
@@ -121,7 +116,6 @@ class BatchDecodeMLA(Decoder):
         scale = validation.positive_float32("sm_scale", sm_scale, LOG2E)
         if not isinstance(check_page_ids, bool):
             validation.fail("check_page_ids", "True or False", check_page_ids)
-        rule = split_rule(chunk_tokens, None, disable_split_kv)
         graph, previous = self._graph, self._plan
         tables, page_range = self._read_batch(indptr, indices, last_page_len, page_size, qo_indptr, q_len,
                                               check_page_ids)
@@ -129,11 +123,9 @@ class BatchDecodeMLA(Decoder):
         try:
             kernel_q_len = tables.max_q_len if graph is None else graph.kernel_q_len(tables.max_q_len, previous)
             setup = self._setup(num_heads, page_size, scale, q_dtype, kv_dtype, kernel_q_len)
-            planner = None
             if graph is not None:
                 graph.check_kernel(setup, previous)
-                planner = graph.device_planner(setup)
-            work, capacity = self._split(setup, tables, rule, previous, on_device=planner is not None)
+            work, capacity = self._split(setup, tables, chunk_tokens, disable_split_kv, previous)
         finally:
             landed, max_page = self._page_ids_landed(page_range)
         buffers = self._buffers_for(capacity, setup, previous)
@@ -141,11 +133,7 @@ class BatchDecodeMLA(Decoder):
         # Every argument is valid: from here on the new plan replaces the previous one.
         self._validated_caches.clear()
         self._scales_pointed_at = None  # a new plan may have new arguments or another cache dtype
-        if planner is None:
-            buffers.write(tables, synced_stream=page_range.copies.marked_stream if landed else None)
-        else:  # the GPU planner makes the work list from the page table (plan() and every replan())
-            planner.write_page_table(tables.batch, indptr, last_page_len, qo_indptr, q_len)
-            tables = DeviceTables(tables, planner, buffers)
+        buffers.write(tables, synced_stream=page_range.copies.marked_stream if landed else None)
         tiling = setup.kernel.tiling
         args = self._args_for(buffers, previous)
         page_ids = indices if graph is None else graph.hold_page_ids(indices, int(num_page_ids))
@@ -157,12 +145,9 @@ class BatchDecodeMLA(Decoder):
         launch = PreparedLaunch.update(None if previous is None else previous.launch, setup.loaded.decode, grid,
                                        tiling.block, params, tiling.smem_bytes,
                                        setup.kernel.programmatic_launch)
-        rows = tables.num_tokens if graph is None else capacity.tokens
-        self._plan = MLAPlan(setup, tables, buffers, page_ids, max_page, tables.batch, tables.num_tokens, rows, args,
+        rows = work.num_tokens if graph is None else capacity.tokens
+        self._plan = MLAPlan(setup, tables, buffers, page_ids, max_page, tables.batch, work.num_tokens, rows, args,
                              launch)
-        if planner is not None:
-            planner.prepare(setup, buffers, rule)
-            planner(self._current_stream(self._device_index))
         return self
 
     def _setup(self, num_heads, page_size, scale, q_dtype, kv_dtype, kernel_q_len) -> MLASetup:
@@ -184,24 +169,23 @@ class BatchDecodeMLA(Decoder):
         self._setups[key] = setup
         return setup
 
-    def _split(self, setup: MLASetup, tables, rule, previous, on_device: bool):
-        """(work items, or None where the GPU planner makes them; the capacity they need)."""
-        planned = rule.chunk_tokens is None or rule.one_item  # at most a wave of items a request
-        chunk_tokens = max(1, largest(tables.kv_lens, 1)) if rule.one_item else rule.chunk_tokens
+    def _split(self, setup: MLASetup, tables, chunk_tokens, disable_split_kv: bool, previous):
+        if chunk_tokens is not None and (type(chunk_tokens) is not int or not 1 <= chunk_tokens <= validation.INT32_MAX):
+            validation.fail("chunk_tokens", f"a positive int up to {validation.INT32_MAX}", repr(chunk_tokens))
+        planned = chunk_tokens is None or disable_split_kv  # at most a wave of items a request
+        if disable_split_kv:
+            chunk_tokens = max(1, largest(tables.kv_lens, 1))
         tiling, loaded, graph = setup.kernel.tiling, setup.loaded, self._graph
         ctas_per_item, max_ctas = tiling.row_tiles, loaded.num_sms * loaded.ctas_per_sm
         capacity = None if graph is None else graph.capacity(setup.spec, tables.batch, tables.num_tokens,
                                                              max(tables.batch, max_ctas // ctas_per_item), previous,
                                                              planned_chunk=planned)
-        if on_device:
-            check_forced_chunk_fits(setup, tables, rule, capacity)
-            return None, capacity
         work = tables.plan(None, None, ctas_per_item=ctas_per_item, max_ctas=max_ctas, granularity=tiling.tile_tokens,
                            chunk_tokens=chunk_tokens, max_items=capacity.work if capacity else None)
         if capacity is None:
             capacity = Capacity(tables.batch, work.num_tokens, work.num_work)
         elif work.num_work > capacity.work:
-            validation.fail(rule.argument, f"at most {capacity.work} work items (CUDA-graph capacity)",
+            validation.fail("chunk_tokens", f"at most {capacity.work} work items (CUDA-graph capacity)",
                             f"{work.num_work} items of {work.chunk_tokens} tokens")
         return work, capacity
 

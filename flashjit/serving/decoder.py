@@ -12,11 +12,9 @@ from .. import validation
 from ..jit.engine import Engine, default_engine
 from ..kernels.worklist_kernel import Kernel
 from ..worklist.host import HostPlanner
-from ..worklist.record import PLAN_MAX_BATCH
 from . import run_checks
 from .buffers import Capacity, PageIdRange, PlanBuffers
 from .device_choice import decoder_device
-from .device_planner import DeviceTables
 from .graph_mode import graph_limits
 from .host_plan import load_host_plan
 from .streams import stream_getter
@@ -115,32 +113,6 @@ class Decoder:
     def graph_page_ids(self):
         """CUDA-graph mode: the page-id buffer the kernels read (None otherwise)."""
         return None if self._graph is None else self._graph.page_ids
-
-    @property
-    def graph_page_table(self):
-        """CUDA-graph mode planned on the GPU: the page-table buffer its planner reads (see
-        device_planner.PageTable and replan()); None otherwise."""
-        planner = None if self._graph is None else self._graph.planner
-        return None if planner is None else planner.page_table
-
-    def replan(self):
-        """Queues the GPU planner on the current stream over the page table as graph_page_table
-        holds it now. Captured at the start of a CUDA-graph step (before the first run()), it makes
-        every replay plan for the lengths the caller wrote into graph_page_table in place, with no
-        plan() in between. plan() queues the planner itself: a step that calls plan() and replays a
-        graph of run()s alone plans once."""
-        plan = self._plan
-        if plan is None or not isinstance(plan.tables, DeviceTables):
-            if plan is None:
-                why = "there is no plan"
-            elif self._graph is None:
-                why = "no CUDA graph mode (use_cuda_graph=True)"
-            else:
-                why = self._graph.host_planned_because(plan.setup) or "the current plan was made on the host"
-            raise RuntimeError("replan() needs a plan made on the GPU (use_cuda_graph=True, max_batch_size up to "
-                               f"{PLAN_MAX_BATCH}, fewer on GPUs of about 100 KB of shared memory a block, and "
-                               f"a mask without host-side spans: none, causal, sliding_window): {why}")
-        self._graph.planner(self._current_stream(self._device_index))
 
     # ---- run --------------------------------------------------------------------------------
 

@@ -206,54 +206,6 @@ def test_cuda_graph_replay_after_replan(engine):
         check(out[:tokens], lse[:tokens], ref_out, ref_lse, "replay after a re-plan")
 
 
-def test_a_captured_replan_plans_the_page_table_written_in_place(engine):
-    """A graph of replan() and run(): each replay plans, on the GPU, the skewed batch whose page
-    table was written into graph_page_table in place, with no plan() in between."""
-    heads, page_size, max_batch = 64, 16, 8
-    decoder = BatchDecodeMLA(engine, use_cuda_graph=True, max_batch_size=max_batch, max_num_pages=4096, max_q_len=2)
-    batches = [make_batch([4000, 30, 61, 5, 700, 2, 1, 90], [2, 1, 2, 1, 1, 2, 1, 1], heads, page_size, 31),
-               make_batch([17], [2], heads, page_size, 32),
-               make_batch([9000, 12, 12], [1, 2, 1], heads, page_size, 33)]
-    cache = torch.zeros(max(b["cache"].shape[0] for b in batches), page_size, 576, dtype=torch.bfloat16, device="cuda")
-    q_nope = torch.zeros(2 * max_batch, heads, 512, dtype=torch.bfloat16, device="cuda")
-    q_pe = torch.zeros(2 * max_batch, heads, 64, dtype=torch.bfloat16, device="cuda")
-    out = torch.zeros(2 * max_batch, heads, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.zeros(2 * max_batch, heads, dtype=torch.float32, device="cuda")
-
-    def load(batch) -> int:
-        cache.zero_()
-        cache[:batch["cache"].shape[0]].copy_(batch["cache"])
-        tokens = batch["q_nope"].shape[0]
-        q_nope[:tokens].copy_(batch["q_nope"])
-        q_pe[:tokens].copy_(batch["q_pe"])
-        return tokens
-
-    first = batches[0]
-    load(first)
-    decoder.plan(first["indptr"], first["indices"], first["last"], heads, page_size, qo_indptr=first["qo"],
-                 sm_scale=SM_SCALE)
-    decoder.run(q_nope, q_pe, cache, out=out, lse=lse)  # loads the module before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        decoder.replan()
-        decoder.run(q_nope, q_pe, cache, out=out, lse=lse)
-    table, ids = decoder.graph_page_table, decoder.graph_page_ids
-    assert table is not None
-    for batch in batches[1:] + batches[:1]:
-        tokens, n = load(batch), batch["last"].numel()
-        table.batch.fill_(n)
-        table.indptr[: n + 1].copy_(batch["indptr"])
-        table.last_page_len[:n].copy_(batch["last"])
-        table.qo_indptr[: n + 1].copy_(batch["qo"])
-        ids[: batch["indices"].numel()].copy_(batch["indices"])
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref_out, ref_lse = mla_reference(batch["q_nope"], batch["q_pe"], cache.float(), None, batch["indptr"],
-                                         batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
-        check(out[:tokens], lse[:tokens], ref_out, ref_lse, f"captured replan, {n} requests")
-
-
 def test_empty_batch_returns_without_launch(engine):
     decoder = BatchDecodeMLA(engine)
     empty = torch.zeros(1, dtype=torch.int32)

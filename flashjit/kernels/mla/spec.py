@@ -79,11 +79,6 @@ class MLASpec(CacheAndArch):
         return VARIANT
 
     @property
-    def shared_prefix(self) -> bool:
-        """Always False: MLA kernels read each request's pages alone."""
-        return False
-
-    @property
     def head_dim(self) -> int:
         """The output width: the latent rank (the value is c_kv)."""
         return self.kv_lora_rank

@@ -5,7 +5,6 @@ against a float64 computation from scratch, fp8 latents, and the HuggingFace con
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import json
 import math
 
@@ -255,61 +254,6 @@ def test_cuda_graph_mode_keeps_buffers_and_kernel(engine, fake_nvrtc):
         decoder.plan(indptr, indices, last, 32, 16, sm_scale=0.1, q_len=3)
     with pytest.raises(ValueError, match="first plan's kernel"):
         decoder.plan(indptr, indices, last, 16, 16, sm_scale=0.1)
-
-
-PLAN_FN = 0xF0
-
-
-def gpu_planned_mla(kernel, device_index):
-    """An MLA kernel 'loaded' with its module's GPU planner: CUDA-graph plans make the work list 'on the GPU'."""
-    from cpu_decoders import fake_loaded_mla
-
-    return dataclasses.replace(fake_loaded_mla(kernel, device_index), plan=PLAN_FN)
-
-
-def test_cuda_graph_plans_run_the_gpu_planner_and_replan_queues_it_again(engine, fake_nvrtc, launches):
-    from flashjit.serving.device_planner import DeviceTables
-
-    decoder = cpu_mla(engine, use_cuda_graph=True, max_batch_size=8, max_num_pages=512, max_q_len=2,
-                      load_kernel=gpu_planned_mla, current_stream=lambda device_index: 7)
-    with pytest.raises(RuntimeError, match="there is no plan"):
-        decoder.replan()
-    indptr, indices, last = page_table([100, 3000], 16)
-    decoder.plan(indptr, indices, last, 128, 16, sm_scale=0.1)
-    plan, table = decoder.current_plan, decoder.graph_page_table
-    assert isinstance(plan.tables, DeviceTables) and table is not None
-    assert [call[0] for call in launches] == [PLAN_FN]  # the planner, on the current stream
-    assert launches[0][2] == 7
-    planner_args = decoder._graph.planner.args
-    tiling = plan.setup.kernel.tiling
-    assert (planner_args.ctas_per_item, planner_args.granularity) == (tiling.row_tiles, tiling.tile_tokens)
-    assert planner_args.max_ctas == NUM_SMS * MLA_CTAS_PER_SM and planner_args.chunk_tokens == 0
-    assert planner_args.work_capacity == plan.buffers.capacity.work
-    assert int(table.batch[0]) == 2 and table.indptr[:3].tolist() == indptr.tolist()
-    assert table.last_page_len[:2].tolist() == last.tolist() and table.qo_indptr[:3].tolist() == [0, 1, 2]
-    assert plan.launch.grid[0] == plan.buffers.capacity.work  # a captured grid serves any batch up to it
-    decoder.replan()
-    assert [call[0] for call in launches] == [PLAN_FN, PLAN_FN]
-    decoder.plan(indptr, indices, last, 128, 16, sm_scale=0.1, disable_split_kv=True)
-    assert decoder._graph.planner.args.chunk_tokens == -1  # one item a request
-
-
-def test_a_forced_chunk_past_the_graph_capacity_is_refused_before_the_gpu_plans(engine, fake_nvrtc, launches):
-    decoder = cpu_mla(engine, use_cuda_graph=True, max_batch_size=2, max_num_pages=4000, load_kernel=gpu_planned_mla,
-                      current_stream=lambda device_index: 0)
-    decoder.plan(*page_table([300, 20], 16), 16, 16, sm_scale=0.1)
-    before, capacity = decoder.current_plan, decoder.current_plan.buffers.capacity.work
-    with pytest.raises(ValueError, match=f"at most {capacity} work items .* items of 16 tokens"):
-        decoder.plan(*page_table([30000, 30000], 16), 16, 16, sm_scale=0.1, chunk_tokens=16)
-    assert decoder.current_plan is before and len(launches) == 1
-
-
-def test_graph_plans_stay_on_the_host_where_the_module_has_no_planner(engine, fake_nvrtc, launches):
-    decoder = cpu_mla(engine, use_cuda_graph=True, max_batch_size=8, max_num_pages=128)
-    decoder.plan(*page_table([100, 300], 16), 32, 16, sm_scale=0.1)
-    assert decoder.graph_page_table is None and not launches
-    with pytest.raises(RuntimeError, match="has no GPU planner"):
-        decoder.replan()
 
 
 # ---- the reference ---------------------------------------------------------------------------
