@@ -206,6 +206,59 @@ def test_cuda_graph_replay_after_replan(engine):
         check(out[:tokens], lse[:tokens], ref_out, ref_lse, "replay after a re-plan")
 
 
+GRAPH_PAGES = (1, 16, 64)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "e4m3"])
+@pytest.mark.parametrize("q_len", [1, 2, 4])
+@pytest.mark.parametrize("heads", [16, 32, 64, 128])
+def test_graph_grid(engine, heads, q_len, kv):
+    """Every head count, query length and cache type in a CUDA graph replayed after a re-plan for each
+    batch: unsplit, skewed (its long request splits) and one request alone. One 576-wide cache, fp8
+    with one scale in a tensor (read at launch, so each batch has its own)."""
+    page_size = GRAPH_PAGES[(heads // 16 + q_len) % 3]
+    batches = [make_batch(lens, q_lens, heads, page_size, heads + q_len + i) for i, (lens, q_lens) in enumerate(
+        [([300, 45, 0, 7], [q_len] * 4), ([5000, 20, 64, 1], [q_len, 1, q_len, 1]), ([1500], [q_len])])]
+    rows, pages = max(b["q_nope"].shape[0] for b in batches), max(b["cache"].shape[0] for b in batches)
+    decoder = BatchDecodeMLA(engine, use_cuda_graph=True, max_batch_size=4, max_num_pages=pages, max_q_len=q_len)
+    fp8 = kv in FP8
+    cache = torch.zeros(pages, page_size, 576, dtype=getattr(torch, KV_DTYPES[kv]), device="cuda")
+    q_nope = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device="cuda")
+    q_pe = torch.zeros(rows, heads, 64, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(rows, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.zeros(rows, heads, dtype=torch.float32, device="cuda")
+    scale = torch.ones(1, dtype=torch.float32, device="cuda")
+
+    def load(batch):
+        stored, value = (quantize_latent(batch["cache"], kv) if fp8 else (batch["cache"], None))
+        cache.view(torch.uint8).zero_()  # bytes: fp8 tensors have no fill
+        cache[:stored.shape[0]].copy_(stored)
+        if fp8:
+            scale.copy_(value)
+        tokens = batch["q_nope"].shape[0]
+        q_nope[:tokens].copy_(batch["q_nope"])
+        q_pe[:tokens].copy_(batch["q_pe"])
+        decoder.plan(batch["indptr"], batch["indices"], batch["last"], heads, page_size, qo_indptr=batch["qo"],
+                     sm_scale=SM_SCALE, kv_dtype=KV_DTYPES[kv] if fp8 else None)
+        return tokens, stored.float() * (value if fp8 else 1.0)
+
+    load(batches[0])
+    scales = dict(ckv_scale=scale) if fp8 else {}
+    decoder.run(q_nope, q_pe, cache, out=out, lse=lse, **scales)  # loads the module before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decoder.run(q_nope, q_pe, cache, out=out, lse=lse, **scales)
+    for batch in batches[1:] + batches[:1]:
+        tokens, reference_cache = load(batch)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = mla_reference(batch["q_nope"], batch["q_pe"], reference_cache, None, batch["indptr"],
+                                         batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
+        where = f"{decoder.spec.name}: replay, {batch['last'].numel()} requests"
+        check(out[:tokens], lse[:tokens], ref_out, ref_lse, where)
+
+
 def test_empty_batch_returns_without_launch(engine):
     decoder = BatchDecodeMLA(engine)
     empty = torch.zeros(1, dtype=torch.int32)
