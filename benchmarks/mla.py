@@ -97,8 +97,8 @@ def reference(torch, row: Row, x: dict):
 
 
 def flashjit_call(torch, row: Row, x: dict, engine=None, graph: bool = False):
-    """flashjit's run() after one plan(); with graph, on a CUDA-graph decoder, whose plan() is also
-    returned (the step a server re-plans before each replay)."""
+    """flashjit's run() after one plan() (on a CUDA-graph decoder with graph); run.plan re-plans, as
+    a server does once a step."""
     from flashjit.serving.batch_mla import BatchDecodeMLA
 
     sizes = dict(use_cuda_graph=True, max_batch_size=row.batch, max_num_pages=x["indices"].numel(),
@@ -111,8 +111,10 @@ def flashjit_call(torch, row: Row, x: dict, engine=None, graph: bool = False):
     plan()
     out = torch.empty(x["q_nope"].shape, dtype=torch.bfloat16, device="cuda")
     scale = None if x["scale"] is None else x["scale"].item()
-    run = lambda: decoder.run(x["q_nope"], x["q_pe"], x["cache"], out=out, ckv_scale=scale)  # noqa: E731
-    return (run, plan) if graph else run
+    def run():
+        return decoder.run(x["q_nope"], x["q_pe"], x["cache"], out=out, ckv_scale=scale)
+    run.plan = plan
+    return run
 
 
 def flashinfer_call(torch, row: Row, x: dict):
@@ -152,13 +154,13 @@ def flashjit_graph_call(torch, row: Row, x: dict):
     (plan() outside the timed span, as a server plans once per step)."""
     from benchmarks.timing import capture
 
-    run, plan = flashjit_call(torch, row, x, graph=True)
+    run = flashjit_call(torch, row, x, graph=True)
     graph, out = capture(torch, run)
 
     def replay():
         graph.replay()
         return out
-    replay.before = plan
+    replay.before = run.plan
     return replay
 
 
@@ -176,7 +178,6 @@ def gemm_tflops(torch, timer) -> float:
 
 
 def measure(torch, rows, iters: int, graphs: bool = True) -> list[dict]:
-    from benchmarks.measure import row_problem
     from benchmarks.read_floor import ReadFloor
     from benchmarks.timing import Timer
 
@@ -195,10 +196,10 @@ def measure(torch, rows, iters: int, graphs: bool = True) -> list[dict]:
             try:
                 call = make(torch, row, x)
                 before = getattr(call, "before", None)  # a graph's re-plan before each replay
-                err, problem = checked(torch, call, ref, row_problem, before)
+                err, problem = checked(torch, call, ref, before)
                 if problem is None:
                     us = timer.median_us(call, before=before)
-                    _, problem = checked(torch, call, ref, row_problem, before)  # as the timed calls left it
+                    _, problem = checked(torch, call, ref, before)  # as the timed calls left it
                 if problem:
                     entry["impls"][name] = {"error": f"wrong output: {problem}"}
                     continue
@@ -211,16 +212,15 @@ def measure(torch, rows, iters: int, graphs: bool = True) -> list[dict]:
     return results
 
 
-def checked(torch, call, ref, row_problem, before=None):
-    """(largest row error, problem or None) of a call's output (after before(), if given); the
-    output of a call before is NaN-filled first, so a call that reuses its output (a graph replay)
-    must write it again."""
+def checked(torch, call, ref, before=None):
+    """benchmarks.measure.checked_output of a call (after before(), if given), the output of a call
+    before NaN-filled first, so a call that reuses its output (a graph replay) must write it again."""
+    from benchmarks.measure import checked_output
+
     call().fill_(float("nan"))
     if before is not None:
         before()
-    out = call()
-    torch.cuda.synchronize()
-    return row_problem(out, ref)
+    return checked_output(call, ref, torch.cuda.synchronize)
 
 
 def format_row(entry: dict) -> str:
