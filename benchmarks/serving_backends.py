@@ -16,14 +16,17 @@ the backend's writer. Per layer (32 q / 8 kv heads, head_dim 128, blocks of 16 b
 - fa3: vLLM's FLASH_ATTN path on Hopper: one flash_attn_with_kvcache (tokenspeed-fa3's
   flash_attn_interface, the FA3 kernels vLLM ships) over every row, with scheduler metadata
   computed once per step (vLLM's AOT schedule), so before every timed call or replay and outside
-  its timing; eager with FA3's own split choice, in a graph with vLLM's split cap (32). With an fp8
-  cache its queries are fp8, as vLLM quantizes them for FA3.
+  its timing; eager with FA3's own split choice, in a graph with vLLM's split cap (32).
+
+With an fp8 cache both get e4m3 queries, quantized before the timed call, as vLLM's attention layer
+quantizes them (fused by torch.compile into the op before it) for FA3 and for flashjit's backend
+(FLASHJIT_VLLM_FP8_QUERIES, on by default).
 
 The read floor streams the bytes of every request's keys and values once (benchmarks/read_floor.py,
 same flush and timing): no kernel that reads each request's cache can beat it, so FA3 ÷ floor is
 the largest ratio over FA3 any such kernel reaches (a shared prompt read once goes below it). Steps
-mixing prefill rows also time their parts: flashjit's decode rows, its prefill rows (the fp8
-query cast and FA3 into the output), and FA3 alone on the prefill rows (queries cast before).
+mixing prefill rows also time their parts: flashjit's decode rows, its prefill rows (FA3 into the
+output), and FA3 alone on the prefill rows.
 
 Every implementation's output is checked request by request against the float32 reference
 before it is timed, and each graph's again after its timed replays; a wrong one is reported, not
@@ -42,7 +45,7 @@ from benchmarks.serving_specs import block_table, check_rows, parse_spec, reques
 SPECS = ("8q1s1k", "64q1s4k", "2q2k_32q1s1k", "1q1s32k_63q1s2k", "16q1s9kp8k")
 FA3_GRAPH_SPLITS = 32  # vLLM's flash_attn_max_num_splits_for_cuda_graph
 TOLERANCE = {"bf16": {"decode": 1e-2, "prefill": 1e-2}, "fp8": {"decode": 2e-2, "prefill": 8e-2}}
-FA3_FP8_TOLERANCE = {"decode": 8e-2, "prefill": 8e-2}  # its queries are quantized to e4m3 too
+FA3_FP8_TOLERANCE = {"decode": 8e-2, "prefill": 8e-2}  # FA3 multiplies P V in e4m3 too
 K_SCALE, V_SCALE = 0.02, 0.015
 
 
@@ -179,21 +182,25 @@ def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, fl
     tokens = inputs["num_actual_tokens"]
     sm_scale = shape.head_dim ** -0.5
     form = DecodeForm(shape.heads, shape.kv_heads, shape.head_dim, shape.block, "bfloat16",
-                      "float8_e4m3fn" if kind == "fp8" else "bfloat16", sm_scale)
+                      "float8_e4m3fn" if kind == "fp8" else "bfloat16", sm_scale, fp8_queries=kind == "fp8")
     layer = LayerAttention(form, cache_dtype=cache_dtype, prefill=Fa3KVCachePrefill(fa3))
     g = torch.Generator(device="cuda").manual_seed(2)
     q = torch.randn(tokens, shape.heads, shape.head_dim, generator=g, device="cuda").bfloat16()
+    if kind == "fp8":  # as vLLM's layer hands them over (scale 1), and the reference on their values
+        from flashjit.integrations.core.prefill import quantized_query
+
+        q = quantized_query(q, torch.float8_e4m3fn, None)
     new_k = torch.randn(tokens, shape.kv_heads, shape.head_dim, generator=g, device="cuda").bfloat16()
     slots = torch.from_numpy(slot_mapping(requests, table, shape.block)).cuda()
     layer.write_kv(kv_cache, new_k, torch.randn_like(new_k), slots, *scales)
     pair = split_kv_cache(kv_cache, shape.head_dim, cache_dtype)
-    ref = reference(torch, pair, scales, inputs, q, sm_scale)
+    ref = reference(torch, pair, scales, inputs, q.float() if kind == "fp8" else q, sm_scale)
     sync = torch.cuda.synchronize
     planner = StepPlanner([form], "cuda", block_size=shape.block, max_decode_q_len=decode_q_len, engine=engine,
                           max_graph_tokens=tokens, max_pages=tokens * table.shape[1])
     planner.prewarm(f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
     step = planner.plan(**inputs, seq_lens_cpu=inputs["seq_lens"].cpu(), graph=False)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q, dtype=torch.bfloat16)
     forward = lambda: layer.forward(step, q, kv_cache, out, k_scale=scales[0], v_scale=scales[1])  # noqa: E731
     qsl, decode_tokens = inputs["query_start_loc_cpu"], step.rows.num_decode_tokens
     check = lambda name, got, tol: check_rows(name, got, ref, qsl, decode_tokens, tol)  # noqa: E731
@@ -222,7 +229,7 @@ def bench_spec(torch, fa3, engine, spec: str, kind: str, shape: Shape, timer, fl
         if step.rows.pure_decode:
             plan = lambda: planner.plan(**inputs, seq_lens_cpu=inputs["seq_lens"].cpu(), graph=True)  # noqa: E731
             graph_step = plan()
-            graph_out = torch.empty_like(q)
+            graph_out = torch.empty_like(out)
             graph, _ = capture(torch, lambda: layer.forward(graph_step, q, kv_cache, graph_out, k_scale=scales[0],
                                                             v_scale=scales[1]))
             plan()  # a step's build() before its replay

@@ -28,6 +28,10 @@ FLASHJIT_VLLM_DECODE_Q_LEN    vllm_decode_q_len()    the vLLM backend runs rows 
 FLASHJIT_VLLM_SHARE_PREFIXES  vllm_share_prefixes()  flag: the vLLM backend reads blocks that    on
                                                      neighbouring requests share once (off: its
                                                      plans never wait for the GPU)
+FLASHJIT_VLLM_FP8_QUERIES     vllm_fp8_queries()     flag: over an e4m3 cache the vLLM backend   on
+                                                     asks vLLM for e4m3 queries, as vLLM's
+                                                     FlashAttention does (off: 16-bit queries,
+                                                     cast for the prefill rows)
 ============================  =====================  ==========================================  ===========================
 
 A flag reads 1, true, yes, on as on and 0, false, no, off as off, in any case and with spaces around
@@ -131,6 +135,11 @@ def vllm_decode_q_len() -> int | None:
 def vllm_share_prefixes() -> bool:
     """FLASHJIT_VLLM_SHARE_PREFIXES as a flag; on by default."""
     return _flag("FLASHJIT_VLLM_SHARE_PREFIXES", default=True)
+
+
+def vllm_fp8_queries() -> bool:
+    """FLASHJIT_VLLM_FP8_QUERIES as a flag; on by default."""
+    return _flag("FLASHJIT_VLLM_FP8_QUERIES", default=True)
 
 
 def _flag(name: str, default: bool) -> bool:

@@ -67,7 +67,8 @@ def test_host_native(monkeypatch, caplog, text, expected):
 
 
 @pytest.mark.parametrize("name, accessor, default", [("FLASHJIT_NO_COMPILE", env.no_compile, False),
-                                                     ("FLASHJIT_HOST_NATIVE", env.host_native, True)])
+                                                     ("FLASHJIT_HOST_NATIVE", env.host_native, True),
+                                                     ("FLASHJIT_VLLM_FP8_QUERIES", env.vllm_fp8_queries, True)])
 def test_a_bad_flag_gives_the_default_and_warns_once_per_value(monkeypatch, caplog, name, accessor, default):
     monkeypatch.setenv(name, "enabled")
     assert accessor() is default and accessor() is default

@@ -25,7 +25,7 @@ class ReferenceDecoder:
 
         self.device = device
         self._plan = None
-        self._form = None  # (q dtype or None for any, qo heads, head_dim) of the current plan
+        self._form = None  # (q dtype or None for any, qo heads, head_dim, out dtype: None, q's) of the current plan
         self._compiling = torch.compiler.is_compiling
         self._op_handle = torch_ops.register(self)
 
@@ -41,11 +41,11 @@ class ReferenceDecoder:
         self._plan = (indptr, indices, last_page_len, qo_indptr, mask, params, scale, kv_layout)
         if q_dtype is not None and not isinstance(q_dtype, torch.dtype):  # the reference takes float32 too
             q_dtype = getattr(torch, normalize_dtype(q_dtype))
-        self._form = (q_dtype, num_qo_heads, head_dim)
+        self._form = (q_dtype, num_qo_heads, head_dim, None)
         return self
 
     def query_form(self):
-        """(q dtype or None for any, qo heads, head_dim) of the current plan; None before one."""
+        """(q dtype or None for any, qo heads, head_dim, out dtype or None for q's) of the current plan; None before one."""
         return self._form
 
     def run(self, q, kv_cache, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):

@@ -19,8 +19,9 @@ import operator
 import weakref
 
 from .. import validation
-from ..jit.dtypes import KV_DTYPES, normalize_dtype
+from ..jit.dtypes import KV_DTYPES, QUERY_DTYPES, normalize_dtype
 from ..jit.engine import Engine
+from ..kernels.decode.spec import FP8_QUERY_DTYPE
 from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
 from ..worklist.host import HostPlanner
@@ -102,7 +103,8 @@ class BatchDecode(Decoder):
              chunk_tokens: int | None = None, disable_split_kv: bool = False,
              fixed_split_tokens: int | None = None, tensor_cores: bool | None = None,
              check_page_ids: bool = True, variant: str | None = None, variant_params: dict | None = None,
-             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool | None = None) -> "BatchDecode":
+             logits_soft_cap: float | None = None, sinks=None, share_prefixes: bool | None = None,
+             out_dtype=None) -> "BatchDecode":
         """Plans a batch for every layer's run(); see docs/api.md for the arguments.
 
         check_page_ids: read the page ids' range back from the GPU, so that a negative id fails
@@ -118,6 +120,9 @@ class BatchDecode(Decoder):
         variant="sinks", variant_params={"sinks": t}. FlashInfer's names select the built-ins:
         logits_soft_cap=50.0 (soft_cap; 0.0 or None: none) and sinks=t (a float32 tensor of one
         logit per query head), both together soft_cap_sinks.
+        q_dtype, out_dtype: the queries' dtype and the output's (None: q_dtype's). Over an e4m3 cache
+        the queries may be e4m3 too (q_dtype="float8_e4m3fn", out_dtype 16-bit), as vLLM quantizes
+        them for FA3: they then scale with K (pass k_scale times the query scale).
         share_prefixes: neighbouring requests whose page lists start with the same page ids read
         those pages once for all of them, where the plan allows it (docs/shared_prefix.md). None (the
         default): in eager plans; CUDA-graph mode keeps its GPU planner and plans every request
@@ -129,7 +134,7 @@ class BatchDecode(Decoder):
         rule = split_rule(chunk_tokens, fixed_split_tokens, disable_split_kv)
         variant, variant_params = variant_args.resolve(variant, variant_params, logits_soft_cap, sinks)
         scalars = PlanScalars(num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype,
-                              kv_layout, sm_scale, tensor_cores, variant)
+                              kv_layout, sm_scale, tensor_cores, variant, out_dtype)
         key, known = self._known_setups(scalars, mask_params, variant_params)
         if known is None:
             validation.head_counts(num_qo_heads, num_kv_heads, page_size)
@@ -172,7 +177,7 @@ class BatchDecode(Decoder):
         planning.start(setup, buffers, rule, lambda: self._current_stream(self._device_index))
         num_tokens = tables.num_tokens
         query_form = (num_tokens, num_tokens if graph is None else capacity.tokens, setup.q_dtype, setup.num_qo_heads,
-                      setup.head_dim)
+                      setup.head_dim, setup.out_dtype)
         self._plan = Plan(setup, tables, buffers, page_ids, max_page, tables.batch, num_tokens, query_form, a,
                           buffers.merge_args, decode_launch, merge_prepared, merge_launch)
         return self
@@ -310,14 +315,15 @@ class BatchDecode(Decoder):
         # Scales given, or others held from an earlier call ((None, None) is the key of neither):
         if k_scale is not None or v_scale is not None or self._scales_pointed_at != (None, None):
             self._point_at_scales(a, k_scale, v_scale, plan)
-        a.q, a.q_stride = self._query_args("q", q, plan)
+        form = plan.query_form
+        a.q, a.q_stride = self._query_args("q", q, plan, form[2])
         if out is None:
-            out = q.new_empty((q.shape[0],) + plan.query_form[3:])  # (qo heads, head_dim)
-        a.out, a.out_stride = out_pointer, out_stride = self._query_args("out", out, plan)
+            out = q.new_empty((q.shape[0],) + form[3:5], dtype=form[5])  # (qo heads, head_dim)
+        a.out, a.out_stride = out_pointer, out_stride = self._query_args("out", out, plan, form[5])
         if return_lse and lse is None:
             lse = q.new_empty(out.shape[:2], dtype=self._lse_dtype)
         a.lse = lse_pointer = 0 if lse is None else self._lse_pointer(lse, out)
-        if not plan.query_form[1]:  # no query rows at all (an empty batch, outside CUDA-graph mode): no grid
+        if not form[1]:  # no query rows at all (an empty batch, outside CUDA-graph mode): no grid
             return (out, lse) if return_lse else out
 
         stream = self._current_stream(self._device_index)
@@ -337,7 +343,7 @@ class BatchDecode(Decoder):
         variant_args.repoint_tensor(self._plan, name, tensor)
 
     def query_form(self):
-        """(dtype, qo heads, head_dim) that q and out must have under the current plan; None before one."""
+        """(q's dtype, qo heads, head_dim, out's dtype) under the current plan; None before one."""
         return None if self._plan is None else self._plan.query_form[2:]
 
     def _point_at_cache(self, kv_cache, a, plan: Plan):
@@ -361,19 +367,20 @@ class BatchDecode(Decoder):
         run_checks.point_at_scales(a, k_scale, v_scale, plan.setup, self.device)
         self._scales_pointed_at = key
 
-    def _query_args(self, name: str, t, plan: Plan) -> tuple[int, int]:
-        """(data_ptr, row stride) of q or out. The common valid case costs one read of each attribute
-        (torch's stride(i) costs twice stride()); anything else gets the full validation."""
+    def _query_args(self, name: str, t, plan: Plan, dtype) -> tuple[int, int]:
+        """(data_ptr, row stride) of q or out, which must be of dtype. The common valid case costs one
+        read of each attribute (torch's stride(i) costs twice stride()); anything else gets the full
+        validation."""
         try:
             pointer, (rows, heads, dim), (row_stride, head_stride, unit) = t.data_ptr(), t.shape, t.stride()
-            low, high, dtype, qo_heads, head_dim = plan.query_form
+            low, high, _, qo_heads, head_dim, _ = plan.query_form
             if (t.dtype is dtype and t.get_device() == self._device_index and heads == qo_heads
                     and dim == head_dim and low <= rows <= high and head_stride == dim and unit == 1
-                    and row_stride % 8 == 0 and pointer % 16 == 0):  # 16-byte rows of 2-byte values
+                    and row_stride * t.itemsize % 16 == 0 and pointer % 16 == 0):  # 16-byte rows
                 return pointer, row_stride
         except (AttributeError, TypeError, ValueError):  # not a 3-d tensor: the checks say what it is
             pass
-        run_checks.check_query(name, t, plan, self.device)
+        run_checks.check_query(name, t, plan, self.device, dtype)
         return t.data_ptr(), t.stride(0)
 
 
@@ -387,6 +394,6 @@ def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None
     num_kv_heads = k.shape[2] if kv_layout.upper() == "NHD" else k.shape[1]
     decoder = BatchDecode(engine, device=q.device)
     decoder.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, q.shape[2], page_size,
-                 q_dtype=normalize_dtype(q.dtype), kv_dtype=normalize_dtype(k.dtype, "kv_dtype", KV_DTYPES),
+                 q_dtype=normalize_dtype(q.dtype, "q", QUERY_DTYPES + (FP8_QUERY_DTYPE,)), kv_dtype=normalize_dtype(k.dtype, "kv_dtype", KV_DTYPES),
                  kv_layout=kv_layout, **plan_options)
     return decoder.run(q, kv_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)

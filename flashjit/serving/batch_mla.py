@@ -269,8 +269,9 @@ class BatchDecodeMLA(Decoder):
         return (out, lse) if return_lse else out
 
     def query_form(self):
-        """(dtype, heads, 512) that q_nope and out must have under the current plan; None before one."""
-        return None if self._plan is None else (self._plan.setup.q_dtype, self._plan.setup.num_heads, LATENT_DIM)
+        """(dtype, heads, 512, dtype): q_nope's form and out's dtype under the current plan; None before one."""
+        setup = None if self._plan is None else self._plan.setup
+        return None if setup is None else (setup.q_dtype, setup.num_heads, LATENT_DIM, setup.q_dtype)
 
     def _rows(self, name: str, t, width: int, plan: MLAPlan) -> tuple[int, int, int]:
         """(data_ptr, token stride, head stride) of q_nope, q_pe or out: [rows, heads, width] of the

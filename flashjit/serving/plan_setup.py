@@ -9,7 +9,8 @@ import typing
 
 from .. import validation
 from ..kernels.worklist_kernel import Kernel, LoadedKernel
-from ..kernels.decode.spec import DecodeSpec
+from ..jit.dtypes import QUERY_DTYPES, normalize_dtype
+from ..kernels.decode.spec import FP8_QUERY_DTYPE, DecodeSpec
 from ..masks.params import TENSOR_KINDS
 from ..masks.registry import masks
 
@@ -29,8 +30,9 @@ class Setup(typing.NamedTuple):
     num_kv_heads: int
     head_dim: int
     page_size: int
-    q_dtype: object        # torch dtypes of q/out and of the cache
+    q_dtype: object        # torch dtypes of q, of the cache and of out
     kv_dtype: object
+    out_dtype: object
     kv_shape: tuple        # a cache page's shape (NHD or HND)
     mask_generation: int   # masks.generation when made: a later registration (of a mask or variant) may change the kernel
     variant_params: dict = {}  # the variant's parameters, validated (its tensors are held alive here)
@@ -53,6 +55,7 @@ class PlanScalars(typing.NamedTuple):
     sm_scale: float | None
     tensor_cores: bool | None
     variant: str = "none"
+    out_dtype: object = None  # None: q_dtype's (16-bit queries)
 
     def types(self) -> tuple:
         return tuple(map(type, self))
@@ -66,11 +69,12 @@ def make_setup(scalars: PlanScalars, mask_params, kernel_q_len: int, *, engine, 
                load_kernel, variant_params=None, shared_prefix: bool = False) -> Setup:
     """A plan's scalars validated, the spec compiled (or found) and loaded with load_kernel(kernel, device index)."""
     (num_qo_heads, num_kv_heads, head_dim, page_size, mask, window_left, q_dtype, kv_dtype, kv_layout, sm_scale,
-     tensor_cores, variant) = scalars
+     tensor_cores, variant, out_dtype) = scalars
     validation.head_counts(num_qo_heads, num_kv_heads, page_size)
     generation = masks.generation  # before the lookups: a mask registered meanwhile makes a new setup
-    spec = DecodeSpec.cached(head_dim, q_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
-                             kernel_q_len, kv_layout, arch, tensor_cores, variant, shared_prefix)
+    out_dtype, query_fp8 = output_dtype(q_dtype, out_dtype)
+    spec = DecodeSpec.cached(head_dim, out_dtype, kv_dtype, mask, page_size, num_qo_heads // num_kv_heads,
+                             kernel_q_len, kv_layout, arch, tensor_cores, variant, shared_prefix, query_fp8)
     kernel = engine.get_kernel(spec)
     loaded = load_kernel(kernel, device.index)
     params = checked_mask_params(kernel.mask, window_left, mask_params, device)
@@ -79,7 +83,22 @@ def make_setup(scalars: PlanScalars, mask_params, kernel_q_len: int, *, engine, 
                 else (num_kv_heads, page_size, head_dim))
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else validation.positive_float32("sm_scale", sm_scale, LOG2E)
     return Setup(spec, kernel, loaded, params, scale * LOG2E, num_qo_heads, num_kv_heads, head_dim, page_size,
-                 _torch_dtype(spec.dtype), _torch_dtype(spec.kv_dtype), kv_shape, generation, checked_variant)
+                 _torch_dtype(spec.q_dtype), _torch_dtype(spec.kv_dtype), _torch_dtype(spec.dtype), kv_shape, generation,
+                 checked_variant)
+
+
+def output_dtype(q_dtype, out_dtype) -> tuple:
+    """(the output's dtype, whether the queries are e4m3) of plan()'s q_dtype and out_dtype. e4m3
+    queries (quantized by a framework for an fp8 cache) need a 16-bit out_dtype; 16-bit ones give
+    the output their dtype, and out_dtype may only repeat it."""
+    q_name = normalize_dtype(q_dtype, "q_dtype", QUERY_DTYPES + (FP8_QUERY_DTYPE,))
+    if q_name == FP8_QUERY_DTYPE:
+        if out_dtype is None:
+            validation.fail("out_dtype", "float16 or bfloat16 with e4m3 queries", None)
+        return normalize_dtype(out_dtype, "out_dtype"), True
+    if out_dtype is not None and normalize_dtype(out_dtype, "out_dtype") != q_name:
+        validation.fail("out_dtype", f"None or q_dtype ({q_name}) with 16-bit queries", out_dtype)
+    return q_name, False
 
 
 def checked_mask_params(mask, window_left, mask_params, device) -> dict:

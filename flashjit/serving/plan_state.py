@@ -31,7 +31,7 @@ class Plan(typing.NamedTuple):  # a NamedTuple: immutable, and built in a quarte
     max_page: int                  # the largest page id, -1 for none or unchecked: run() wants a cache with more
     batch_size: int
     num_tokens: int
-    # What q and out must be: (fewest rows, most rows, dtype, qo heads, head_dim); one tuple, as
+    # What q and out must be: (fewest rows, most rows, q's dtype, qo heads, head_dim, out's dtype); one tuple, as
     # run() reads it twice per call. More rows than tokens only in CUDA-graph mode (up to max_tokens).
     query_form: tuple
     decode_args: DecodeArgs        # buffers.decode_args and .merge_args, which run() patches per call

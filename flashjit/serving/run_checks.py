@@ -15,9 +15,9 @@ NO_SCALES = (None, None)  # the scale key of run() given neither scale
 MAX_VALIDATED_CACHES = 1024  # cache tensors remembered as validated (then forgotten at once)
 
 
-def check_query(name: str, t, plan, device):
-    """q or out: [tokens (up to the CUDA-graph rows), qo_heads, head_dim], 16-byte rows, heads packed."""
-    low, high, dtype, heads, head_dim = plan.query_form
+def check_query(name: str, t, plan, device, dtype):
+    """q or out: [tokens (up to the CUDA-graph rows), qo_heads, head_dim] of dtype, 16-byte rows, heads packed."""
+    low, high, _, heads, head_dim, _ = plan.query_form
     rows = t.shape[0] if getattr(t, "dim", lambda: 0)() == 3 and low <= t.shape[0] <= high else low
     validation.tensor(name, t, dtype=dtype, device=device, shape=(rows, heads, head_dim))
     validation.rows_16b_aligned(name, t, head_dim)

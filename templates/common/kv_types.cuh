@@ -37,6 +37,10 @@ template <> struct Fp8<e4m3_t> {
       hi = (b & 0x80008000u) | ((b & 0x7f007f00u) >> 1);
     }
   }
+  // Two values (byte 0 first) to one f16x2 word, exactly; the queries' conversion, which has no UNIT.
+  FJ_INLINE static u32 to_f16x2(unsigned short w) {  // NATIVE only (load_query_pair asserts it)
+    u32 r; asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(w)); return r;
+  }
 };
 
 // What the kernels ask of a K/V storage type.
@@ -92,6 +96,17 @@ template <> struct QueryPair<bfloat16_t, half_t> {
     return (u32)Convert<half_t>::from_float(lo) | ((u32)Convert<half_t>::from_float(hi) << 16);
   }
 };
+
+// Two consecutive query values at p as the MMA's operand type. e4m3 queries (a framework that
+// quantizes them for an fp8 cache, as vLLM does for FA3) become f16 exactly; their scale is K's.
+template <typename M, typename Q> FJ_INLINE u32 load_query_pair(const Q* p) {
+  if constexpr (sizeof(Q) == 1) {
+    static_assert(sizeof(M) == 2 && Fp8<Q>::NATIVE, "e4m3 queries need cvt.rn.f16x2.e4m3x2 (sm_89 and later)");
+    return Fp8<Q>::to_f16x2(*reinterpret_cast<const unsigned short*>(p));
+  } else {
+    return QueryPair<Q, M>::convert(*reinterpret_cast<const u32*>(p));
+  }
+}
 
 // A per-tensor or per-KV-head scale: host factor times the device value (if any). Device scales
 // are read at launch, so they can change between CUDA-graph replays.

@@ -11,7 +11,7 @@
 //
 // Expects from the including template:
 //   namespace cfg: HEAD_DIM PAGE_SIZE GROUP_SIZE MAX_Q_LEN ROWS WARPS COL_SPLIT STAGES K_PITCH V_PITCH
-//   types q_t out_t (fj::half_t or fj::bfloat16_t), kv_t (fj::e4m3_t or fj::e5m2_t)
+//   types out_t (fj::half_t or fj::bfloat16_t), q_t (out_t or fj::e4m3_t), kv_t (fj::e4m3_t or fj::e5m2_t)
 //   the mask and variant templates (through common/scoring.cuh's FJ_SCORE_KEY and the sink helpers
 //   of worklist/kernel_core.cuh).
 //
@@ -54,7 +54,7 @@ constexpr int V_BYTES = BLOCK / 8;        // bytes of a value row one lane reads
 constexpr int PART_BLOCKS = D / BLOCK / COL_SPLIT;  // blocks of head dims in one warp's part of O^T
 constexpr int PART_STEPS = PART_BLOCKS * BLOCK_STEPS;  // O^T's m-tiles per warp
 
-static_assert(sizeof(q_t) == 2 && sizeof(kv_t) == 1, "16-bit queries, fp8 K/V");
+static_assert(sizeof(kv_t) == 1, "fp8 K/V (16-bit or e4m3 queries)");
 static_assert(M == 8, "one n-tile of query rows");
 static_assert(D % BLOCK == 0 && (BLOCK == 64 || BLOCK == 128 || (BLOCK == 32 && D == 96)), "head_dim 64, 96, 128, 256 or 512");
 static_assert(WARPS % COL_SPLIT == 0 && (D / BLOCK) % COL_SPLIT == 0, "whole blocks of head dims per warp");
@@ -192,7 +192,7 @@ FJ_INLINE void attend(const Args& a, const MaskParams& unbound, const VariantPar
     for (int ks = 0; ks < STEPS; ++ks)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        qb[ks][h] = valid ? QueryPair<q_t, half_t>::convert(*reinterpret_cast<const u32*>(q_row + k_byte(ks, t) + 2 * h))
+        qb[ks][h] = valid ? load_query_pair<half_t>(q_row + k_byte(ks, t) + 2 * h)
                           : 0u;
   };
 

@@ -151,9 +151,11 @@ def test_bad_fp8_input_is_refused(engine):
         decoder.run(batch.q, (k8, v8), k_scale=torch.ones(3, device="cuda"), v_scale=v_scale)
     with pytest.raises(ValueError, match="k_scale: expected dtype torch.float32"):
         decoder.run(batch.q, (k8, v8), k_scale=k_scale.half(), v_scale=v_scale)
-    with pytest.raises(flashjit.SpecError, match="KV cache only"):
+    with pytest.raises(ValueError, match="out_dtype: expected float16 or bfloat16 with e4m3 queries"):
         decoder.plan(batch.indptr, batch.indices, batch.last_page_len, 8, NUM_KV_HEADS, 128, PAGE,
                      q_dtype=torch.float8_e4m3fn, kv_dtype="e4m3")
+    with pytest.raises(ValueError, match="q: expected dtype torch.bfloat16"):  # a bf16 plan given e4m3 queries
+        decoder.run(batch.q.to(torch.float8_e4m3fn), (k8, v8), k_scale=k_scale, v_scale=v_scale)
     out = decoder.run(batch.q, (k8, v8), k_scale=k_scale, v_scale=v_scale)  # nothing was corrupted
     assert not out.isnan().any()
 
@@ -179,3 +181,72 @@ def test_scale_tensors_change_between_graph_replays(engine):
         graph.replay()
         ref, _ = decode_reference(batch.q, k_ref, v_ref, batch.indptr, batch.indices, batch.last_page_len)
         assert_exact(out, None, ref, None, tolerance(torch.bfloat16, "float8_e4m3fn"), f"factor {factor}")
+
+
+FP8_QUERY_CASES = [(d, group, q_len) for d in HEAD_DIMS for group, q_len in ((1, 1), (4, 1), (8, 4))]
+
+
+@pytest.mark.parametrize("head_dim,group,q_len", FP8_QUERY_CASES)
+def test_e4m3_queries_match_the_reference_on_their_values(engine, head_dim, group, q_len):
+    """e4m3 queries (q_dtype e4m3, a bf16 output) over an e4m3 cache: the kernel reads the queries'
+    values exactly, so the reference on the dequantized queries bounds it as for bf16 queries; the
+    query scale folds into k_scale. Every split policy, masks with and without per-request state."""
+    rng = random.Random(seed_of("e4m3 queries", head_dim, group, q_len))
+    kv_lens = cm.random_lengths(rng, PAGE)
+    q_lens = [min(q_len, n) for n in kv_lens]
+    batch = make_batch(kv_lens, num_qo_heads=NUM_KV_HEADS * group, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim,
+                       page_size=PAGE, dtype=torch.bfloat16, q_lens=q_lens, seed=rng.randint(0, 1 << 30))
+    q_scale = 0.25
+    q8 = (batch.q.float() / q_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q_values = (q8.float() * q_scale).bfloat16()
+    cache, (k_scale, v_scale), (k_ref, v_ref) = quantized_cache(batch, "float8_e4m3fn", rng.choice(SCALE_FORMS))
+    for mask in ("none", "sliding_window"):
+        params = cm.sample_params(masks.get(mask), rng, kv_lens, q_lens, PAGE, "cuda")
+        ref, ref_lse = decode_reference(q_values, k_ref, v_ref, batch.indptr, batch.indices, batch.last_page_len,
+                                        qo_indptr=batch.qo_indptr, mask=mask, mask_params=params)
+        for split in cm.SPLITS:
+            decoder = flashjit.BatchDecode(engine)
+            decoder.plan(batch.indptr, batch.indices, batch.last_page_len, batch.q.shape[1], NUM_KV_HEADS, head_dim,
+                         PAGE, qo_indptr=batch.qo_indptr, mask=mask, mask_params=params, q_dtype=torch.float8_e4m3fn,
+                         out_dtype=torch.bfloat16, kv_dtype="e4m3", **cm.split_options(split, batch.kv_lens))
+            assert decoder.spec.query_fp8, decoder.spec
+            out = torch.full_like(batch.q, float("nan"))
+            lse = torch.full(batch.q.shape[:2], float("nan"), device="cuda")
+            folded = k_scale * q_scale
+            decoder.run(q8, cache, out=out, lse=lse, k_scale=folded, v_scale=v_scale)
+            where = f"{decoder.spec.name} split={split} kv_lens={kv_lens} q_lens={q_lens}"
+            assert_exact(out, lse, ref, ref_lse, tolerance(torch.bfloat16, "float8_e4m3fn"), where)
+
+
+def test_e4m3_queries_in_a_cuda_graph(engine):
+    """A captured run() of e4m3 queries replays after re-plans, as one of bf16 queries does."""
+    decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=8, max_num_pages=2048)
+    q8 = torch.zeros(8, 8, 128, dtype=torch.float8_e4m3fn, device="cuda")
+    out = torch.zeros(8, 8, 128, dtype=torch.bfloat16, device="cuda")
+    graph = None
+    for seed, kv_lens in enumerate(([100, 2000, 17], [5000, 3, 900, 64, 4000, 1, 2, 3000], [9000])):
+        batch = make_batch(kv_lens, num_qo_heads=8, num_kv_heads=NUM_KV_HEADS, head_dim=128, page_size=PAGE,
+                           seed=30 + seed)
+        cache, (k_scale, v_scale), (k_ref, v_ref) = quantized_cache(batch, "float8_e4m3fn", "tensor")
+        n = len(kv_lens)
+        q8[:n].copy_(batch.q.clamp(-448, 448).to(torch.float8_e4m3fn))
+        decoder.plan(batch.indptr, batch.indices, batch.last_page_len, 8, NUM_KV_HEADS, 128, PAGE,
+                     q_dtype="e4m3", out_dtype="bf16", kv_dtype="e4m3")
+        if graph is None:
+            k_buf, v_buf = (torch.empty(4096, *cache[0].shape[1:], dtype=cache[0].dtype, device="cuda")
+                            for _ in range(2))
+            k_scale_buf, v_scale_buf = k_scale.clone(), v_scale.clone()
+            decoder.run(q8, (k_buf, v_buf), out=out, k_scale=k_scale_buf, v_scale=v_scale_buf)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                decoder.run(q8, (k_buf, v_buf), out=out, k_scale=k_scale_buf, v_scale=v_scale_buf)
+        pages = cache[0].shape[0]
+        k_buf[:pages].copy_(cache[0])
+        v_buf[:pages].copy_(cache[1])
+        k_scale_buf.copy_(k_scale)
+        v_scale_buf.copy_(v_scale)
+        out.fill_(float("nan"))
+        graph.replay()
+        ref, _ = decode_reference(q8[:n].float().bfloat16(), k_ref, v_ref, batch.indptr, batch.indices,
+                                  batch.last_page_len)
+        assert_exact(out[:n], None, ref, None, tolerance(torch.bfloat16, "float8_e4m3fn"), f"composition {seed}")

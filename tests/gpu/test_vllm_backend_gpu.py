@@ -73,13 +73,15 @@ class Case:
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     sinks: torch.Tensor | None
+    q_scale: float | None = None  # fp8 queries (kind "fp8q", vLLM's query_quant): true queries / q_scale
 
 
 def make_case(kind="bf16", *, window=None, soft_cap=None, sinks=False, head_dim=DIM, heads=HEADS, seed=0) -> Case:
+    """kind: "bf16", "fp8" (an e4m3 cache, bf16 queries) or "fp8q" (an e4m3 cache, e4m3 queries)."""
     g = torch.Generator(device=CUDA).manual_seed(seed)
     raw = torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, 2 * head_dim, generator=g, device=CUDA)  # LBNHC storage
     k_scale = v_scale = None
-    if kind == "fp8":
+    if kind in ("fp8", "fp8q"):
         k_scale = torch.tensor([0.02], device=CUDA)  # ~4 sigma of the values reaches e4m3's 448 / 0.02
         v_scale = torch.tensor([0.015], device=CUDA)
         quant = torch.cat([raw[..., :head_dim] / k_scale, raw[..., head_dim:] / v_scale], dim=-1)
@@ -89,9 +91,11 @@ def make_case(kind="bf16", *, window=None, soft_cap=None, sinks=False, head_dim=
         raw = raw.bfloat16()
         kv_dtype, cache_dtype = "bfloat16", "auto"
     form = DecodeForm(heads, KV_HEADS, head_dim, BLOCK, "bfloat16", kv_dtype, head_dim ** -0.5,
-                      window_left=None if window is None else window - 1, logits_soft_cap=soft_cap, has_sinks=sinks)
+                      window_left=None if window is None else window - 1, logits_soft_cap=soft_cap, has_sinks=sinks,
+                      fp8_queries=kind == "fp8q")
     sink_values = torch.randn(heads, generator=g, device=CUDA) * 2 if sinks else None
-    return Case(form, cache_dtype, raw.permute(0, 2, 1, 3), k_scale, v_scale, sink_values)
+    q_scale = 0.5 if kind == "fp8q" else None  # not 1: the decode rows fold it into K's scale
+    return Case(form, cache_dtype, raw.permute(0, 2, 1, 3), k_scale, v_scale, sink_values, q_scale)
 
 
 def vllm_step(seq_lens, query_lens, rng, *, shared_blocks=0):
@@ -110,12 +114,16 @@ def vllm_step(seq_lens, query_lens, rng, *, shared_blocks=0):
 
 
 def new_tokens(case: Case, tokens: int, seed: int):
+    """(q as the layer gets it, q as the reference reads it, k, v); e4m3 queries as vLLM quantizes them."""
     g = torch.Generator(device=CUDA).manual_seed(1000 + seed)
     f = case.form
     q = torch.randn(tokens, f.num_qo_heads, f.head_dim, generator=g, device=CUDA).bfloat16()
     k = torch.randn(tokens, f.num_kv_heads, f.head_dim, generator=g, device=CUDA).bfloat16()
     v = torch.randn(tokens, f.num_kv_heads, f.head_dim, generator=g, device=CUDA).bfloat16()
-    return q, k, v
+    if case.q_scale is None:
+        return q, q, k, v
+    q8 = (q.float() / case.q_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q8, q8.float() * case.q_scale, k, v
 
 
 def reference(case: Case, step_inputs, q):
@@ -166,16 +174,17 @@ def planner_for(case: Case, engine, max_decode_q_len: int, **options) -> StepPla
 
 
 def run_step(case, layer, planner, inputs, slots, seed, **plan_options):
-    q, k, v = new_tokens(case, inputs["num_actual_tokens"], seed)
+    """(the reference's queries, the layer's output, the step)."""
+    q, q_ref, k, v = new_tokens(case, inputs["num_actual_tokens"], seed)
     layer.write_kv(case.kv_cache, k, v, slots, case.k_scale, case.v_scale)
     step = planner.plan(**inputs, seq_lens_cpu=inputs["seq_lens"].cpu(), **plan_options)
-    out = torch.zeros_like(q)
-    layer.forward(step, q, case.kv_cache, out, k_scale=case.k_scale, v_scale=case.v_scale)
+    out = torch.zeros_like(q, dtype=torch.bfloat16)
+    layer.forward(step, q, case.kv_cache, out, q_scale=case.q_scale, k_scale=case.k_scale, v_scale=case.v_scale)
     torch.cuda.synchronize()
-    return q, out, step
+    return q_ref, out, step
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8q"])
 @pytest.mark.parametrize("spec_name", list(BATCH_SPECS))
 def test_batch_specs_eager(spec_name, kind, engine, prefill_kernel):
     seq_lens, query_lens, threshold = BATCH_SPECS[spec_name]
@@ -228,7 +237,8 @@ SPEC_GRAPH_COMPOSITIONS = [
 
 
 @pytest.mark.parametrize("kind, share, lengths_on_host", [("bf16", True, True), ("bf16", False, False),
-                                                          ("fp8", True, False), ("fp8", False, True)])
+                                                          ("fp8", True, False), ("fp8", False, True),
+                                                          ("fp8q", False, False)])
 @pytest.mark.parametrize("speculative", [False, True])
 def test_graph_replays_after_new_compositions(kind, share, lengths_on_host, speculative, engine, prefill_kernel):
     compositions = SPEC_GRAPH_COMPOSITIONS if speculative else GRAPH_COMPOSITIONS
@@ -239,8 +249,10 @@ def test_graph_replays_after_new_compositions(kind, share, lengths_on_host, spec
     planner = planner_for(case, engine, q_len, max_graph_tokens=size, max_pages=size * (9100 // BLOCK + 2),
                           share_prefixes=share)
     rng = np.random.default_rng(11)
-    q_buf = torch.zeros(size, case.form.num_qo_heads, case.form.head_dim, dtype=torch.bfloat16, device=CUDA)
-    out_buf = torch.zeros_like(q_buf)
+    q_dtype = torch.float8_e4m3fn if case.form.fp8_queries else torch.bfloat16
+    q_buf = torch.zeros(size, case.form.num_qo_heads, case.form.head_dim, dtype=q_dtype, device=CUDA)
+    out_buf = torch.zeros_like(q_buf, dtype=torch.bfloat16)
+    scales = dict(q_scale=case.q_scale, k_scale=case.k_scale, v_scale=case.v_scale)
 
     def plan(inputs):
         return planner.plan(**inputs, seq_lens_cpu=inputs["seq_lens"].cpu() if lengths_on_host else None,
@@ -248,15 +260,15 @@ def test_graph_replays_after_new_compositions(kind, share, lengths_on_host, spec
 
     inputs, _ = vllm_step(*compositions[0], rng)
     step = plan(inputs)  # makes the size's decoder and plans it, outside the capture
-    layer.forward(step, q_buf, case.kv_cache, out_buf, k_scale=case.k_scale, v_scale=case.v_scale)  # warm
+    layer.forward(step, q_buf, case.kv_cache, out_buf, **scales)  # warm
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer.forward(step, q_buf, case.kv_cache, out_buf, k_scale=case.k_scale, v_scale=case.v_scale)
+        layer.forward(step, q_buf, case.kv_cache, out_buf, **scales)
     for n, (seq_lens, query_lens) in enumerate(compositions + compositions[:1]):
         shared = 8000 // BLOCK if len(set(seq_lens)) == 1 and len(seq_lens) > 1 else 0
         inputs, slots = vllm_step(seq_lens, query_lens, rng, shared_blocks=shared)
-        q, k, v = new_tokens(case, inputs["num_actual_tokens"], seed=20 + n)
+        q, q_ref, k, v = new_tokens(case, inputs["num_actual_tokens"], seed=20 + n)
         layer.write_kv(case.kv_cache, k, v, slots, case.k_scale, case.v_scale)
         step = plan(inputs)
         assert step.decoders[case.form] is planner.forms[case.form].graphs[size]
@@ -266,4 +278,4 @@ def test_graph_replays_after_new_compositions(kind, share, lengths_on_host, spec
         graph.replay()
         torch.cuda.synchronize()
         label = f"graph {kind} share={share} host={lengths_on_host} composition {n}"
-        check_rows(case, inputs, out_buf[: q.shape[0]], reference(case, inputs, q), q.shape[0], label)
+        check_rows(case, inputs, out_buf[: q.shape[0]], reference(case, inputs, q_ref), q.shape[0], label)

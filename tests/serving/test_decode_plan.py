@@ -24,7 +24,7 @@ from flashjit.deploy import mask_check as cm
 from flashjit.serving.batch_decode import BatchDecode
 from flashjit.serving.buffers import Capacity, PageIdRange, PlanBuffers
 from flashjit.serving.graph_mode import SPLIT_WAVES
-from flashjit.serving.plan_setup import LOG2E
+from flashjit.serving.plan_setup import LOG2E, output_dtype
 from flashjit.worklist.host import HostPlanner, item_records
 from flashjit.kernels.worklist_kernel import LoadedKernel
 from flashjit.masks.registry import masks, register_mask
@@ -754,3 +754,21 @@ def test_on_tensor_cores_sets_the_scalar_make_setup_reads(monkeypatch):
         assert seen["tensor_cores"] is expected
     assert scalars.on_tensor_cores()._replace(tensor_cores=False) == scalars
     assert scalars.types()[0] is int and scalars._replace(head_dim=128.0).types()[2] is float  # the memo tells them apart
+
+
+@pytest.mark.parametrize("q_dtype, out_dtype, expected", [
+    ("bf16", None, ("bfloat16", False)), ("float16", "fp16", ("float16", False)),
+    (torch.float8_e4m3fn, torch.bfloat16, ("bfloat16", True)), ("e4m3", "float16", ("float16", True)),
+])
+def test_the_output_dtype_is_the_queries_or_given_for_e4m3_queries(q_dtype, out_dtype, expected):
+    assert output_dtype(q_dtype, out_dtype) == expected
+
+
+@pytest.mark.parametrize("q_dtype, out_dtype, message", [
+    ("e4m3", None, "out_dtype: expected float16 or bfloat16 with e4m3 queries, got None"),
+    ("bf16", "float16", r"out_dtype: expected None or q_dtype \(bfloat16\) with 16-bit queries, got float16"),
+    ("e5m2", "bf16", "q_dtype"), ("e4m3", "e4m3", "out_dtype"),
+])
+def test_bad_query_and_output_dtypes_are_named(q_dtype, out_dtype, message):
+    with pytest.raises(ValueError, match=message):
+        output_dtype(q_dtype, out_dtype)

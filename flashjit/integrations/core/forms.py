@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ...kernels.decode.spec import DecodeSpec, normalize_dtype, KV_DTYPES
+from ...kernels.decode.spec import FP8_QUERY_DTYPE, DecodeSpec, normalize_dtype, KV_DTYPES
 from ...serving import variant_args
 from ... import validation
 
@@ -19,7 +19,8 @@ class DecodeForm:
     """One plan's scalars. window_left: keys at most this far behind the query stay visible (a
     framework's sliding window of w keys, the query's own counted, is w - 1); None: no window.
     logits_soft_cap: None or 0 for none. has_sinks: one learned sink logit per query head, given
-    per layer at run time."""
+    per layer at run time. q_dtype is the model's (and the output's) dtype; fp8_queries: over an
+    e4m3 cache the framework hands the queries over in e4m3 (as vLLM does for FA3), on sm_89+."""
 
     num_qo_heads: int
     num_kv_heads: int
@@ -31,6 +32,7 @@ class DecodeForm:
     window_left: int | None = None
     logits_soft_cap: float | None = None
     has_sinks: bool = False
+    fp8_queries: bool = False
 
     def __post_init__(self):
         validation.head_counts(self.num_qo_heads, self.num_kv_heads, self.page_size)
@@ -41,6 +43,9 @@ class DecodeForm:
         cap = self.logits_soft_cap
         if cap is not None and not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap >= 0):
             validation.fail("logits_soft_cap", "None or a finite float >= 0 (0: none)", self.logits_soft_cap)
+        if self.fp8_queries not in (True, False) or (self.fp8_queries and self.kv_dtype != FP8_QUERY_DTYPE):
+            validation.fail("fp8_queries", f"False, or True over a {FP8_QUERY_DTYPE} cache (kv_dtype {self.kv_dtype})",
+                            self.fp8_queries)
 
     @property
     def mask(self) -> str:
@@ -56,6 +61,11 @@ class DecodeForm:
         return self.kv_dtype.startswith("float8")
 
     @property
+    def query_dtype(self) -> str:
+        """The dtype of the queries the decode rows get: e4m3 with fp8_queries, else q_dtype."""
+        return FP8_QUERY_DTYPE if self.fp8_queries else self.q_dtype
+
+    @property
     def may_share_prefixes(self) -> bool:
         """Whether plan() can read shared leading blocks once: a 16-bit cache, no window, no variant."""
         return not self.kv_is_fp8 and self.window_left is None and not self.capped and not self.has_sinks
@@ -65,8 +75,8 @@ class DecodeForm:
         if self.has_sinks and sinks is None:
             validation.fail("sinks", f"a float32 tensor of {self.num_qo_heads} values for a form with sinks", None)
         return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    page_size=self.page_size, mask=self.mask, window_left=self.window_left, q_dtype=self.q_dtype,
-                    kv_dtype=self.kv_dtype, sm_scale=self.sm_scale,
+                    page_size=self.page_size, mask=self.mask, window_left=self.window_left, q_dtype=self.query_dtype,
+                    out_dtype=self.q_dtype, kv_dtype=self.kv_dtype, sm_scale=self.sm_scale,
                     logits_soft_cap=self.logits_soft_cap if self.capped else None,
                     sinks=sinks if self.has_sinks else None)
 
@@ -82,7 +92,7 @@ class DecodeForm:
         found = []
         for q in range(1, max_q_len + 1):
             found.append(DecodeSpec.cached(self.head_dim, self.q_dtype, self.kv_dtype, self.mask, self.page_size, group,
-                                           q, "NHD", arch, None, variant, False))
+                                           q, "NHD", arch, None, variant, False, self.fp8_queries))
             if share_prefixes and self.may_share_prefixes:
                 try:
                     found.append(DecodeSpec.cached(self.head_dim, self.q_dtype, self.kv_dtype, self.mask,

@@ -4,7 +4,8 @@ kernels take), over the same paged cache, called with the same arguments:
     kernel(q, cache, out, rows, *, sm_scale, window_left, logits_soft_cap, sinks, q_scale, k_scale, v_scale)
 
 q and out are the prefill rows' [tokens, qo_heads, head_dim]; cache the layer's KVPair; rows a
-step.PrefillRows. Query token i of a row of n over kv keys sits at kv - n + i (causal).
+step.PrefillRows. Over an fp8 cache q may come quantized already (the cache's dtype, q_scale its
+scale), as vLLM hands queries over to a backend that takes them so; 16-bit queries are cast here. Query token i of a row of n over kv keys sits at kv - n + i (causal).
 
 - Fa3KVCachePrefill: FlashAttention 3's paged forward, flash_attn_with_kvcache's op (the
   tokenspeed-fa3 wheel's flash_attn_interface, the same FA3 kernels vLLM ships), into out in place.
@@ -39,8 +40,10 @@ def quantized_query(q: torch.Tensor, kv_dtype, q_scale) -> torch.Tensor:
     """q / q_scale in the fp8 cache's dtype (FA3 takes fp8 queries over an fp8 cache), saturating at
     the format's largest value. q_scale: None or a host float (no device read), or a tensor. A scale
     of 1 (vLLM's default) is one cast where the device's cast saturates, a clamp and a cast where it
-    does not; another scale divides in float32 first."""
+    does not; another scale divides in float32 first. Queries of kv_dtype already are returned as given."""
     limit = torch.finfo(kv_dtype).max
+    if q.dtype == kv_dtype:
+        return q
     if q_scale is None or (not torch.is_tensor(q_scale) and float(q_scale) == 1.0):
         if casts_saturate(q.device, q.dtype, kv_dtype):
             return q.to(kv_dtype)
@@ -122,6 +125,8 @@ class ReferencePrefill:
     def __call__(self, q, cache: KVPair, out, rows, *, sm_scale, window_left=None, logits_soft_cap=None, sinks=None,
                  q_scale=None, k_scale=None, v_scale=None):
         k, v = cache.k, cache.v
+        if q.element_size() == 1:  # queries quantized by the framework
+            q = q.float() * (1.0 if q_scale is None else torch.as_tensor(q_scale, device=q.device).float())
         if k.element_size() == 1:  # dequantize
             k = k.float() * (1.0 if k_scale is None else torch.as_tensor(k_scale).float().reshape(-1, 1))
             v = v.float() * (1.0 if v_scale is None else torch.as_tensor(v_scale).float().reshape(-1, 1))

@@ -13,6 +13,10 @@ FP8_CAPABILITIES = ((9, 0),)
 SINK_CAPABILITY = (9, 0)
 MAX_BLOCK_SIZE = 256
 MIN_CAPABILITY = (8, 0)
+# Caches over which FLASHJIT asks vLLM for e4m3 queries (Attention.query_quant, which torch.compile
+# fuses into the op before it), as vLLM's FlashAttention does: the prefill rows then run FA3 on them
+# as given, and the decode kernels convert them to f16 exactly (sm_89+; fp8 caches are served on 9.0).
+FP8_QUERY_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 # The vLLM switches FLASHJIT refuses whenever they are on, each with its reason.
@@ -28,6 +32,11 @@ REFUSED_SETTINGS = {
     "use_adaptive_verification": "adaptive speculative verification: FLASHJIT plans from the host's query "
                                  "lengths, which adaptive verification changes on the device",
 }
+
+
+def takes_fp8_queries(kv_cache_dtype: str, enabled: bool) -> bool:
+    """Whether a layer over this cache asks vLLM for e4m3 queries; enabled: FLASHJIT_VLLM_FP8_QUERIES."""
+    return enabled and kv_cache_dtype in FP8_QUERY_CACHE_DTYPES
 
 
 def _name(dtype) -> str:

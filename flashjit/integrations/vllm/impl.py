@@ -6,14 +6,16 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
+from ... import env
 from ..core import LayerAttention
+from .checks import takes_fp8_queries
 from .forms import layer_form
 from .prefill import VllmFlashAttentionPrefill
 
 
 class FlashJITImpl(AttentionImpl):
     can_return_lse_for_decode = False
-    supports_quant_query_input = False  # queries stay 16-bit over an fp8 cache
+    supports_quant_query_input = False  # set per layer: e4m3 queries over an e4m3 cache (checks.takes_fp8_queries)
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
@@ -31,6 +33,8 @@ class FlashJITImpl(AttentionImpl):
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
         self.kv_cache_dtype = kv_cache_dtype
+        # vLLM's Attention reads this right after making the impl, and then quantizes its queries
+        self.supports_quant_query_input = takes_fp8_queries(kv_cache_dtype, env.vllm_fp8_queries())
         self.logits_soft_cap = logits_soft_cap or None
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
@@ -55,8 +59,8 @@ class FlashJITImpl(AttentionImpl):
             raise NotImplementedError("FLASHJIT does not fuse output quantization")
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
-        attention = self.layer_attention(kv_cache.shape[2], query.dtype)
-        # the host copy of the query scale: quantizing the prefill rows' queries then reads no device value
+        attention = self.layer_attention(kv_cache.shape[2], output.dtype)  # the model's dtype (query may be e4m3)
+        # the host copy of the query scale: no device value read to quantize queries or fold their scale
         return attention.forward(attn_metadata.step, query, kv_cache, output, q_scale=layer._q_scale_float,
                                  k_scale=layer._k_scale, v_scale=layer._v_scale)
 

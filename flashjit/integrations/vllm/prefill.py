@@ -26,7 +26,7 @@ class VllmFlashAttentionPrefill:
         call, version = self._kernel(q.shape[-1])
         fp8 = cache.k.element_size() == 1
         descales = fa3_descales(rows, cache.k.shape[2], q_scale, k_scale, v_scale) if fp8 else {}
-        if fp8:
+        if fp8:  # 16-bit queries (FLASHJIT_VLLM_FP8_QUERIES off) are cast; e4m3 ones pass as they are
             q = quantized_query(q, cache.k.dtype, q_scale)
         call(q=q, k=cache.k, v=cache.v, out=out, cu_seqlens_q=rows.cu_seqlens_q, max_seqlen_q=rows.max_seqlen_q,
              seqused_k=rows.seqused_k, max_seqlen_k=rows.max_seqlen_k, softmax_scale=sm_scale, causal=True,

@@ -11,7 +11,7 @@ import hashlib
 import re
 
 from ...errors import SpecError
-from ...jit.arch import WGMMA_COMPILE_ARCH, check_shared_memory, normalize_arch
+from ...jit.arch import FP8_CONVERT_MIN_ARCH, WGMMA_COMPILE_ARCH, arch_number, check_shared_memory, normalize_arch
 from ...jit.dtypes import KV_DTYPES, QUERY_DTYPES, SHORT_NAMES, normalize_dtype
 from ...jit.spec_fields import CacheAndArch, check_int
 from .tiling import decode_tiling
@@ -22,13 +22,15 @@ KV_LAYOUTS = ("NHD", "HND")
 MAX_PAGE_SIZE = 256
 MAX_GROUP_SIZE = 64
 MAX_Q_LEN = 16
+FP8_QUERY_DTYPE = "float8_e4m3fn"  # the queries' dtype with query_fp8
 TENSOR_CORE_HEAD_DIMS = (64, 96, 128, 256, 512)
 # Group x query tokens from which tensor cores win (docs/architecture.md): one. With 15 of the
 # MMA's 16 rows idle a step still reads at the memory's speed; the CUDA-core kernel does not.
 TENSOR_CORE_MIN_ROWS = 1
 
 _NAME_PATTERN = re.compile(r"decode_d(?P<d>\d+)_(?P<dtype>[a-z0-9]+)_kv(?P<kv>[a-z0-9]+)_(?P<mask>\w+?)(?:-(?P<variant>\w+?))?"
-                           r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?(?P<sp>_sp)?")
+                           r"_p(?P<p>\d+)_g(?P<g>\d+)_q(?P<q>\d+)_(?P<layout>nhd|hnd)_sm(?P<arch>\d+a?)(?P<tc>_tc)?(?P<sp>_sp)?"
+                           r"(?P<fp8q>_fp8q)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,9 @@ class DecodeSpec(CacheAndArch):
     # The kernel also reads shared-prefix records (worklist/shared.py): one chunk of a span many
     # requests share, for the rows of all of them. 16-bit tensor cores, masks without per-request state.
     shared_prefix: bool = False
+    # The queries are e4m3 (dtype stays the output's): a framework quantized them for an fp8 cache,
+    # as vLLM does for FA3 (and then runs the prefill rows on the same queries). Tensor cores, sm_89+.
+    query_fp8: bool = False
 
     def __post_init__(self):
         set_ = lambda field, value: object.__setattr__(self, field, value)  # noqa: E731 (frozen dataclass)
@@ -76,6 +81,11 @@ class DecodeSpec(CacheAndArch):
                             f"{CUDA_CORE_HEAD_DIMS})")
         if self.shared_prefix not in (True, False) or (self.shared_prefix and (not self.tensor_cores or self.kv_is_fp8)):
             raise SpecError("shared_prefix", self.shared_prefix, "False, or True for tensor cores over a 16-bit cache")
+        if self.query_fp8 not in (True, False) or (self.query_fp8 and not (
+                self.tensor_cores and self.kv_dtype == FP8_QUERY_DTYPE and arch_number(self.arch) >= FP8_CONVERT_MIN_ARCH)):
+            raise SpecError("query_fp8", self.query_fp8, "False, or True for tensor cores over an e4m3 cache on "
+                            f"sm_89 or later (this spec: tensor_cores={self.tensor_cores}, kv_dtype={self.kv_dtype}, "
+                            f"arch={self.arch})")
         from ...masks.registry import masks  # late import: the registry imports nothing from here
 
         from ...validation import did_you_mean  # noqa: E402
@@ -94,7 +104,7 @@ class DecodeSpec(CacheAndArch):
 
     @classmethod
     def cached(cls, head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch,
-               tensor_cores, variant="none", shared_prefix=False) -> "DecodeSpec":
+               tensor_cores, variant="none", shared_prefix=False, query_fp8=False) -> "DecodeSpec":
         """DecodeSpec(...) of these exact arguments, validated once: plan() asks for the same spec at
         every step, and validation costs more than the rest of a planned step's bookkeeping.
 
@@ -103,7 +113,7 @@ class DecodeSpec(CacheAndArch):
         specs of arch=None (that is the current GPU's arch, which is not an argument).
         """
         args = (head_dim, dtype, kv_dtype, mask, page_size, group_size, max_q_len, kv_layout, arch, tensor_cores,
-                variant, shared_prefix)
+                variant, shared_prefix, query_fp8)
         key = (args, tuple(map(type, args)))
         try:
             return _CACHED_SPECS[key]
@@ -116,6 +126,11 @@ class DecodeSpec(CacheAndArch):
                 _CACHED_SPECS.clear()
             _CACHED_SPECS[key] = spec
         return spec
+
+    @property
+    def q_dtype(self) -> str:
+        """The queries' dtype: e4m3 with query_fp8, else dtype (which is always the output's)."""
+        return FP8_QUERY_DTYPE if self.query_fp8 else self.dtype
 
     @property
     def compile_arch(self) -> str:
@@ -136,13 +151,14 @@ class DecodeSpec(CacheAndArch):
             f"decode_d{self.head_dim}_{SHORT_NAMES[self.dtype]}_kv{SHORT_NAMES[self.kv_dtype]}_{self.mask}{variant}"
             f"_p{self.page_size}_g{self.group_size}_q{self.max_q_len}_{self.kv_layout.lower()}"
             f"_{self.arch.replace('_', '')}{'_tc' if self.tensor_cores else ''}{'_sp' if self.shared_prefix else ''}"
+            f"{'_fp8q' if self.query_fp8 else ''}"
         )
 
     def _key_fields(self) -> list:
-        """(name, value) of the fields, shared_prefix only when set: the specs without it keep the
-        reprs, digests and cache keys they have always had."""
+        """(name, value) of the fields, shared_prefix and query_fp8 only when set: the specs without
+        them keep the reprs, digests and cache keys they have always had."""
         return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                if f.name != "shared_prefix" or self.shared_prefix]
+                if f.name not in ("shared_prefix", "query_fp8") or getattr(self, f.name)]
 
     def __repr__(self) -> str:
         return f"{type(self).__qualname__}({', '.join(f'{name}={value!r}' for name, value in self._key_fields())})"
@@ -161,7 +177,8 @@ class DecodeSpec(CacheAndArch):
         g = match.groupdict()
         return cls(head_dim=int(g["d"]), dtype=g["dtype"], kv_dtype=g["kv"], mask=g["mask"], page_size=int(g["p"]),
                    group_size=int(g["g"]), max_q_len=int(g["q"]), kv_layout=g["layout"], arch="sm_" + g["arch"],
-                   tensor_cores=bool(g["tc"]), variant=g["variant"] or "none", shared_prefix=bool(g["sp"]))
+                   tensor_cores=bool(g["tc"]), variant=g["variant"] or "none", shared_prefix=bool(g["sp"]),
+                   query_fp8=bool(g["fp8q"]))
 
     def replace(self, **changes) -> "DecodeSpec":
         return dataclasses.replace(self, **changes)

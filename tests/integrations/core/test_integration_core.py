@@ -364,3 +364,79 @@ def test_a_layer_whose_form_was_not_planned_is_refused_naming_it(planner_for):
     cache, _ = vllm_cache(100, 16, 2, 64)
     with pytest.raises(RuntimeError, match="window_left=63"):
         other.forward(step, torch.zeros(2, 8, 64).bfloat16(), cache, torch.zeros(2, 8, 64).bfloat16())
+
+
+# ---- e4m3 queries (vLLM's query_quant over an fp8 cache) --------------------------------------------
+
+FP8_QUERY_FORM = DecodeForm(8, 2, 64, 16, "bfloat16", "float8_e4m3fn", 0.125, fp8_queries=True)
+
+
+def test_an_fp8_query_form_plans_and_prewarms_e4m3_query_kernels(planner_for):
+    planner = planner_for([FP8_QUERY_FORM], max_graph_tokens=4, max_pages=16)
+    names = {r.spec.name for r in planner.prewarm("sm_90")}
+    assert names and all(name.endswith("_fp8q") for name in names)
+    rng = np.random.default_rng(7)
+    seq = [40, 17]
+    table = block_table_of(seq, 16, 4, rng)
+    for graph in (False, True):
+        step = planner.plan(**step_inputs(seq, [2, 1], table), seq_lens_cpu=torch.tensor(seq), graph=graph)
+        decoder = step.decoders[FP8_QUERY_FORM]
+        assert decoder.spec.query_fp8 and decoder.spec.name in names
+        assert decoder.query_form() == (torch.float8_e4m3fn, 8, 64, torch.bfloat16)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e5m2"])
+def test_fp8_queries_need_an_e4m3_cache(kv_dtype):
+    with pytest.raises(ValueError, match=f"fp8_queries: expected False, or True over a float8_e4m3fn cache "
+                                         f"\\(kv_dtype {kv_dtype}\\)"):
+        DecodeForm(8, 2, 64, 16, "bfloat16", kv_dtype, 0.125, fp8_queries=True)
+
+
+def test_the_query_scale_joins_k_scale_for_e4m3_queries():
+    layer = LayerAttention(FP8_QUERY_FORM)
+    k_scale = torch.tensor([0.5])
+    assert layer._k_scale_with_query(k_scale, None) is k_scale and layer._k_scale_with_query(k_scale, 1.0) is k_scale
+    assert layer._k_scale_with_query(0.5, 0.25) == 0.125
+    folded = layer._k_scale_with_query(k_scale, 0.25)
+    assert folded.tolist() == [0.125] and folded.dtype == torch.float32
+    assert layer._k_scale_with_query(k_scale, 0.25) is folded  # kept while neither changes
+    k_scale.mul_(2)  # a new value in place (vLLM's calibrated scales): the product follows
+    assert layer._k_scale_with_query(k_scale, 0.25).tolist() == [0.25]
+    per_head = layer._k_scale_with_query(torch.tensor([0.5, 1.0]), torch.tensor(2.0))
+    assert per_head.tolist() == [1.0, 2.0]
+
+
+def test_fa3_prefill_takes_e4m3_queries_as_given_with_their_scale():
+    from types import SimpleNamespace
+
+    from flashjit.integrations.core import Fa3KVCachePrefill
+    from flashjit.integrations.core.prefill import FA3_FORWARD_ARGS
+
+    calls = []
+    fa3 = SimpleNamespace(flash_attn_3_gpu=SimpleNamespace(fwd=lambda *a: calls.append(dict(zip(FA3_FORWARD_ARGS, a)))))
+    cache = KVPair(*(torch.zeros(4, 16, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2)))
+    rows = prefill_rows_for_test()
+    q = torch.randn(5, 8, 64).to(torch.float8_e4m3fn)
+    Fa3KVCachePrefill(fa3)(q, cache, torch.zeros(5, 8, 64, dtype=torch.bfloat16), rows, sm_scale=0.125, q_scale=0.5,
+                           k_scale=torch.tensor([0.25]), v_scale=1.0)
+    call = calls[0]
+    assert call["q"] is q  # no cast: vLLM quantized them
+    assert call["q_descale"].tolist() == [[0.5, 0.5]] and call["v_descale"] is None
+
+
+def test_reference_prefill_reads_e4m3_queries_times_their_scale():
+    cache = KVPair(*(torch.randn(4, 16, 2, 64).to(torch.float8_e4m3fn) for _ in range(2)))
+    rows = prefill_rows_for_test()
+    q8 = torch.randn(5, 8, 64).to(torch.float8_e4m3fn)
+    out8, out16 = (torch.zeros(5, 8, 64, dtype=torch.bfloat16) for _ in range(2))
+    ReferencePrefill()(q8, cache, out8, rows, sm_scale=0.125, q_scale=0.5, k_scale=1.0, v_scale=1.0)
+    ReferencePrefill()(q8.float() * 0.5, cache, out16, rows, sm_scale=0.125, k_scale=1.0, v_scale=1.0)
+    assert torch.equal(out8, out16) and out8.abs().sum() > 0
+
+
+def prefill_rows_for_test():
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_rows=1, seqused_k=torch.tensor([20], dtype=torch.int32), max_seqlen_q=5,
+                           cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
+                           cu_seqlens_q_cpu=torch.tensor([0, 5], dtype=torch.int32), block_table=torch.tensor([[3, 1]]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashjit.integrations.vllm.checks import REFUSED_SETTINGS, mla_refusal_reasons, refusal_reasons
+from flashjit.integrations.vllm.checks import REFUSED_SETTINGS, mla_refusal_reasons, refusal_reasons, takes_fp8_queries
 
 SERVED = dict(head_size=128, dtype="torch.bfloat16", kv_cache_dtype="auto", block_size=16, capability=(9, 0))
 
@@ -35,3 +35,11 @@ def test_mla_shares_the_switches_but_not_the_mla_refusal():
     assert mla_refusal_reasons(**served, use_mla=True) == []
     assert mla_refusal_reasons(**served, use_mla=True, use_dcp=True) == [REFUSED_SETTINGS["use_dcp"]]
     assert mla_refusal_reasons(**served, use_mla=False)[0].startswith("non-MLA attention")
+
+
+@pytest.mark.parametrize("kv_cache_dtype, enabled, expected", [
+    ("fp8", True, True), ("fp8_e4m3", True, True), ("fp8", False, False), ("fp8_e5m2", True, False),
+    ("auto", True, False), ("bfloat16", True, False),
+])
+def test_layers_ask_for_e4m3_queries_over_an_e4m3_cache_unless_turned_off(kv_cache_dtype, enabled, expected):
+    assert takes_fp8_queries(kv_cache_dtype, enabled) is expected

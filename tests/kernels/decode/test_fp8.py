@@ -27,10 +27,51 @@ def test_fp8_kv_dtypes_normalize_and_round_trip_through_names(value, canonical):
     assert DecodeSpec.from_name(spec.name) == spec
 
 
-def test_fp8_queries_are_refused_with_a_reason():
-    with pytest.raises(SpecError, match="KV cache only") as info:
+def test_an_fp8_output_dtype_is_refused_naming_query_fp8():
+    with pytest.raises(SpecError, match="query_fp8=True") as info:
         DecodeSpec(128, dtype=torch.float8_e4m3fn, kv_dtype="e4m3", arch="sm_90")
     assert info.value.field == "dtype" and "bfloat16" in info.value.accepted
+
+
+# ---- e4m3 queries (query_fp8: vLLM quantizes the queries for an fp8 cache) ---------------------------
+
+def test_e4m3_query_specs_name_their_queries_and_keep_the_others_keys():
+    spec = DecodeSpec(128, dtype="bf16", kv_dtype="e4m3", mask="causal", group_size=4, arch="sm_90", query_fp8=True)
+    plain = spec.replace(query_fp8=False)
+    assert spec.name == plain.name + "_fp8q" and DecodeSpec.from_name(spec.name) == spec
+    assert spec.q_dtype == "float8_e4m3fn" and spec.dtype == "bfloat16" and plain.q_dtype == "bfloat16"
+    assert "query_fp8" in repr(spec) and "query_fp8" not in repr(plain)  # the others' digests stay as they were
+    assert spec.digest != plain.digest
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(kv_dtype="bf16"), "kv_dtype=bfloat16"), (dict(kv_dtype="e5m2"), "kv_dtype=float8_e5m2"),
+    (dict(tensor_cores=False), "tensor_cores=False"), (dict(arch="sm_80"), "arch=sm_80"),
+    (dict(arch="sm_86"), "arch=sm_86"),
+])
+def test_e4m3_queries_are_refused_where_no_kernel_reads_them(changes, reason):
+    args = dict(head_dim=128, dtype="bf16", kv_dtype="e4m3", group_size=4, arch="sm_90", query_fp8=True)
+    with pytest.raises(SpecError, match=reason) as info:
+        DecodeSpec(**{**args, **changes})
+    assert info.value.field == "query_fp8" and "e4m3 cache" in info.value.accepted
+
+
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90", "sm_120"])
+@pytest.mark.parametrize("head_dim, group, q_len", [(64, 1, 1), (96, 4, 1), (128, 4, 1), (128, 8, 4), (256, 8, 2)])
+def test_e4m3_query_kernels_read_two_byte_pairs_and_convert_them(arch, head_dim, group, q_len):
+    spec = DecodeSpec(head_dim, dtype="bf16", kv_dtype="e4m3", group_size=group, max_q_len=q_len, arch=arch,
+                      query_fp8=True)
+    source = render(spec)
+    assert "typedef fj::e4m3_t q_t;" in source and "typedef fj::bfloat16_t out_t;" in source
+    ptx = ptx_of(spec)
+    assert re.search(r"ld\.global(\.nc)?\.u16", ptx), "the queries load as pairs of bytes"
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    plain = ptx_of(spec.replace(query_fp8=False))
+    assert not re.search(r"ld\.global(\.nc)?\.u16", plain)  # 16-bit queries load as words
+    if arch == "sm_90":
+        compiled = compile_source(source, arch, spec.name, extra_options=("--ptxas-options=-v",))
+        spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", compiled.log)]
+        assert spills and not any(spills), compiled.log
 
 
 # ---- tiling (the kernel's register layouts and pitches: tests/test_fp8_layout.py) -------------------
