@@ -220,6 +220,18 @@ def test_builder_prewarms_its_forms_kernels(builder_for, fake_nvrtc):
     assert len(fake_nvrtc) == 1 and "sliding_window" in fake_nvrtc[0]  # q1 with a window: no shared-prefix kernel
 
 
+@pytest.mark.parametrize("flag, fp8_queries", [("", True), ("0", False)])
+def test_layers_over_an_fp8_cache_ask_vllm_for_e4m3_queries(builder_for, fake_nvrtc, monkeypatch, flag, fp8_queries):
+    """vLLM's Attention quantizes the queries of an impl that says supports_quant_query_input (as
+    for FlashAttention); FLASHJIT_VLLM_FP8_QUERIES=0 keeps them 16-bit. The builder prewarms to match."""
+    monkeypatch.setenv("FLASHJIT_VLLM_FP8_QUERIES", flag)
+    impl = FlashJITImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None, "fp8")
+    assert impl.supports_quant_query_input is fp8_queries
+    assert not FlashJITImpl(HEADS, HEAD_SIZE, HEAD_SIZE ** -0.5, KV_HEADS, None, None, "auto").supports_quant_query_input
+    builder_for(make_config(), kv_cache_dtype="fp8")
+    assert fake_nvrtc and all(name.endswith("_fp8q") is fp8_queries for name in fake_nvrtc)
+
+
 @pytest.mark.parametrize("seq_lens, query_lens, decodes", [
     ([32, 40, 1024, 512], [1, 1, 1, 1], 4),                    # small decode
     ([2048] * 8, [1] * 8, 8),                                   # medium decode
