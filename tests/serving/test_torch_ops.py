@@ -202,3 +202,26 @@ def test_a_handle_outlived_by_its_graph_is_refused_by_name():
     gc.collect()
     with pytest.raises(RuntimeError, match=f"handle {handle} refers to no live decoder"):
         torch_ops.decoder_of(handle)
+
+
+def test_e4m3_queries_give_an_output_of_the_planned_dtype_eager_and_compiled(planner, launches):
+    decoder = cpu_decoder(planner, current_stream=lambda index: 0)
+    indptr, indices, last = tables([900, 30], PAGE, np.random.default_rng(1))
+    decoder.plan(indptr, indices, last, 8, 2, 64, PAGE, q_dtype="e4m3", out_dtype="bf16", kv_dtype="e4m3")
+    assert decoder.spec.query_fp8 and decoder.query_form() == (torch.float8_e4m3fn, 8, 64, torch.bfloat16)
+    k, v = (torch.zeros(int(indices.max()) + 1, PAGE, 2, 64, dtype=torch.float8_e4m3fn) for _ in range(2))
+    q = torch.randn(2, 8, 64).to(torch.float8_e4m3fn)
+    eager = decoder.run(q, (k, v), k_scale=0.5, v_scale=1.0)
+    assert eager.dtype == torch.bfloat16 and eager.shape == q.shape
+    with pytest.raises(ValueError, match="out: expected dtype torch.bfloat16"):
+        decoder.run(q, (k, v), out=torch.empty(2, 8, 64).to(torch.float8_e4m3fn), k_scale=0.5, v_scale=1.0)
+    backend = CountingBackend()
+
+    @torch.compile(fullgraph=True, backend=backend)
+    def step(q):
+        return decoder.run(q, (k, v), k_scale=0.5, v_scale=1.0)
+
+    out = step(q)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and backend.operator_calls == ["flashjit.decode"]
+    a = decoder.current_plan.decode_args
+    assert (a.q, a.out) == (q.data_ptr(), out.data_ptr())
