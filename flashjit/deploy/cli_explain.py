@@ -33,7 +33,7 @@ MLA_PARTS = (("kv_lora_rank", r"c\d+", "c<kv_lora_rank>, e.g. c512"), ("rope_dim
 MERGE_PARTS = (("dtype", r"f16|bf16|f32", "f16, bf16 or f32"), ("arch", r"sm\d+a?", "sm<arch>, e.g. sm90"))
 GRAMMAR = {
     "decode": "decode_d{head_dim}_{dtype}_kv{kv_dtype}_{mask}[-{variant}]_p{page_size}_g{group_size}_q{max_q_len}"
-              "_{nhd|hnd}_sm{arch}[_tc][_sp]",
+              "_{nhd|hnd}_sm{arch}[_tc][_sp][_fp8q]",
     "mla": "mla_c{kv_lora_rank}_r{rope_dim}_h{num_heads}_{dtype}_kv{kv_dtype}_p{page_size}_q{max_q_len}_sm{arch}",
     "merge_states": "merge_states_{dtype}_sm{arch}",
 }
@@ -68,10 +68,11 @@ def split_name(name: str) -> tuple[str, list[Part]]:
         raise UsageError(f"{name!r}: a spec name starts with decode_, mla_ or merge_states_; the forms are "
                          + "; ".join(GRAMMAR.values()))
     flags = []
-    while len(tokens) > 1 and tokens[-1] in ("tc", "sp"):
+    while len(tokens) > 1 and tokens[-1] in ("tc", "sp", "fp8q"):
         flags.insert(0, tokens.pop())
-    if flags not in ([], ["tc"], ["sp"], ["tc", "sp"]):
-        raise _bad(name, Part("_".join(flags), "tensor_cores", "", ""), "expected _tc, _sp or _tc_sp at the end")
+    if [f for f in ("tc", "sp", "fp8q") if f in flags] != flags or len(set(flags)) != len(flags):
+        raise _bad(name, Part("_".join(flags), "tensor_cores", "", ""),
+                   "expected _tc, _sp, _fp8q in that order at the end")
     head = _match(name, tokens[1:4], DECODE_HEAD)
     # The tail from the right: a part left out is then named by the part found in its place.
     tail_tokens = [tokens[i] if i >= 4 else "" for i in range(len(tokens) - len(DECODE_TAIL), len(tokens))]
@@ -83,7 +84,8 @@ def split_name(name: str) -> tuple[str, list[Part]]:
                                     "sliding_window-sinks")
     variant_part = Part(variant, "variant", r"\w*", "-<variant> after the mask, e.g. -sinks")
     flag_parts = [Part("tc" if "tc" in flags else "", "tensor_cores", "", ""),
-                  Part("sp" if "sp" in flags else "", "shared_prefix", "", "")]
+                  Part("sp" if "sp" in flags else "", "shared_prefix", "", ""),
+                  Part("fp8q" if "fp8q" in flags else "", "query_fp8", "", "")]
     return "decode", head + [mask_part, variant_part] + tail + flag_parts
 
 
@@ -114,8 +116,9 @@ def meanings(spec, family: str) -> dict:
     """field -> what its value means for this spec."""
     layouts = {"NHD": "pages of [page_size, kv_heads, head_dim]", "HND": "pages of [kv_heads, page_size, head_dim]"}
     common = {
-        "dtype": f"{spec.dtype}: the queries' and output's dtype" if family != "merge_states"
-                 else f"{spec.dtype}: the dtype of the states merged",
+        "dtype": (f"{spec.dtype}: the dtype of the states merged" if family == "merge_states"
+                  else f"{spec.dtype}: the output's dtype (the queries are e4m3: _fp8q)"
+                  if getattr(spec, "query_fp8", False) else f"{spec.dtype}: the queries' and output's dtype"),
         "kv_dtype": f"{getattr(spec, 'kv_dtype', '')}: the KV cache's dtype"
                     + (" (fp8: run() takes k_scale and v_scale)" if getattr(spec, "kv_is_fp8", False) else ""),
         "page_size": f"{getattr(spec, 'page_size', '')} tokens per cache page",
@@ -144,7 +147,9 @@ def meanings(spec, family: str) -> dict:
             "kv_layout": f"{spec.kv_layout}: {layouts[spec.kv_layout]}",
             "tensor_cores": "tensor-core kernel (_tc)" if spec.tensor_cores else "CUDA-core kernel (no _tc)",
             "shared_prefix": ("also reads shared-prefix records (_sp)" if spec.shared_prefix
-                              else "reads each request alone (no _sp)")}
+                              else "reads each request alone (no _sp)"),
+            "query_fp8": ("e4m3 queries (_fp8q), quantized by the framework; dtype is the output's"
+                          if spec.query_fp8 else f"{spec.dtype} queries (no _fp8q)")}
 
 
 def picked_by(spec, family: str) -> str:
@@ -157,8 +162,9 @@ def picked_by(spec, family: str) -> str:
                 f"{spec.max_q_len} query tokens per request")
     chosen = spec.replace(tensor_cores=None, shared_prefix=False)
     variant = "" if spec.variant == "none" else f", variant={spec.variant!r}"
+    out_dtype = f"out_dtype={spec.dtype!r}, " if spec.query_fp8 else ""
     call = (f"BatchDecode.plan(num_qo_heads={spec.group_size}*n, num_kv_heads=n, head_dim={spec.head_dim}, "
-            f"page_size={spec.page_size}, mask={spec.mask!r}{variant}, q_dtype={spec.dtype!r}, "
+            f"page_size={spec.page_size}, mask={spec.mask!r}{variant}, q_dtype={spec.q_dtype!r}, {out_dtype}"
             f"kv_dtype={spec.kv_dtype!r}, kv_layout={spec.kv_layout!r}) on an {spec.arch} GPU, up to "
             f"{spec.max_q_len} query tokens per request")
     if spec.shared_prefix:

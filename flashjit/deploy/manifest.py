@@ -9,6 +9,7 @@
     head_dim = 128
     dtype = "bf16"
     kv_dtype = "bf16"                   # optional, defaults to dtype
+    q_dtype = "e4m3"                    # optional, defaults to dtype; e4m3 over an e4m3 cache (vLLM's fp8)
     page_sizes = [16]
     masks = ["none", "causal"]
     max_q_lens = [1, 4]                 # optional, default [1]; > 1 for speculative decoding
@@ -28,17 +29,19 @@ from pathlib import Path
 
 from ..errors import SpecError
 from ..jit.arch import current_arch
-from ..kernels.decode.spec import HEAD_DIMS, DecodeSpec
+from ..jit.dtypes import QUERY_DTYPES, normalize_dtype
+from ..kernels.decode.spec import FP8_QUERY_DTYPE, HEAD_DIMS, DecodeSpec
 from .input_files import INT32_MAX, ManifestError, load_toml, quote
 
 TOP_LEVEL_KEYS = ("archs", "model")
 REQUIRED_KEYS = ("name", "num_qo_heads", "num_kv_heads", "head_dim", "dtype", "page_sizes", "masks")
-OPTIONAL_KEYS = {"kv_dtype": None, "max_q_lens": [1], "kv_layouts": ["NHD"], "variants": ["none"]}
+OPTIONAL_KEYS = {"kv_dtype": None, "q_dtype": None, "max_q_lens": [1], "kv_layouts": ["NHD"], "variants": ["none"]}
 LIST_KEYS = ("page_sizes", "masks", "max_q_lens", "kv_layouts", "variants")
 # manifest field -> DecodeSpec field, to name the manifest's field when a spec rejects a value
 _SPEC_FIELD_TO_KEY = {"head_dim": "head_dim", "dtype": "dtype", "kv_dtype": "kv_dtype", "mask": "masks",
                       "page_size": "page_sizes", "group_size": "num_qo_heads/num_kv_heads",
-                      "max_q_len": "max_q_lens", "kv_layout": "kv_layouts", "arch": "archs", "variant": "variants"}
+                      "max_q_len": "max_q_lens", "kv_layout": "kv_layouts", "arch": "archs", "variant": "variants",
+                      "query_fp8": "q_dtype"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +59,7 @@ class ModelEntry:
     max_q_lens: tuple[int, ...] = (1,)
     kv_layouts: tuple[str, ...] = ("NHD",)
     variants: tuple[str, ...] = ("none",)
+    q_dtype: str | None = None  # None: dtype; e4m3 for queries a framework quantized (DecodeSpec.query_fp8)
 
     @property
     def group_size(self) -> int:
@@ -123,7 +127,7 @@ def _parse_model(table: dict, index: int, path) -> ModelEntry:
     if values["num_qo_heads"] % values["num_kv_heads"]:
         raise fail("num_kv_heads", f"must divide num_qo_heads={values['num_qo_heads']} "
                                    f"(GQA group size), got {values['num_kv_heads']}")
-    for key in ("dtype", "kv_dtype"):
+    for key in ("dtype", "kv_dtype", "q_dtype"):
         if values[key] is not None and not isinstance(values[key], str):
             raise fail(key, f"must be a string such as \"bf16\", got {quote(values[key])}")
     for key in LIST_KEYS:
@@ -135,7 +139,7 @@ def _parse_model(table: dict, index: int, path) -> ModelEntry:
             raise fail(key, f"must be a non-empty list of {kind.__name__}s such as {example}, got {quote(value)}")
     return ModelEntry(
         name=name, num_qo_heads=values["num_qo_heads"], num_kv_heads=values["num_kv_heads"],
-        head_dim=values["head_dim"], dtype=values["dtype"], kv_dtype=values["kv_dtype"],
+        head_dim=values["head_dim"], dtype=values["dtype"], kv_dtype=values["kv_dtype"], q_dtype=values["q_dtype"],
         page_sizes=tuple(values["page_sizes"]), masks=tuple(values["masks"]),
         max_q_lens=tuple(values["max_q_lens"]), kv_layouts=tuple(values["kv_layouts"]),
         variants=tuple(values["variants"]))
@@ -170,17 +174,35 @@ def parse_arch_list(text: str) -> list[str]:
 
 
 def expand_model(model: ModelEntry, archs, path="<manifest>") -> list[DecodeSpec]:
+    query_fp8 = _query_fp8(model, path)
     specs = []
     for page_size, mask, variant, max_q_len, layout, arch in itertools.product(
             model.page_sizes, model.masks, model.variants, model.max_q_lens, model.kv_layouts, archs):
         try:
             specs.append(DecodeSpec(head_dim=model.head_dim, dtype=model.dtype, kv_dtype=model.kv_dtype, mask=mask,
                                     page_size=page_size, group_size=model.group_size, max_q_len=max_q_len,
-                                    kv_layout=layout, arch=arch, variant=variant))
+                                    kv_layout=layout, arch=arch, variant=variant, query_fp8=query_fp8))
         except SpecError as exc:
             key = _SPEC_FIELD_TO_KEY.get(exc.field, exc.field)
-            raise ManifestError(path, model.name, key, f"{quote(exc.value)} is not supported; accepted: {exc.accepted}") from None
+            value = model.q_dtype if exc.field == "query_fp8" else exc.value
+            raise ManifestError(path, model.name, key, f"{quote(value)} is not supported; accepted: {exc.accepted}") from None
     return specs
+
+
+def _query_fp8(model: ModelEntry, path) -> bool:
+    """Whether the model's q_dtype asks for e4m3 queries: None and its dtype ask for none."""
+    if model.q_dtype is None:
+        return False
+    try:
+        q_dtype = normalize_dtype(model.q_dtype, "q_dtype", QUERY_DTYPES + (FP8_QUERY_DTYPE,))
+        same = q_dtype == normalize_dtype(model.dtype)
+    except SpecError as exc:
+        raise ManifestError(path, model.name, "q_dtype", f"{quote(model.q_dtype)} is not supported; accepted: "
+                                                         f"{exc.accepted}") from None
+    if not same and q_dtype != FP8_QUERY_DTYPE:
+        raise ManifestError(path, model.name, "q_dtype", f"{quote(model.q_dtype)} is not supported; accepted: the "
+                                                         f"dtype ({model.dtype}) or e4m3")
+    return not same
 
 
 def specs_from_manifest(path, archs=None) -> list[DecodeSpec]:

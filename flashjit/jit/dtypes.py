@@ -28,7 +28,8 @@ def normalize_dtype(value, field: str = "dtype", accepted=QUERY_DTYPES) -> str:
     name = _ALIASES.get(text)
     if name not in accepted:
         note = (" (fp8 is for the KV cache, kv_dtype; e4m3 queries keep a 16-bit output: "
-                "a spec's query_fp8=True, plan(q_dtype='e4m3', out_dtype=...))" if name in FP8_DTYPES
+                "a spec's query_fp8=True, plan(q_dtype='e4m3', out_dtype=...))"
+                if name in FP8_DTYPES and not set(accepted) & set(FP8_DTYPES)
                 else " (or short names such as 'bf16', 'e4m3', or torch dtypes)")
         raise SpecError(field, value, ", ".join(accepted) + note)
     return name

@@ -25,7 +25,7 @@ class ReferenceDecoder:
 
         self.device = device
         self._plan = None
-        self._form = None  # (q dtype or None for any, qo heads, head_dim, out dtype: None, q's) of the current plan
+        self._form = None  # query_form() of the current plan
         self._compiling = torch.compiler.is_compiling
         self._op_handle = torch_ops.register(self)
 
@@ -45,7 +45,8 @@ class ReferenceDecoder:
         return self
 
     def query_form(self):
-        """(q dtype or None for any, qo heads, head_dim, out dtype or None for q's) of the current plan; None before one."""
+        """(q dtype or None for any, qo heads, head_dim, out dtype or None for q's) of the current
+        plan; None before one."""
         return self._form
 
     def run(self, q, kv_cache, *, out=None, lse=None, return_lse=False, k_scale=None, v_scale=None):

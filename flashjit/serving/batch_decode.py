@@ -394,6 +394,6 @@ def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None
     num_kv_heads = k.shape[2] if kv_layout.upper() == "NHD" else k.shape[1]
     decoder = BatchDecode(engine, device=q.device)
     decoder.plan(indptr, indices, last_page_len, q.shape[1], num_kv_heads, q.shape[2], page_size,
-                 q_dtype=normalize_dtype(q.dtype, "q", QUERY_DTYPES + (FP8_QUERY_DTYPE,)), kv_dtype=normalize_dtype(k.dtype, "kv_dtype", KV_DTYPES),
-                 kv_layout=kv_layout, **plan_options)
+                 q_dtype=normalize_dtype(q.dtype, "q", QUERY_DTYPES + (FP8_QUERY_DTYPE,)),
+                 kv_dtype=normalize_dtype(k.dtype, "kv_dtype", KV_DTYPES), kv_layout=kv_layout, **plan_options)
     return decoder.run(q, kv_cache, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)

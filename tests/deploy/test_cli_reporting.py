@@ -170,6 +170,12 @@ def test_explain_says_when_plan_would_pick_another_kernel():
                                        "decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc")
 
 
+def test_explain_names_e4m3_queries_and_the_plan_that_picks_them():
+    found = json_of("explain", "decode_d128_bf16_kve4m3_causal_p16_g4_q1_nhd_sm90_tc_fp8q", "--json")
+    assert found["spec"]["query_fp8"] is True
+    assert "q_dtype='float8_e4m3fn', out_dtype='bfloat16'" in found["picked_by"]
+
+
 @pytest.mark.parametrize("name", ["mla_c512_r64_h16_bf16_kvbf16_p64_q1_sm90", "merge_states_f32_sm80"])
 def test_explain_mla_and_merge_names(name):
     found = json_of("explain", name, "--json")
@@ -184,6 +190,9 @@ def test_explain_mla_and_merge_names(name):
     ("decode_d128_bf16_kvbf16_causal-sink_p16_g4_q1_nhd_sm90", r"field variant \('sink'\): .*did you mean 'sinks'"),
     ("decode_d128_bf16_kvbf16_p16_g4_q1_nhd_sm90", r"field mask \(nothing\): expected a mask name"),
     ("decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tp", r"field arch \('tp'\): expected sm<arch>"),
+    ("decode_d128_bf16_kvbf16_causal_p16_g4_q1_nhd_sm90_tc_fp8q", r"field query_fp8 \('fp8q'\): True is not "
+                                                                  r"supported; accepted: .*e4m3 cache"),
+    ("decode_d128_bf16_kve4m3_causal_p16_g4_q1_nhd_sm90_fp8q_tc", r"expected _tc, _sp, _fp8q in that order"),
     ("mla_c512_r64_h16_bf16_kvbf16_p64_sm90", r"field max_q_len \('sm90'\): expected q<max_q_len>"),
     ("merge_states_f64_sm90", r"field dtype \('f64'\): expected f16, bf16 or f32"),
     ("flash_d128", r"a spec name starts with decode_, mla_ or merge_states_"),
@@ -256,6 +265,7 @@ def from_grammar(grammar: str, spec) -> str:
     text = text.replace("[-{variant}]", "" if values.get("variant") == "none" else "-{variant}")
     text = text.replace("[_tc]", "_tc" if values.get("tensor_cores") else "")
     text = text.replace("[_sp]", "_sp" if values.get("shared_prefix") else "")
+    text = text.replace("[_fp8q]", "_fp8q" if values.get("query_fp8") else "")
     return text.format(**values)
 
 
@@ -267,6 +277,7 @@ SPECS = [DecodeSpec(d, dtype=dt, kv_dtype=kv, mask=m, page_size=p, group_size=g,
              (64, "fp16", "e4m3", "sliding_window", 1, 8, 4, "HND", "sm_80", None, "soft_cap_sinks", False),
              (256, "bf16", "e5m2", "block_sparse", 64, 1, 16, "NHD", "sm_90a", True, "sinks", False),
              (128, "bf16", "bf16", "none", 16, 4, 2, "NHD", "sm_90", True, "none", True)]]
+SPECS += [DecodeSpec(128, dtype="bf16", kv_dtype="e4m3", mask="causal", group_size=8, arch="sm_90", query_fp8=True)]
 SPECS += [MLASpec(num_heads=16, arch="sm_90"), MLASpec(num_heads=128, kv_dtype="e4m3", page_size=1, arch="sm_90"),
           MergeSpec("float32", "sm_80")]
 

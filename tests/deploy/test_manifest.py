@@ -66,6 +66,15 @@ def test_optional_fields_and_defaults(tmp_path):
     assert {s.kv_layout for s in specs} == {"NHD", "HND"}
 
 
+def test_e4m3_queries_over_an_e4m3_cache_prewarm_their_kernels(tmp_path):
+    """A vLLM deployment with --kv-cache-dtype fp8 plans e4m3 queries: q_dtype names them."""
+    text = 'archs = ["sm_90"]\n' + MODEL + 'kv_dtype = "fp8"\nq_dtype = "e4m3"\n'
+    (spec,) = specs_from_manifest(write(tmp_path, text))
+    assert spec.query_fp8 and spec.dtype == "bfloat16" and spec.name.endswith("_fp8q")
+    (same,) = specs_from_manifest(write(tmp_path, text.replace('q_dtype = "e4m3"', 'q_dtype = "bf16"')))
+    assert not same.query_fp8
+
+
 def test_models_sharing_kernels_are_built_once(tmp_path):
     second = MODEL.replace('"tiny"', '"tiny-twin"').replace("masks = [\"none\"]", 'masks = ["none", "causal"]')
     specs = specs_from_manifest(write(tmp_path, MODEL + second), "sm_90")
@@ -128,6 +137,13 @@ BAD = {
     "unsupported head_dim": (_replace("head_dim = 64", "head_dim = 80"), "tiny", "head_dim", "80 is not supported; accepted:"),
     "unknown mask": (_replace('masks = ["none"]', 'masks = ["nope"]'), "tiny", "masks", "'nope'"),
     "unknown dtype": (_replace('dtype = "bf16"', 'dtype = "fp8"'), "tiny", "dtype", "'fp8'"),
+    "e5m2 queries": (_replace("page_sizes", 'kv_dtype = "fp8"\nq_dtype = "e5m2"\npage_sizes'), "tiny", "q_dtype",
+                     "'e5m2' is not supported"),
+    "queries of another 16-bit dtype": (_replace("page_sizes", 'q_dtype = "f16"\npage_sizes'), "tiny", "q_dtype",
+                                        "accepted: the dtype (bf16) or e4m3"),
+    "e4m3 queries over a bf16 cache": (_replace("page_sizes", 'q_dtype = "e4m3"\npage_sizes'), "tiny", "q_dtype",
+                                       "'e4m3' is not supported; accepted: False, or True for tensor cores over an "
+                                       "e4m3 cache"),
     "bad layout": (_replace("page_sizes", 'kv_layouts = ["NDH"]\npage_sizes'), "tiny", "kv_layouts", "'NDH'"),
     "group too large": (_replace("num_qo_heads = 8\nnum_kv_heads = 2", "num_qo_heads = 128\nnum_kv_heads = 1"),
                         "tiny", "num_qo_heads/num_kv_heads", "128"),

@@ -81,8 +81,9 @@ class DecodeSpec(CacheAndArch):
                             f"{CUDA_CORE_HEAD_DIMS})")
         if self.shared_prefix not in (True, False) or (self.shared_prefix and (not self.tensor_cores or self.kv_is_fp8)):
             raise SpecError("shared_prefix", self.shared_prefix, "False, or True for tensor cores over a 16-bit cache")
-        if self.query_fp8 not in (True, False) or (self.query_fp8 and not (
-                self.tensor_cores and self.kv_dtype == FP8_QUERY_DTYPE and arch_number(self.arch) >= FP8_CONVERT_MIN_ARCH)):
+        reads_fp8_queries = (self.tensor_cores and self.kv_dtype == FP8_QUERY_DTYPE
+                             and arch_number(self.arch) >= FP8_CONVERT_MIN_ARCH)
+        if self.query_fp8 not in (True, False) or (self.query_fp8 and not reads_fp8_queries):
             raise SpecError("query_fp8", self.query_fp8, "False, or True for tensor cores over an e4m3 cache on "
                             f"sm_89 or later (this spec: tensor_cores={self.tensor_cores}, kv_dtype={self.kv_dtype}, "
                             f"arch={self.arch})")
