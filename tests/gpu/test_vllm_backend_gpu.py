@@ -73,18 +73,23 @@ class Case:
     k_scale: torch.Tensor | None
     v_scale: torch.Tensor | None
     sinks: torch.Tensor | None
-    q_scale: float | None = None  # fp8 queries (kind "fp8q", vLLM's query_quant): true queries / q_scale
+    q_scale: float | torch.Tensor | None = None  # e4m3 queries (vLLM's query_quant): true queries / q_scale
 
 
 def make_case(kind="bf16", *, window=None, soft_cap=None, sinks=False, head_dim=DIM, heads=HEADS, seed=0) -> Case:
-    """kind: "bf16", "fp8" (an e4m3 cache, bf16 queries) or "fp8q" (an e4m3 cache, e4m3 queries)."""
+    """kind: "bf16", "fp8" (an e4m3 cache, bf16 queries), "fp8q" (an e4m3 cache, e4m3 queries) or
+    "fp8q_per_head" (that, with a scale per KV head for K, V and the queries)."""
     g = torch.Generator(device=CUDA).manual_seed(seed)
     raw = torch.randn(NUM_BLOCKS, BLOCK, KV_HEADS, 2 * head_dim, generator=g, device=CUDA)  # LBNHC storage
     k_scale = v_scale = None
-    if kind in ("fp8", "fp8q"):
+    if kind.startswith("fp8"):
         k_scale = torch.tensor([0.02], device=CUDA)  # ~4 sigma of the values reaches e4m3's 448 / 0.02
         v_scale = torch.tensor([0.015], device=CUDA)
-        quant = torch.cat([raw[..., :head_dim] / k_scale, raw[..., head_dim:] / v_scale], dim=-1)
+        if kind == "fp8q_per_head":
+            k_scale = torch.linspace(0.015, 0.03, KV_HEADS, device=CUDA)
+            v_scale = torch.linspace(0.03, 0.012, KV_HEADS, device=CUDA)
+        per_head = lambda scale: scale.view(1, 1, -1, 1)  # noqa: E731 (storage [blocks, block, heads, 2 * dim])
+        quant = torch.cat([raw[..., :head_dim] / per_head(k_scale), raw[..., head_dim:] / per_head(v_scale)], dim=-1)
         raw = quant.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
         kv_dtype, cache_dtype = "float8_e4m3fn", "fp8"
     else:
@@ -92,9 +97,10 @@ def make_case(kind="bf16", *, window=None, soft_cap=None, sinks=False, head_dim=
         kv_dtype, cache_dtype = "bfloat16", "auto"
     form = DecodeForm(heads, KV_HEADS, head_dim, BLOCK, "bfloat16", kv_dtype, head_dim ** -0.5,
                       window_left=None if window is None else window - 1, logits_soft_cap=soft_cap, has_sinks=sinks,
-                      fp8_queries=kind == "fp8q")
+                      fp8_queries=kind.startswith("fp8q"))
     sink_values = torch.randn(heads, generator=g, device=CUDA) * 2 if sinks else None
-    q_scale = 0.5 if kind == "fp8q" else None  # not 1: the decode rows fold it into K's scale
+    q_scale = {"fp8q": 0.5, "fp8q_per_head": torch.linspace(0.25, 1.0, KV_HEADS, device=CUDA)}.get(kind)
+    # (not 1: the decode rows fold it into K's scale)
     return Case(form, cache_dtype, raw.permute(0, 2, 1, 3), k_scale, v_scale, sink_values, q_scale)
 
 
@@ -122,8 +128,10 @@ def new_tokens(case: Case, tokens: int, seed: int):
     v = torch.randn(tokens, f.num_kv_heads, f.head_dim, generator=g, device=CUDA).bfloat16()
     if case.q_scale is None:
         return q, q, k, v
-    q8 = (q.float() / case.q_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q8, q8.float() * case.q_scale, k, v
+    scale = torch.as_tensor(case.q_scale, device=CUDA).reshape(-1)  # per tensor, or per KV head's query heads
+    scale = scale.repeat_interleave(f.num_qo_heads // scale.numel()).view(1, -1, 1)
+    q8 = (q.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q8, q8.float() * scale, k, v
 
 
 def reference(case: Case, step_inputs, q):
@@ -184,7 +192,7 @@ def run_step(case, layer, planner, inputs, slots, seed, **plan_options):
     return q_ref, out, step
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8q"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8q", "fp8q_per_head"])
 @pytest.mark.parametrize("spec_name", list(BATCH_SPECS))
 def test_batch_specs_eager(spec_name, kind, engine, prefill_kernel):
     seq_lens, query_lens, threshold = BATCH_SPECS[spec_name]
@@ -238,7 +246,7 @@ SPEC_GRAPH_COMPOSITIONS = [
 
 @pytest.mark.parametrize("kind, share, lengths_on_host", [("bf16", True, True), ("bf16", False, False),
                                                           ("fp8", True, False), ("fp8", False, True),
-                                                          ("fp8q", False, False)])
+                                                          ("fp8q", False, False), ("fp8q_per_head", False, True)])
 @pytest.mark.parametrize("speculative", [False, True])
 def test_graph_replays_after_new_compositions(kind, share, lengths_on_host, speculative, engine, prefill_kernel):
     compositions = SPEC_GRAPH_COMPOSITIONS if speculative else GRAPH_COMPOSITIONS

@@ -22,8 +22,8 @@ from .kv_cache import KVPair
 
 
 def fa3_descales(rows, num_kv_heads: int, q_scale, k_scale, v_scale) -> dict:
-    """FA3's q/k/v_descale arguments for an fp8 cache: [requests, kv_heads] views of per-tensor
-    scales (tensors, or host floats: 1 is FA3's default, no tensor)."""
+    """FA3's q/k/v_descale arguments for an fp8 cache: [requests, kv_heads] views of per-tensor or
+    per-KV-head scales (tensors, or host floats: 1 is FA3's default, no tensor)."""
     shape = (rows.num_rows, num_kv_heads)
 
     def expand(scale):
@@ -31,7 +31,8 @@ def fa3_descales(rows, num_kv_heads: int, q_scale, k_scale, v_scale) -> dict:
             return None
         if not torch.is_tensor(scale):  # a fill on the device: no host-to-device copy
             scale = torch.full((1,), float(scale), dtype=torch.float32, device=rows.seqused_k.device)
-        return scale.float().reshape(-1)[:1].expand(shape)
+        flat = scale.float().reshape(-1)
+        return (flat.view(1, -1) if flat.numel() == num_kv_heads else flat[:1]).expand(shape)
 
     return dict(q_descale=expand(q_scale), k_descale=expand(k_scale), v_descale=expand(v_scale))
 
@@ -125,8 +126,9 @@ class ReferencePrefill:
     def __call__(self, q, cache: KVPair, out, rows, *, sm_scale, window_left=None, logits_soft_cap=None, sinks=None,
                  q_scale=None, k_scale=None, v_scale=None):
         k, v = cache.k, cache.v
-        if q.element_size() == 1:  # queries quantized by the framework
-            q = q.float() * (1.0 if q_scale is None else torch.as_tensor(q_scale, device=q.device).float())
+        if q.element_size() == 1:  # queries quantized by the framework, per tensor or per KV head
+            scale = torch.as_tensor(1.0 if q_scale is None else q_scale, device=q.device).float().reshape(-1)
+            q = q.float() * scale.repeat_interleave(q.shape[1] // scale.numel()).view(1, -1, 1)
         if k.element_size() == 1:  # dequantize
             k = k.float() * (1.0 if k_scale is None else torch.as_tensor(k_scale).float().reshape(-1, 1))
             v = v.float() * (1.0 if v_scale is None else torch.as_tensor(v_scale).float().reshape(-1, 1))

@@ -60,10 +60,17 @@ class FlashJITImpl(AttentionImpl):
         if attn_metadata is None:  # vLLM's profiling run
             return output.fill_(0)
         attention = self.layer_attention(kv_cache.shape[2], output.dtype)  # the model's dtype (query may be e4m3)
-        # the host copy of the query scale: no device value read to quantize queries or fold their scale
-        return attention.forward(attn_metadata.step, query, kv_cache, output, q_scale=layer._q_scale_float,
+        return attention.forward(attn_metadata.step, query, kv_cache, output, q_scale=query_scale(layer),
                                  k_scale=layer._k_scale, v_scale=layer._v_scale)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         attention = self.layer_attention(kv_cache.shape[2], key.dtype)
         attention.write_kv(kv_cache, key, value, slot_mapping, layer._k_scale, layer._v_scale)
+
+
+def query_scale(layer):
+    """The layer's query scale as flashjit takes it: the host float (no device read) for one scale,
+    the tensor for per-KV-head scales (vLLM then quantizes each KV head's queries with its own, and
+    keeps only their largest as the float)."""
+    scale = getattr(layer, "_q_scale", None)
+    return scale if torch.is_tensor(scale) and scale.numel() > 1 else layer._q_scale_float

@@ -300,6 +300,15 @@ def scales(k=1.0, v=1.0):
     return SimpleNamespace(_q_scale=torch.tensor([1.0]), _q_scale_float=1.0, _k_scale=torch.tensor([k]), _v_scale=torch.tensor([v]))
 
 
+def test_the_query_scale_is_the_host_float_or_the_per_kv_head_tensor():
+    from flashjit.integrations.vllm.impl import query_scale
+
+    assert query_scale(scales()) == 1.0 and not torch.is_tensor(query_scale(scales()))
+    per_head = scales()
+    per_head._q_scale, per_head._q_scale_float = torch.tensor([0.5, 2.0]), 2.0  # vLLM keeps the largest as the float
+    assert query_scale(per_head) is per_head._q_scale
+
+
 def vllm_kv_cache(num_blocks, dtype=torch.bfloat16):
     """A layer's cache as vLLM 0.33 binds it in its default LBNHC layout: storage [blocks, block, kv heads,
     2 * head] seen as [blocks, kv heads, block, 2 * head]."""

@@ -279,6 +279,29 @@ def test_fa3_descales_skip_unit_host_scales_and_expand_the_others(q_scale, want)
         assert got["q_descale"].shape == (3, 2) and torch.all(got["q_descale"] == want)
 
 
+def test_fa3_descales_expand_per_kv_head_scales_head_by_head():
+    from types import SimpleNamespace
+
+    from flashjit.integrations.core.prefill import fa3_descales
+
+    rows = SimpleNamespace(num_rows=3, seqused_k=torch.zeros(3, dtype=torch.int32))
+    got = fa3_descales(rows, 2, torch.tensor([0.5, 2.0]), torch.tensor([0.25, 4.0]), torch.tensor([0.125]))
+    assert got["q_descale"].tolist() == [[0.5, 2.0]] * 3 and got["k_descale"].tolist() == [[0.25, 4.0]] * 3
+    assert got["v_descale"].tolist() == [[0.125, 0.125]] * 3
+
+
+def test_reference_prefill_scales_e4m3_queries_per_kv_head():
+    cache = KVPair(*(torch.randn(4, 16, 2, 64).to(torch.float8_e4m3fn) for _ in range(2)))
+    rows = prefill_rows_for_test()
+    q8 = torch.randn(5, 8, 64).to(torch.float8_e4m3fn)  # 8 query heads over 2 KV heads: groups of 4
+    per_head, spelled_out = (torch.zeros(5, 8, 64, dtype=torch.bfloat16) for _ in range(2))
+    ReferencePrefill()(q8, cache, per_head, rows, sm_scale=0.125, q_scale=torch.tensor([0.5, 2.0]), k_scale=1.0,
+                       v_scale=1.0)
+    scales = torch.tensor([0.5] * 4 + [2.0] * 4).view(1, 8, 1)
+    ReferencePrefill()(q8.float() * scales, cache, spelled_out, rows, sm_scale=0.125, k_scale=1.0, v_scale=1.0)
+    assert torch.equal(per_head, spelled_out)
+
+
 def test_fa3_forward_args_place_names_in_the_ops_order_and_refuse_unknown_ones():
     from flashjit.integrations.core.prefill import FA3_FORWARD_ARGS, fa3_forward_args
 
