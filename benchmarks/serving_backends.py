@@ -102,11 +102,8 @@ def fa3_calls(torch, fa3, pair, scales, inputs, q, shape: Shape, graph: bool):
     fp8 = scales[0] is not None
     rows = inputs["num_reqs"]
     splits = FA3_GRAPH_SPLITS if graph else 0
-    q_in, extra = q, {}
-    if fp8:
-        from flashjit.integrations.core.prefill import quantized_query
-
-        q_in = quantized_query(q, pair.k.dtype, None)
+    extra = {}
+    if fp8:  # q is e4m3 already, as vLLM hands it over
         shape2 = (rows, shape.kv_heads)
         extra = dict(q_descale=torch.ones(shape2, device="cuda"), k_descale=scales[0].expand(shape2),
                      v_descale=scales[1].expand(shape2))
@@ -114,7 +111,7 @@ def fa3_calls(torch, fa3, pair, scales, inputs, q, shape: Shape, graph: bool):
 
     def scheduled():
         return fa3.get_scheduler_metadata(rows, max_q, inputs["max_seq_len"], shape.heads, shape.kv_heads,
-                                          shape.head_dim, inputs["seq_lens"], qkv_dtype=q_in.dtype,
+                                          shape.head_dim, inputs["seq_lens"], qkv_dtype=q.dtype,
                                           cu_seqlens_q=inputs["query_start_loc"], page_size=shape.block,
                                           causal=True, num_splits=splits)
 
@@ -124,7 +121,7 @@ def fa3_calls(torch, fa3, pair, scales, inputs, q, shape: Shape, graph: bool):
         metadata.copy_(scheduled())
 
     def call():
-        return fa3.flash_attn_with_kvcache(q_in, pair.k, pair.v, cache_seqlens=inputs["seq_lens"],
+        return fa3.flash_attn_with_kvcache(q, pair.k, pair.v, cache_seqlens=inputs["seq_lens"],
                                            page_table=inputs["block_table"], cu_seqlens_q=inputs["query_start_loc"],
                                            max_seqlen_q=max_q, softmax_scale=shape.head_dim ** -0.5, causal=True,
                                            scheduler_metadata=metadata, num_splits=splits, **extra)
@@ -143,15 +140,12 @@ def checked_replay(name: str, graph, out, check, tolerance: dict, before=None) -
 
 
 def fa3_prefill_alone(fa3, pair, scales, prefill, q, shape: Shape):
-    """FA3 on a step's prefill rows only, its queries cast to fp8 beforehand over an fp8 cache."""
-    from flashjit.integrations.core.prefill import fa3_descales, quantized_query
+    """FA3 on a step's prefill rows only (e4m3 queries over an fp8 cache, as bench_spec makes them)."""
+    from flashjit.integrations.core.prefill import fa3_descales
 
-    q_in, extra = q, {}
-    if scales[0] is not None:
-        q_in = quantized_query(q, pair.k.dtype, None)
-        extra = fa3_descales(prefill, shape.kv_heads, None, *scales)
+    extra = fa3_descales(prefill, shape.kv_heads, None, *scales) if scales[0] is not None else {}
     return lambda: fa3.flash_attn_with_kvcache(  # noqa: E731
-        q_in, pair.k, pair.v, cache_seqlens=prefill.seqused_k, page_table=prefill.block_table,
+        q, pair.k, pair.v, cache_seqlens=prefill.seqused_k, page_table=prefill.block_table,
         cu_seqlens_q=prefill.cu_seqlens_q, max_seqlen_q=prefill.max_seqlen_q, softmax_scale=shape.head_dim ** -0.5,
         causal=True, **extra)
 

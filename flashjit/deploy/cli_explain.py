@@ -115,10 +115,14 @@ def parse(name: str):
 def meanings(spec, family: str) -> dict:
     """field -> what its value means for this spec."""
     layouts = {"NHD": "pages of [page_size, kv_heads, head_dim]", "HND": "pages of [kv_heads, page_size, head_dim]"}
+    if family == "merge_states":
+        dtype = "the dtype of the states merged"
+    elif getattr(spec, "query_fp8", False):
+        dtype = "the output's dtype (the queries are e4m3: _fp8q)"
+    else:
+        dtype = "the queries' and output's dtype"
     common = {
-        "dtype": (f"{spec.dtype}: the dtype of the states merged" if family == "merge_states"
-                  else f"{spec.dtype}: the output's dtype (the queries are e4m3: _fp8q)"
-                  if getattr(spec, "query_fp8", False) else f"{spec.dtype}: the queries' and output's dtype"),
+        "dtype": f"{spec.dtype}: {dtype}",
         "kv_dtype": f"{getattr(spec, 'kv_dtype', '')}: the KV cache's dtype"
                     + (" (fp8: run() takes k_scale and v_scale)" if getattr(spec, "kv_is_fp8", False) else ""),
         "page_size": f"{getattr(spec, 'page_size', '')} tokens per cache page",

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from ..errors import SpecError
 from ..jit.arch import current_arch
-from ..jit.dtypes import QUERY_DTYPES, normalize_dtype
-from ..kernels.decode.spec import FP8_QUERY_DTYPE, HEAD_DIMS, DecodeSpec
+from ..kernels.decode.spec import HEAD_DIMS, DecodeSpec
+from ..serving.plan_setup import output_dtype
 from .input_files import INT32_MAX, ManifestError, load_toml, quote
 
 TOP_LEVEL_KEYS = ("archs", "model")
@@ -190,19 +190,16 @@ def expand_model(model: ModelEntry, archs, path="<manifest>") -> list[DecodeSpec
 
 
 def _query_fp8(model: ModelEntry, path) -> bool:
-    """Whether the model's q_dtype asks for e4m3 queries: None and its dtype ask for none."""
+    """Whether the model's q_dtype asks for e4m3 queries, by plan()'s rule (its dtype is the output's)."""
     if model.q_dtype is None:
         return False
     try:
-        q_dtype = normalize_dtype(model.q_dtype, "q_dtype", QUERY_DTYPES + (FP8_QUERY_DTYPE,))
-        same = q_dtype == normalize_dtype(model.dtype)
-    except SpecError as exc:
-        raise ManifestError(path, model.name, "q_dtype", f"{quote(model.q_dtype)} is not supported; accepted: "
-                                                         f"{exc.accepted}") from None
-    if not same and q_dtype != FP8_QUERY_DTYPE:
-        raise ManifestError(path, model.name, "q_dtype", f"{quote(model.q_dtype)} is not supported; accepted: the "
-                                                         f"dtype ({model.dtype}) or e4m3")
-    return not same
+        return output_dtype(model.q_dtype, model.dtype)[1]
+    except SpecError as exc:  # not a query dtype at all
+        accepted = exc.accepted
+    except ValueError:  # another 16-bit dtype than the output's
+        accepted = f"the dtype ({model.dtype}) or e4m3"
+    raise ManifestError(path, model.name, "q_dtype", f"{quote(model.q_dtype)} is not supported; accepted: {accepted}")
 
 
 def specs_from_manifest(path, archs=None) -> list[DecodeSpec]:
