@@ -4,8 +4,10 @@ A sparse grid over heads per latent head {16, 32, 64, 128} (and 8, 4: TP 16), qu
 {1, 2, 4}, latents {bf16, f16, e4m3, e5m2} under bf16 and f16 queries, page sizes {1, 16, 64} and
 split / no split: every value of every axis appears, in combinations chosen to cross the kernel's
 shapes (16, 32 and 64 rows per CTA, one and several row tiles, the wgmma kernel). Then the one
-576-wide cache, tensor scales, the LSE, empty and too-short requests (rows that see no key), and a
-CUDA-graph replay after a re-plan. Every row (query token x head) is judged on its own
+576-wide cache, tensor scales, the LSE, empty and too-short requests (rows that see no key), a
+CUDA-graph replay after a re-plan, and the full grid (GRID) of heads {16, 32, 64, 128} x query
+tokens {1, 2, 4} x bf16/e4m3 latents x pages {1, 16, 64}, eager (split and unsplit) and in CUDA
+graphs replayed after re-plans. Every row (query token x head) is judged on its own
 (flashjit.serving.exactness); with fp8 latents the reference takes Q's RoPE part as the kernel
 rounds it (rounded_pe). No output may be NaN.
 """
@@ -206,17 +208,36 @@ def test_cuda_graph_replay_after_replan(engine):
         check(out[:tokens], lse[:tokens], ref_out, ref_lse, "replay after a re-plan")
 
 
-GRAPH_PAGES = (1, 16, 64)
+GRID = dict(heads=[16, 32, 64, 128], q_len=[1, 2, 4], kv=["bf16", "e4m3"], page_size=[1, 16, 64])
 
 
-@pytest.mark.parametrize("kv", ["bf16", "e4m3"])
-@pytest.mark.parametrize("q_len", [1, 2, 4])
-@pytest.mark.parametrize("heads", [16, 32, 64, 128])
-def test_graph_grid(engine, heads, q_len, kv):
-    """Every head count, query length and cache type in a CUDA graph replayed after a re-plan for each
-    batch: unsplit, skewed (its long request splits) and one request alone. One 576-wide cache, fp8
-    with one scale in a tensor (read at launch, so each batch has its own)."""
-    page_size = GRAPH_PAGES[(heads // 16 + q_len) % 3]
+def grid(test):
+    """test over every combination of GRID's heads, query tokens, cache types and page sizes."""
+    for name, values in reversed(GRID.items()):
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
+
+
+@grid
+def test_eager_grid(engine, heads, q_len, kv, page_size):
+    """Every head count, query length, cache type and page size, each request in one work item and
+    split (chunks of 128), against the reference: rows that see no key (a request of one key or
+    none under several query tokens) included."""
+    kv_lens = [700, 1, 0, 333, 129, 1024]
+    batch = make_batch(kv_lens, [q_len] * len(kv_lens), heads, page_size, 7 * heads + 3 * q_len + page_size)
+    caches, scales, reference_caches = latent_caches(batch, kv)
+    ref_out, ref_lse = reference(batch, reference_caches, scales)
+    for split in (False, True):
+        decoder, out, lse = plan_and_run(engine, batch, heads, page_size, kv, split, caches, scales)
+        assert decoder.work.needs_merge == split
+        check(out, lse, ref_out, ref_lse, f"{decoder.spec.name}, {'split' if split else 'unsplit'}")
+
+
+@grid
+def test_graph_grid(engine, heads, q_len, kv, page_size):
+    """Every head count, query length, cache type and page size in a CUDA graph replayed after a
+    re-plan for each batch: unsplit, skewed (its long request splits) and one request alone. One
+    576-wide cache, fp8 with one scale in a tensor (read at launch, so each batch has its own)."""
     batches = [make_batch(lens, q_lens, heads, page_size, heads + q_len + i) for i, (lens, q_lens) in enumerate(
         [([300, 45, 0, 7], [q_len] * 4), ([5000, 20, 64, 1], [q_len, 1, q_len, 1]), ([1500], [q_len])])]
     rows, pages = max(b["q_nope"].shape[0] for b in batches), max(b["cache"].shape[0] for b in batches)
