@@ -54,10 +54,10 @@ def main(argv=None) -> int:
     failed = False
     with tempfile.TemporaryDirectory(prefix="flashjit-against-") as scratch:
         for round_ in range(1, args.rounds + 1):
-            for label, root in (("baseline", args.baseline), ("this tree", HERE)):
+            for side, (label, root) in enumerate((("baseline", args.baseline), ("this tree", HERE))):
                 print(f"== {label} ({root}), round {round_}: python -m {' '.join(command)}", flush=True)
-                cache_dir = os.path.join(scratch, "baseline" if root == args.baseline else "this")
-                done = subprocess.run([sys.executable, "-m", *command], cwd=root, env=child_env(root, cache_dir))
+                env = child_env(root, os.path.join(scratch, str(side)))
+                done = subprocess.run([sys.executable, "-m", *command], cwd=root, env=env)
                 if done.returncode != 0:
                     print(f"== {label}: exit status {done.returncode}", flush=True)
                     failed = True
