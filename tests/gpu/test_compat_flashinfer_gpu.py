@@ -146,6 +146,27 @@ def test_fp8_e4m3_cache_with_scales_matches_flashinfer(workspace, kv_layout):
                  decode_with(flashinfer, workspace, batch, (k, v), options, scales), torch.float16)
 
 
+def test_e4m3_queries_match_the_reference_on_their_values(workspace):
+    """e4m3 queries over an e4m3 cache, as vLLM hands them over: a bf16 output (o_data_type), the
+    query scale joining k_scale; the reference reads the queries' dequantized values."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 queries need sm_89 or later")
+    batch = make_batch(KV_LENS[1:], num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=128, page_size=16,
+                       dtype=torch.bfloat16, seed=9)
+    (k, k_scale), (v, v_scale) = (quantize_kv(c, "float8_e4m3fn") for c in (batch.k_cache, batch.v_cache))
+    q_scale = 0.25
+    q8 = (batch.q.float() / q_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    wrapper = compat.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(batch.indptr, batch.indices, batch.last_page_len, HEADS, KV_HEADS, 128, 16,
+                 q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn, o_data_type=torch.bfloat16)
+    out, lse = wrapper.run(q8, (k, v), q_scale=q_scale, k_scale=k_scale.item(), v_scale=v_scale.item(),
+                           return_lse=True)
+    assert out.dtype == torch.bfloat16 and wrapper.flashjit_decoder.spec.query_fp8
+    ref, ref_lse = decode_reference((q8.float() * q_scale).bfloat16(), k.float() * k_scale, v.float() * v_scale,
+                                    batch.indptr, batch.indices, batch.last_page_len)
+    assert_exact(out, lse / LOG2E, ref, ref_lse, tolerance(torch.bfloat16, "float8_e4m3fn"))
+
+
 @pytest.mark.parametrize("split", [{"fixed_split_size": 8}, {"disable_split_kv": True}, {"fixed_split_size": -1}])
 def test_split_options_match_flashinfer_tensor_core_decode(workspace, split):
     batch = make_batch(KV_LENS, num_qo_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=128, page_size=16,

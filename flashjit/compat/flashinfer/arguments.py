@@ -51,19 +51,31 @@ def torch_dtype(name: str, value):
     return found
 
 
-def plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type=None) -> tuple:
-    """(query dtype, cache dtype) as FlashInfer's plan() resolves them: data_type fills whichever of
-    the two is None, the cache dtype defaults to the query's, and the output is the query's dtype."""
+def plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type=None, kept_output=None) -> tuple:
+    """(query dtype, cache dtype, output dtype) as FlashInfer's plan() resolves them: data_type
+    fills whichever of the two is None, the cache dtype defaults to the query's, and the output
+    dtype to o_data_type, else to kept_output (the earlier plan's, which FlashInfer's run() keeps
+    after a fast_decode_plan), else to the query's. e4m3 queries (quantized for an e4m3 cache, as
+    vLLM hands them over) need a 16-bit output; 16-bit queries write their own dtype."""
+    import torch
+
     if data_type is not None:
         q_data_type = data_type if q_data_type is None else q_data_type
         kv_data_type = data_type if kv_data_type is None else kv_data_type
     q_dtype = torch_dtype("q_data_type", q_data_type)
     kv_dtype = q_dtype if kv_data_type is None else torch_dtype("kv_data_type", kv_data_type)
+    out_dtype = kept_output if o_data_type is None else torch_dtype("o_data_type", o_data_type)
     if str(q_dtype).removeprefix("torch.") in FP8_DTYPE_NAMES:
-        not_implemented("q_data_type", q_dtype, "fp8 is read for the KV cache only; pass 16-bit queries")
-    if o_data_type is not None and torch_dtype("o_data_type", o_data_type) != q_dtype:
-        not_implemented("o_data_type", o_data_type, f"the output has the query dtype ({q_dtype}); pass None")
-    return q_dtype, kv_dtype
+        if q_dtype != torch.float8_e4m3fn or kv_dtype != q_dtype:
+            not_implemented("q_data_type", q_dtype, f"fp8 queries are float8_e4m3fn, over a cache of that dtype "
+                            f"(kv_data_type is {kv_dtype})")
+        if out_dtype not in (torch.float16, torch.bfloat16):
+            not_implemented("o_data_type", o_data_type, "e4m3 queries write a 16-bit output: pass "
+                            "o_data_type=torch.bfloat16 or torch.float16")
+        return q_dtype, kv_dtype, out_dtype
+    if o_data_type is not None and out_dtype != q_dtype:
+        not_implemented("o_data_type", o_data_type, f"16-bit queries write their own dtype ({q_dtype}); pass None")
+    return q_dtype, kv_dtype, q_dtype
 
 
 def plan_options(*, page_size: int, pos_encoding_mode="NONE", window_left=NO_WINDOW, window_right=0,

@@ -79,7 +79,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._paged_kv_indices_buf = paged_kv_indices_buffer
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
         self._scales_in_use = None
-        self._planned = None  # the last plan's (q dtype, cache dtype, plan options): what run() and forward() check
+        self._planned = None  # the last plan's (q dtype, cache dtype, plan options, output dtype): what run() and forward() check
         # The last plan() call's arguments, planned again with the sinks of the first run() given them;
         # from then on every plan() plans for sinks, and each run() points the kernel at its own.
         self._plan_call = None
@@ -119,7 +119,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         q_len_per_req: query tokens per request, causal among themselves unless is_causal=False
         (window_right=-1 also lifts the bound at the query's position); logits_soft_cap > 0 caps
         the logits (Gemma 2)."""
-        q_dtype, kv_dtype = arguments.plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type)
+        dtypes = arguments.plan_dtypes(q_data_type, kv_data_type, data_type, o_data_type)
         options = arguments.plan_options(
             page_size=page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
             window_right=window_right, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
@@ -129,8 +129,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         batch_size = len(last_page_len)
         self._check_graph_batch(batch_size, indices)
         indices = self._device_page_ids(indices, non_blocking)
-        self._plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
-                   kv_dtype, options, check_page_ids=True)
+        self._plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, dtypes,
+                   options, check_page_ids=True)
         if self._use_cuda_graph:  # the buffers hold the plan's table, as FlashInfer's do
             for buffer, values in ((self._paged_kv_indptr_buf, indptr), (self._paged_kv_last_page_len_buf, last_page_len)):
                 if values is not buffer:
@@ -156,20 +156,21 @@ class BatchDecodeWithPagedKVCacheWrapper:
             return indices.to(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
         return indices
 
-    def _plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
-              kv_dtype, options: dict, check_page_ids: bool) -> None:
-        call = (indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype,
-                options, check_page_ids)
+    def _plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, dtypes: tuple,
+              options: dict, check_page_ids: bool) -> None:
+        call = (indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, dtypes, options,
+                check_page_ids)
         self._plan_with(call, self._sinks)
         self._plan_call = call
 
     def _plan_with(self, call: tuple, sinks) -> None:
-        indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype, kv_dtype, options, \
+        indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, dtypes, options, \
             check_page_ids = call
+        q_dtype, kv_dtype, out_dtype = dtypes
         self._decoder.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-                           q_dtype=q_dtype, kv_dtype=kv_dtype, kv_layout=self._kv_layout,
+                           q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, kv_layout=self._kv_layout,
                            check_page_ids=check_page_ids, sinks=sinks, **options)
-        self._planned = (q_dtype, kv_dtype, options)
+        self._planned = (q_dtype, kv_dtype, options, out_dtype)
 
     def _use_sinks(self, sinks) -> None:
         """Serve run()'s sinks: the planned kernel re-pointed at them, or (for a plan made without
@@ -294,7 +295,8 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
                         "(FlashInfer's own wrappers take flashinfer.fast_decode_plan)", type(self).__name__)
     if q_data_type is None and data_type is None:
         q_data_type = "float16"
-    q_dtype, kv_dtype = arguments.plan_dtypes(q_data_type, kv_data_type, data_type)
+    kept_output = None if self._planned is None else self._planned[3]  # FlashInfer's run() keeps plan()'s o_data_type
+    dtypes = arguments.plan_dtypes(q_data_type, kv_data_type, data_type, kept_output=kept_output)
     options = arguments.plan_options(
         page_size=page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
         logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
@@ -307,5 +309,5 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
 
         last_page_len = torch.ones(batch_size, dtype=torch.int32)
     page_ids = self._paged_kv_indices_buf if self._use_cuda_graph else indices
-    self._plan(host_indptr, page_ids, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
-               kv_dtype, options, check_page_ids=False)
+    self._plan(host_indptr, page_ids, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, dtypes,
+               options, check_page_ids=False)

@@ -78,8 +78,26 @@ def test_dtypes_resolve_as_flashinfer_resolves_them(cpu_wrappers, given, expecte
 
 def test_data_type_fills_only_the_dtypes_left_none():
     # plan()'s q_data_type defaults to "float16", so data_type alone sets the cache's dtype only
-    assert arguments.plan_dtypes("float16", None, torch.bfloat16) == (torch.float16, torch.bfloat16)
-    assert arguments.plan_dtypes(None, None, "bfloat16") == (torch.bfloat16, torch.bfloat16)
+    assert arguments.plan_dtypes("float16", None, torch.bfloat16) == (torch.float16, torch.bfloat16, torch.float16)
+    assert arguments.plan_dtypes(None, None, "bfloat16") == (torch.bfloat16, torch.bfloat16, torch.bfloat16)
+
+
+def test_e4m3_queries_plan_the_fp8_query_kernel_with_a_16_bit_output(cpu_wrappers):
+    """As vLLM hands queries over for an e4m3 cache: o_data_type names the output, and a
+    fast_decode_plan after it keeps that output dtype, as FlashInfer's run() does."""
+    wrapper, indices = planned(q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn,
+                               o_data_type=torch.bfloat16)
+    spec = wrapper.flashjit_decoder.spec
+    assert (spec.q_dtype, spec.dtype, spec.kv_dtype) == ("float8_e4m3fn", "bfloat16", "float8_e4m3fn")
+    assert wrapper.flashjit_decoder.query_form() == (torch.float8_e4m3fn, HEADS, DIM, torch.bfloat16)
+    indptr, _, last = batch()
+    flashinfer.fast_decode_plan(wrapper, indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE,
+                                q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn)
+    assert wrapper.flashjit_decoder.query_form()[3] == torch.bfloat16
+    with pytest.raises(NotImplementedError, match="o_data_type=None"):
+        fresh = flashinfer.BatchDecodeWithPagedKVCacheWrapper(WORKSPACE)
+        flashinfer.fast_decode_plan(fresh, indptr, indices, last, HEADS, KV_HEADS, DIM, PAGE,
+                                    q_data_type=torch.float8_e4m3fn, kv_data_type=torch.float8_e4m3fn)
 
 
 @pytest.mark.parametrize("window_left, mask, params", [(-1, "none", {}), (0, "sliding_window", {"window_left": 0}),
@@ -143,7 +161,11 @@ NOT_IMPLEMENTED = [
     (dict(pos_encoding_mode="ALIBI"), "pos_encoding_mode='ALIBI'"),
     (dict(rope_scale=8.0), "rope_scale=8.0"),
     (dict(rope_theta=5e5), "rope_theta=500000.0"),
-    (dict(q_data_type=torch.float8_e4m3fn), "q_data_type=torch.float8_e4m3fn"),
+    (dict(q_data_type=torch.float8_e4m3fn), "o_data_type=None"),
+    (dict(q_data_type=torch.float8_e4m3fn, o_data_type=torch.float8_e4m3fn), "o_data_type=torch.float8_e4m3fn"),
+    (dict(q_data_type=torch.float8_e4m3fn, kv_data_type=torch.bfloat16, o_data_type=torch.bfloat16),
+     "q_data_type=torch.float8_e4m3fn"),
+    (dict(q_data_type=torch.float8_e5m2, o_data_type=torch.bfloat16), "q_data_type=torch.float8_e5m2"),
     (dict(o_data_type=torch.bfloat16), "o_data_type=torch.bfloat16"),
     (dict(block_tables=torch.zeros(3, 4, dtype=torch.int32)), "block_tables="),
     (dict(seq_lens=torch.tensor(KV_LENS, dtype=torch.int32)), "seq_lens="),
