@@ -79,7 +79,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._paged_kv_indices_buf = paged_kv_indices_buffer
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
         self._scales_in_use = None
-        self._planned = None  # the last plan's (q dtype, cache dtype, plan options, output dtype): what run() and forward() check
+        # The last plan's (q dtype, cache dtype, plan options, output dtype): what run() and forward() check.
+        self._planned = None
         # The last plan() call's arguments, planned again with the sinks of the first run() given them;
         # from then on every plan() plans for sinks, and each run() points the kernel at its own.
         self._plan_call = None
