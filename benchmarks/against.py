@@ -1,6 +1,6 @@
-"""One benchmark, run on this checkout and on a baseline one in the same session, so a change is
-timed against what it changes on the same GPU at the same time (performance.md: compare ratios
-measured in one run).
+"""One benchmark, run on this checkout and on a baseline one back to back, so a change is timed
+against what it changes on the same GPU at the same time (performance.md: compare ratios measured
+in one run).
 
     python -m benchmarks.against BASELINE_TREE [--rounds N] -- MODULE [ARGS...]
     python -m benchmarks.against /tmp/base -- benchmarks.mla --iters 20 --rows h128

@@ -87,16 +87,15 @@ def _check_outputs(op: str, decoder, q, out, lse, out_shape):
     if form is not None and (q.dim() != 3 or form[0] not in (None, q.dtype) or tuple(q.shape[1:]) != form[1:3]):
         raise ValueError(f"{op}: q must be [tokens, {form[1]}, {form[2]}] {form[0] or ''} as planned, "
                          f"got {tuple(q.shape)} {q.dtype}")
-    out_dtype = _out_dtype(decoder, q)
+    out_dtype = _out_dtype(form, q)
     if tuple(out.shape) != tuple(out_shape) or out.dtype != out_dtype:
         raise ValueError(f"{op}: out must be {tuple(out_shape)} {out_dtype}, got {tuple(out.shape)} {out.dtype}")
     if lse is not None and (tuple(lse.shape) != tuple(out_shape[:2]) or lse.dtype != torch.float32):
         raise ValueError(f"{op}: lse must be {tuple(out_shape[:2])} torch.float32, got {tuple(lse.shape)} {lse.dtype}")
 
 
-def _out_dtype(decoder, q):
-    """The output's dtype under the decoder's plan: q's where the plan names none (or before one)."""
-    form = decoder.query_form()
+def _out_dtype(form, q):
+    """The output's dtype under a decoder's query_form(): q's where the plan names none (or before one)."""
     return q.dtype if form is None or form[3] is None else form[3]
 
 
@@ -123,7 +122,7 @@ for _schema, _kernel, _fake in ((DECODE_SCHEMA, _decode_kernel, _decode_fake), (
 def decode(handle: int, q, kv_cache, out, lse, return_lse: bool, k_scale, v_scale):
     """BatchDecode.run() as traced: out (and lse) allocated in the graph, then the operator."""
     if out is None:
-        out = q.new_empty(q.shape, dtype=_out_dtype(decoder_of(handle), q))
+        out = q.new_empty(q.shape, dtype=_out_dtype(decoder_of(handle).query_form(), q))
     if return_lse and lse is None:
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
     caches = list(kv_cache) if isinstance(kv_cache, (tuple, list)) else [kv_cache]

@@ -5,7 +5,8 @@ kernels take), over the same paged cache, called with the same arguments:
 
 q and out are the prefill rows' [tokens, qo_heads, head_dim]; cache the layer's KVPair; rows a
 step.PrefillRows. Over an fp8 cache q may come quantized already (the cache's dtype, q_scale its
-scale), as vLLM hands queries over to a backend that takes them so; 16-bit queries are cast here. Query token i of a row of n over kv keys sits at kv - n + i (causal).
+scale), as vLLM hands queries over to a backend that takes them so; 16-bit queries are cast here.
+Query token i of a row of n over kv keys sits at kv - n + i (causal).
 
 - Fa3KVCachePrefill: FlashAttention 3's paged forward, flash_attn_with_kvcache's op (the
   tokenspeed-fa3 wheel's flash_attn_interface, the same FA3 kernels vLLM ships), into out in place.
@@ -42,9 +43,9 @@ def quantized_query(q: torch.Tensor, kv_dtype, q_scale) -> torch.Tensor:
     the format's largest value. q_scale: None or a host float (no device read), or a tensor. A scale
     of 1 (vLLM's default) is one cast where the device's cast saturates, a clamp and a cast where it
     does not; another scale divides in float32 first. Queries of kv_dtype already are returned as given."""
-    limit = torch.finfo(kv_dtype).max
     if q.dtype == kv_dtype:
         return q
+    limit = torch.finfo(kv_dtype).max
     if q_scale is None or (not torch.is_tensor(q_scale) and float(q_scale) == 1.0):
         if casts_saturate(q.device, q.dtype, kv_dtype):
             return q.to(kv_dtype)
