@@ -19,14 +19,14 @@ class DecodeForm:
     """One plan's scalars. window_left: keys at most this far behind the query stay visible (a
     framework's sliding window of w keys, the query's own counted, is w - 1); None: no window.
     logits_soft_cap: None or 0 for none. has_sinks: one learned sink logit per query head, given
-    per layer at run time. q_dtype is the model's (and the output's) dtype; fp8_queries: over an
+    per layer at run time. model_dtype is the model's (and the output's) dtype; fp8_queries: over an
     e4m3 cache the framework hands the queries over in e4m3 (as vLLM does for FA3), on sm_89+."""
 
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     page_size: int
-    q_dtype: str
+    model_dtype: str
     kv_dtype: str
     sm_scale: float
     window_left: int | None = None
@@ -36,7 +36,7 @@ class DecodeForm:
 
     def __post_init__(self):
         validation.head_counts(self.num_qo_heads, self.num_kv_heads, self.page_size)
-        object.__setattr__(self, "q_dtype", normalize_dtype(self.q_dtype))
+        object.__setattr__(self, "model_dtype", normalize_dtype(self.model_dtype))
         object.__setattr__(self, "kv_dtype", normalize_dtype(self.kv_dtype, "kv_dtype", KV_DTYPES))
         if self.window_left is not None and (not isinstance(self.window_left, int) or self.window_left < 0):
             validation.fail("window_left", "None or a non-negative int", self.window_left)
@@ -62,8 +62,8 @@ class DecodeForm:
 
     @property
     def query_dtype(self) -> str:
-        """The dtype of the queries the decode rows get: e4m3 with fp8_queries, else q_dtype."""
-        return FP8_QUERY_DTYPE if self.fp8_queries else self.q_dtype
+        """The dtype of the queries the decode rows get: e4m3 with fp8_queries, else the model's."""
+        return FP8_QUERY_DTYPE if self.fp8_queries else self.model_dtype
 
     @property
     def may_share_prefixes(self) -> bool:
@@ -76,7 +76,7 @@ class DecodeForm:
             validation.fail("sinks", f"a float32 tensor of {self.num_qo_heads} values for a form with sinks", None)
         return dict(num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     page_size=self.page_size, mask=self.mask, window_left=self.window_left, q_dtype=self.query_dtype,
-                    out_dtype=self.q_dtype, kv_dtype=self.kv_dtype, sm_scale=self.sm_scale,
+                    out_dtype=self.model_dtype, kv_dtype=self.kv_dtype, sm_scale=self.sm_scale,
                     logits_soft_cap=self.logits_soft_cap if self.capped else None,
                     sinks=sinks if self.has_sinks else None)
 
@@ -91,11 +91,11 @@ class DecodeForm:
         variant = self.variant()
         found = []
         for q in range(1, max_q_len + 1):
-            found.append(DecodeSpec.cached(self.head_dim, self.q_dtype, self.kv_dtype, self.mask, self.page_size, group,
+            found.append(DecodeSpec.cached(self.head_dim, self.model_dtype, self.kv_dtype, self.mask, self.page_size, group,
                                            q, "NHD", arch, None, variant, False, self.fp8_queries))
             if share_prefixes and self.may_share_prefixes:
                 try:
-                    found.append(DecodeSpec.cached(self.head_dim, self.q_dtype, self.kv_dtype, self.mask,
+                    found.append(DecodeSpec.cached(self.head_dim, self.model_dtype, self.kv_dtype, self.mask,
                                                    self.page_size, group, q, "NHD", arch, True, variant, True))
                 except ValueError:  # no shared-prefix kernel for this shape: plan() plans every request alone
                     pass

@@ -73,9 +73,9 @@ class FlashJITMetadataBuilder(AttentionMetadataBuilder[FlashJITMetadata]):
         self.exact_host_lengths = speculative is None or not speculative.num_speculative_tokens
         block_size = kv_cache_spec.block_size
         model = vllm_config.model_config
-        q_dtype = model.dtype if model is not None else kv_cache_spec.dtype
+        model_dtype = model.dtype if model is not None else kv_cache_spec.dtype
         layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
-        forms = [layer.impl.form(block_size, q_dtype) for layer in layers.values()
+        forms = [layer.impl.form(block_size, model_dtype) for layer in layers.values()
                  if isinstance(getattr(layer, "impl", None), FlashJITImpl)]
         compilation = vllm_config.compilation_config
         graph_tokens = 0

@@ -41,16 +41,16 @@ class FlashJITImpl(AttentionImpl):
         self.sinks = sinks  # filled when the weights load; each forward copies them into the plan's buffer
         self._layers: dict = {}  # (block_size, query dtype) -> LayerAttention
 
-    def form(self, block_size: int, q_dtype):
+    def form(self, block_size: int, model_dtype):
         """The DecodeForm of this layer over blocks of block_size tokens."""
-        return layer_form(self, block_size, q_dtype)
+        return layer_form(self, block_size, model_dtype)
 
-    def layer_attention(self, block_size: int, q_dtype) -> LayerAttention:
-        found = self._layers.get((block_size, q_dtype))
+    def layer_attention(self, block_size: int, model_dtype) -> LayerAttention:
+        found = self._layers.get((block_size, model_dtype))
         if found is None:
-            found = LayerAttention(self.form(block_size, q_dtype), cache_dtype=self.kv_cache_dtype,
+            found = LayerAttention(self.form(block_size, model_dtype), cache_dtype=self.kv_cache_dtype,
                                    prefill=VllmFlashAttentionPrefill(), sinks=self.sinks)
-            self._layers[(block_size, q_dtype)] = found
+            self._layers[(block_size, model_dtype)] = found
         return found
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
