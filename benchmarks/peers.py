@@ -74,40 +74,46 @@ def _cache_and_scales(batch, fp8: Fp8Cache | None):
 
 
 def _work_info(decoder) -> dict:
-    return {"splits": int(decoder.work.max_splits), "work_items": int(decoder.work.num_work)}
+    work = decoder.work
+    return {"splits": int(work.max_splits), "work_items": int(work.num_work), "chunk": int(work.chunk_tokens)}
 
 
-def flashjit_impl(torch, batch, case: Case, engine, fp8: Fp8Cache | None, tensor_cores=None):
-    """(run, out, decoder): an eager BatchDecode planned for the row; run() decodes into out."""
+def flashjit_impl(torch, batch, case: Case, engine, fp8: Fp8Cache | None, tensor_cores=None, split=None):
+    """(run, out, decoder): an eager BatchDecode planned for the row (split: plan()'s split options,
+    chunk_tokens or disable_split_kv, where given); run() decodes into out."""
     import flashjit
 
     decoder = flashjit.BatchDecode(engine)
     args, options = plan_arguments(batch, case, tensor_cores)
+    options.update(split or {})
     decoder.plan(*args, **options)
     out = torch.empty_like(batch.q)
     cache, (k_scale, v_scale) = _cache_and_scales(batch, fp8)
     return lambda: decoder.run(batch.q, cache, out=out, k_scale=k_scale, v_scale=v_scale), out, decoder
 
 
-def flashjit_graph_step(torch, batch, case: Case, engine, fp8: Fp8Cache | None, tensor_cores=None) -> Step:
+def flashjit_graph_step(torch, batch, case: Case, engine, fp8: Fp8Cache | None, tensor_cores=None,
+                        split=None) -> Step:
     """A graph-mode BatchDecode sized for the row (max_batch_size: its requests, max_num_pages: its
     page ids), planned before the capture and again before the replays, as FlashInfer's graph
-    wrapper is: plan() queues the GPU planner outside the replay (its device time is reported apart)."""
+    wrapper is: plan() queues the GPU planner outside the replay (its device time is reported apart).
+    split: as flashjit_impl's."""
     import flashjit
 
     decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=case.batch,
                                    max_num_pages=max(1, int(batch.indices.numel())))
     args, options = plan_arguments(batch, case, tensor_cores)
+    options.update(split or {})
     decoder.plan(*args, **options)
     out = torch.empty_like(batch.q)
     cache, (k_scale, v_scale) = _cache_and_scales(batch, fp8)
     return Step(lambda: decoder.run(batch.q, cache, out=out, k_scale=k_scale, v_scale=v_scale), before_replay=lambda: decoder.plan(*args, **options), info=lambda: _work_info(decoder))
 
 
-def flashjit_eager_and_graph(torch, batch, case, engine, fp8, tensor_cores=None) -> Impl:
-    run, _, decoder = flashjit_impl(torch, batch, case, engine, fp8, tensor_cores)
+def flashjit_eager_and_graph(torch, batch, case, engine, fp8, tensor_cores=None, split=None) -> Impl:
+    run, _, decoder = flashjit_impl(torch, batch, case, engine, fp8, tensor_cores, split)
     return Impl(Step(run, info=lambda: _work_info(decoder)),
-                lambda: flashjit_graph_step(torch, batch, case, engine, fp8, tensor_cores))
+                lambda: flashjit_graph_step(torch, batch, case, engine, fp8, tensor_cores, split))
 
 
 # ---- cuDNN SDPA -------------------------------------------------------------------------------
