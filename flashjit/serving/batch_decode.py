@@ -384,7 +384,6 @@ class BatchDecode(Decoder):
         return t.data_ptr(), t.stride(0)
 
 
-
 def decode(q, kv_cache, indptr, indices, last_page_len, *, page_size: int | None = None, engine: Engine | None = None,
            return_lse: bool = False, kv_layout: str = "NHD", k_scale=None, v_scale=None, **plan_options):
     """One-shot convenience for scripts: plan and run in one call (serving code should reuse a BatchDecode)."""

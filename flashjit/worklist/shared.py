@@ -184,7 +184,6 @@ def plan_shared_work(spans: SharedSpans, indptr: np.ndarray, kv_lens: np.ndarray
     return SharedWork(work, records, spans, num_shared, int(req_work_indptr[-1]))
 
 
-
 class SharedTables:
     """A plan's tables (worklist/host.py's) with a shared-prefix work list: what plan() writes instead."""
 

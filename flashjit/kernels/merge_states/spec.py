@@ -70,7 +70,6 @@ class MergeSpec:
         return dataclasses.asdict(self)
 
 
-
 def head_dims_accepted(dtype: str, head_dim: int) -> str | None:
     """None where the kernel merges rows of head_dim values of dtype (a MERGE_DTYPES name), else
     the head_dims it accepts: whole 16-byte vectors, at most MAX_HEAD_DIM."""
