@@ -3,13 +3,15 @@ a CUDA graph: whether the makespan estimate (flashjit/worklist/split.py: ITEM_OV
 MERGE_COST_TOKENS, MIN_CHUNK_TOKENS) picks the fastest split where a step's fixed costs decide its
 time, on the small and skewed rows.
 
-    python -m benchmarks.split_sweep [REGEX] [--chunks 128,256,512,...] [--iters N] [--no-graph]
+    python -m benchmarks.split_sweep [REGEX] [--chunks 128,256,512,...] [--peers REGEX] [--iters N] [--no-graph]
 
 Each row prints the planner's choice (chunk, work items, most splits of a request), then each forced
 chunk shorter than the row's longest request and one item a request (disable_split_kv): eager and
-graph µs, and their ratio to the planner's (below 1: faster than the planner's choice). Inputs,
-flush, timing and the row-by-row check against the float32 reference are benchmarks/decode.py's: a
-wrong output is reported, not timed.
+graph µs, and their ratio to the planner's (below 1: faster than the planner's choice); then the
+peers of benchmarks/decode.py that --peers matches (cuDNN by default, where the row's lengths are
+equal), and each split's speed against the fastest of them (above 1: faster than the best peer).
+Inputs, flush, timing and the row-by-row check against the float32 reference are
+benchmarks/decode.py's: a wrong output is reported, not timed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import re
 from benchmarks.cases import CASES
 from benchmarks.inputs import build_inputs, quantize
 from benchmarks.measure import build_and_measure
-from benchmarks.peers import flashjit_eager_and_graph
+from benchmarks.peers import candidates, flashjit_eager_and_graph
 from benchmarks.timing import Timer, capture
 
 ROWS = ["b1 L2048", "b1 L8192", "b1 L32768", "b16 L512", "b16 L2048", "b16 L8192",
@@ -48,6 +50,18 @@ def cell(entry: dict, key: str, planned: float | None) -> str:
     return f"{us:7.1f}" + (f" ({us / planned:4.2f})" if planned else "")
 
 
+def best_peer(peers: dict, key: str) -> float | None:
+    """The fastest peer's time of key ("us" or "graph_us"), None where no peer has one."""
+    times = [entry[key] for entry in peers.values() if key in entry]
+    return min(times) if times else None
+
+
+def against_peer(entry: dict, best: dict) -> str:
+    """Each of the split's eager and graph speeds against the best peer's ('÷ best'), where both were timed."""
+    cells = [f"{best[key] / entry[key]:.2f}x" for key in ("us", "graph_us") if key in entry and best.get(key)]
+    return f"  ÷ best peer {' / '.join(cells)}" if cells else ""
+
+
 def parse_chunks(text: str) -> tuple[int, ...]:
     try:
         chunks = tuple(int(part) for part in text.split(","))
@@ -63,6 +77,8 @@ def main(argv=None):
     parser.add_argument("only", nargs="?", default="", metavar="REGEX",
                         help="rows of benchmarks/cases.py whose name matches (default: ROWS)")
     parser.add_argument("--chunks", type=parse_chunks, default=CHUNKS, help="forced chunks, comma-separated")
+    parser.add_argument("--peers", default="cudnn", metavar="REGEX",
+                        help="peers of benchmarks/decode.py to time beside (default: cudnn; '^$': none)")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--graph", action=argparse.BooleanOptionalAction, default=True,
                         help="also time each split replayed in a CUDA graph (default)")
@@ -81,18 +97,26 @@ def main(argv=None):
         batch = build_inputs(torch, case)
         fp8 = quantize(batch, case)
         ref = reference(batch, case, fp8)
+        timed = lambda name, make: build_and_measure(  # noqa: E731
+            name, make, case.name, ref, timer, sync=sync, capture=lambda step: capture(torch, step), graph=args.graph)
+        factories, skipped = candidates(torch, batch, case, engine, fp8)
+        peers = {name: timed(name, make) for name, make in factories.items()
+                 if not name.startswith("flashjit") and re.search(args.peers, name)}
+        best = {key: best_peer(peers, key) for key in ("us", "graph_us")}
         planned = None
         for label, split in splits_to_time(max(batch.kv_lens), args.chunks).items():
-            entry = build_and_measure(
-                "flashjit", lambda: flashjit_eager_and_graph(torch, batch, case, engine, fp8, split=split),
-                case.name, ref, timer, sync=sync, capture=lambda step: capture(torch, step), graph=args.graph)
+            entry = timed("flashjit", lambda: flashjit_eager_and_graph(torch, batch, case, engine, fp8, split=split))
             if planned is None:
                 planned = entry
                 print(f"{case.name}: planner's chunk {entry.get('chunk')}, {entry.get('work_items')} items, "
                       f"at most {entry.get('splits')} a request", flush=True)
             print(f"  {label:>20}: {cell(entry, 'us', planned.get('us'))} / "
-                  f"{cell(entry, 'graph_us', planned.get('graph_us'))}", flush=True)
-        del batch, fp8, ref
+                  f"{cell(entry, 'graph_us', planned.get('graph_us'))}{against_peer(entry, best)}", flush=True)
+        for name, entry in peers.items():
+            print(f"  {name:>20}: {cell(entry, 'us', None)} / {cell(entry, 'graph_us', None)}", flush=True)
+        if skipped and args.peers != "^$":
+            print(f"  (left out: {'; '.join(skipped)})", flush=True)
+        del batch, fp8, ref, factories, peers
         torch.cuda.empty_cache()
 
 

@@ -43,3 +43,12 @@ def test_the_cli_documents_itself_without_a_gpu():
     done = subprocess.run([sys.executable, "-m", "benchmarks.split_sweep", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "--chunks" in done.stdout
+
+
+def test_each_split_is_set_against_the_fastest_peer():
+    peers = {"sdpa-cudnn": {"us": 12.0, "graph_us": 11.0}, "fa3": {"us": 10.0}, "broken": {"error": "off"}}
+    best = {key: split_sweep.best_peer(peers, key) for key in ("us", "graph_us")}
+    assert best == {"us": 10.0, "graph_us": 11.0}
+    assert split_sweep.against_peer({"us": 8.0, "graph_us": 11.0}, best) == "  ÷ best peer 1.25x / 1.00x"
+    assert split_sweep.against_peer({"us": 8.0}, {"us": None, "graph_us": None}) == ""
+    assert split_sweep.best_peer({}, "us") is None
