@@ -1,20 +1,30 @@
-"""GPU tests: skipped cleanly on machines without CUDA."""
+"""GPU tests: skipped cleanly on machines without CUDA, whether the folder is collected (its files
+are left out) or a file of it is named on the command line (its tests are skipped)."""
 
 import os
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).parent
 
 if not torch.cuda.is_available():
     collect_ignore_glob = ["test_*.py"]
 
 
 def pytest_collection_modifyitems(items):
+    """The items of this folder (the hook sees the whole session's) get the gpu marker, and without
+    CUDA a skip."""
+    no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        item.add_marker(pytest.mark.gpu)
+        if HERE in Path(item.path).parents:
+            item.add_marker(pytest.mark.gpu)
+            if no_gpu is not None:
+                item.add_marker(no_gpu)
 
 
 @pytest.fixture(scope="session", autouse=True)
