@@ -16,6 +16,7 @@ replay; plan() given that buffer (or a prefix view of it) copies nothing.
 from __future__ import annotations
 
 import functools
+import typing
 
 from ... import validation
 from ...serving.batch_decode import BatchDecode
@@ -25,6 +26,13 @@ from . import arguments
 def _decoder(device, **graph_options) -> BatchDecode:
     """The BatchDecode behind a wrapper (the CPU tests replace it with one planning for an injected arch)."""
     return BatchDecode(device=device, **graph_options)
+
+
+class Planned(typing.NamedTuple):
+    """What the last plan() leaves for run() and forward() to check, and fast_decode_plan to keep."""
+
+    options: dict      # arguments.plan_options
+    out_dtype: object  # the output's torch dtype (FlashInfer's run() keeps plan()'s o_data_type)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -79,8 +87,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._paged_kv_indices_buf = paged_kv_indices_buffer
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buffer
         self._scales_in_use = None
-        # The last plan's (q dtype, cache dtype, plan options, output dtype): what run() and forward() check.
-        self._planned = None
+        self._planned: Planned | None = None
         # The last plan() call's arguments, planned again with the sinks of the first run() given them;
         # from then on every plan() plans for sinks, and each run() points the kernel at its own.
         self._plan_call = None
@@ -171,7 +178,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._decoder.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                            q_dtype=q_dtype, kv_dtype=kv_dtype, out_dtype=out_dtype, kv_layout=self._kv_layout,
                            check_page_ids=check_page_ids, sinks=sinks, **options)
-        self._planned = (q_dtype, kv_dtype, options, out_dtype)
+        self._planned = Planned(options, out_dtype)
 
     def _use_sinks(self, sinks) -> None:
         """Serve run()'s sinks: the planned kernel re-pointed at them, or (for a plan made without
@@ -203,11 +210,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         later ones only point the kernel at theirs. q_len_per_req: None or plan()'s value."""
         if self._planned is None:
             raise RuntimeError("run() called before plan()")
-        arguments.check_run_extras(args, self._planned[2]["q_len"], q_len_per_req=q_len_per_req,
+        arguments.check_run_extras(args, self._planned.options["q_len"], q_len_per_req=q_len_per_req,
                                    skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                                    kv_cache_sf=kv_cache_sf)
         self._use_sinks(sinks)
-        planned_window = self._planned[2]["window_left"]
+        planned_window = self._planned.options["window_left"]
         planned_window = arguments.NO_WINDOW if planned_window is None else planned_window
         if window_left is not None and window_left != planned_window:
             validation.fail("window_left", f"plan()'s window_left={planned_window} (the kernel is planned for it)",
@@ -246,7 +253,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         options = arguments.plan_options(page_size=1, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                                          logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
                                          rope_theta=rope_theta)
-        planned = dict(self._planned[2])
+        planned = dict(self._planned.options)
         if planned["mask"] == "causal":  # forward() has no q_len_per_req: compare the window alone
             planned["mask"] = "none"
         given = {"window_left": window_left, "sm_scale": sm_scale, "logits_soft_cap": logits_soft_cap}
@@ -296,7 +303,7 @@ def fast_decode_plan(self, indptr, indices, last_page_len, num_qo_heads: int, nu
                         "(FlashInfer's own wrappers take flashinfer.fast_decode_plan)", type(self).__name__)
     if q_data_type is None and data_type is None:
         q_data_type = "float16"
-    kept_output = None if self._planned is None else self._planned[3]  # FlashInfer's run() keeps plan()'s o_data_type
+    kept_output = None if self._planned is None else self._planned.out_dtype
     dtypes = arguments.plan_dtypes(q_data_type, kv_data_type, data_type, kept_output=kept_output)
     options = arguments.plan_options(
         page_size=page_size, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
