@@ -172,13 +172,21 @@ def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_
     (PreparedLaunch.update): cheaper than converting their arguments to ctypes again."""
     kernel = setup.kernel
     cap, tiling, loaded = buffers.capacity, kernel.tiling, setup.loaded
-    # Packed own items run in the entry point that reads them, on a grid of their own whose CTAs
-    # it maps from where they start (graphs plan none: their launch is fixed).
-    work_items, packed = (cap.work, 0) if graph else (work.num_work, work.packed_items)
-    decode_grid = tiling.grid(work_items, setup.num_kv_heads, packed)
-    buffers.decode_args.packed_from = work_items - packed
+    # Packed own items run in the entry point that reads them. An eager plan gives them a grid of
+    # their own, whose CTAs that entry maps from where they start (packed_from). A graph's grid is
+    # fixed at capture, a CTA for each record's KV head: where its kernel packs, it launches the
+    # packed entry with packed_from -1, which reads from each record whether it is packed, and a
+    # packed record's CTAs other than the first of each pack exit.
+    if graph:
+        packs = tiling.head_pack(setup.num_kv_heads) > 1
+        decode_grid, packed_from = tiling.grid(cap.work, setup.num_kv_heads), -1 if packs else cap.work
+    else:
+        packs = work.packed_items > 0
+        decode_grid = tiling.grid(work.num_work, setup.num_kv_heads, work.packed_items)
+        packed_from = work.num_work - work.packed_items
+    buffers.decode_args.packed_from = packed_from
     programmatic = kernel.programmatic_launch
-    function = loaded.decode_packed if packed else loaded.decode
+    function = loaded.decode_packed if packs else loaded.decode
     decode = PreparedLaunch.update(None if previous is None else previous.decode_launch, function, decode_grid,
                                    tiling.block, decode_params, tiling.smem_bytes, programmatic)
     kept_merge = None if previous is None else previous.merge_prepared

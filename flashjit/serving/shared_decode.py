@@ -67,15 +67,15 @@ def shared_work(shared_setup, tables, spans, host_planner=None, chunk_tokens: in
                 eager: bool = True):
     """(tables, work, capacity) of a batch planned for the shared_prefix kernel's setup, over shared
     spans (worklist/spans.SharedSpans, or None: every request alone in that kernel's format);
-    chunk_tokens forces the chunk. Eager plans may pack short own items several KV heads a CTA (the
-    kernel's packed entry point) and merge in the decode kernel (tiling.waiting_merge); a CUDA
-    graph's launches are fixed at capture, the merge's among them. The work list is made
+    chunk_tokens forces the chunk. Short own items may pack several KV heads a CTA (the kernel's
+    packed entry point); eager plans may merge in the decode kernel (tiling.waiting_merge), while
+    a CUDA graph's launches are fixed at capture, the merge's among them. The work list is made
     in C where the host planner can (HostPlanner.shared_tables), else in numpy (worklist/shared.py, the
     reference)."""
     tiling, loaded, kv_heads = shared_setup.kernel.tiling, shared_setup.loaded, shared_setup.num_kv_heads
-    head_pack = tiling.own_head_pack if eager and kv_heads % tiling.own_head_pack == 0 else 1
     sizes = dict(group_size=shared_setup.spec.group_size, row_tiles=tiling.row_tiles,
-                 row_warps=tiling.shared_row_warps, head_pack=head_pack, merge_waits=eager and tiling.waiting_merge,
+                 row_warps=tiling.shared_row_warps, head_pack=tiling.head_pack(kv_heads),
+                 merge_waits=eager and tiling.waiting_merge,
                  ctas_per_item=kv_heads * tiling.row_tiles,
                  max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens,
                  chunk_tokens=chunk_tokens)

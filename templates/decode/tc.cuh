@@ -27,8 +27,9 @@
 // A short own item of such a kernel may take WARPS KV heads in one CTA (cfg::OWN_HEAD_PACK): warp
 // g attends head kv_head + g over 16 keys a stage, the slice its threads copy, so one CTA's chain
 // of loads (record, page ids, K and V) serves WARPS heads and its stream runs WARPS times longer.
-// Only the entry point attend_packed() reads such records (a plan without them launches attend(),
-// which runs the other records without the packed path's branches: 1-2% faster on the H200).
+// Only the entry point attend_packed() reads such records (an eager plan without them launches
+// attend(), which runs the other records without the packed path's branches: 1-2% faster on the
+// H200; a CUDA graph of a kernel that packs launches attend_packed() at every replay).
 // Same outputs as decode/cuda_core.cuh: direct for one-item requests, else normalized fp32 partials and
 // base-2 LSEs for the merge.
 // Empty spans and fully masked rows give o = 0, lse = -inf: never NaN.
@@ -106,18 +107,19 @@ FJ_INLINE void slice_barrier(int slice) {
 // record's share field (such a kernel's tiling shares no tiles, serving/shared_plan.py); else its
 // grid position. slots: an own item's request's partial slots. merge_role: where the plan merges in
 // this kernel (merge_when_written, not flashjit_merge), the record's part: FJ_MERGE_COUNTS or
-// FJ_MERGE_WAITS.
+// FJ_MERGE_WAITS. heads: the KV heads one CTA of the record attends (cfg::OWN_HEAD_PACK or 1).
 struct PlanPart {
-  int members, slot, slots, merge_role;
+  int members, slot, slots, merge_role, heads;
 
   FJ_INLINE PlanPart(const Args& a, int w) {
-    members = 0, slot = w, slots = 0, merge_role = 0;
+    members = 0, slot = w, slots = 0, merge_role = 0, heads = 1;
     if constexpr (cfg::SHARED_PREFIX) {
       slots = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
       const int4 tail = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2);
       members = slots < 0 ? -slots : 0;
       slot = tail.x;
       merge_role = cfg::WAITING_MERGE ? tail.w & MERGE_ROLES : 0;
+      heads = tail.w & ~MERGE_ROLES;
     }
   }
 };
@@ -434,12 +436,15 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   const int k_first = SPLIT_SCORES ? col_part * QSTEPS : 0;  // the warp's first k-step of S
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
-  // packed: an own item from a.packed_from on (attend_packed; its last field names HEAD_PACK heads):
-  // its CTA attends HEAD_PACK heads from a multiple of HEAD_PACK, warp g head kv_head + g.
-  const bool packed = HEAD_PACK > 1 && w >= a.packed_from;
+  // packed: an own item whose last field names HEAD_PACK heads (attend_packed): its CTA attends
+  // HEAD_PACK heads from a multiple of HEAD_PACK, warp g head kv_head + g. An eager plan's grid
+  // holds them from a.packed_from on, a CTA for each HEAD_PACK heads; a graph's (packed_from < 0)
+  // a CTA for each head, of which those not first in their pack have nothing to do.
+  const PlanPart part(a, w);
+  const bool packed = HEAD_PACK > 1 && (a.packed_from < 0 ? part.heads > 1 : w >= a.packed_from);
+  if (packed && cta.kv_head % HEAD_PACK != 0) return;
   const int kv_head = packed ? cta.kv_head + tid / 32 : cta.kv_head;  // the head this warp attends
   const HeadScales scales(a, kv_head);
-  const PlanPart part(a, w);
   // The CTA's first row: a shared record's rows by warp hold ROW_WARPS tiles of 16 per row tile.
   const bool rows_by_warp = ROWS_BY_WARP && part.members > 0;
   const int first_row = rows_by_warp ? (cta.row_tile * ROW_WARPS + tid / 32) * M : cta.row_tile * M;

@@ -33,7 +33,8 @@ struct Args {
   int k_scale_stride, v_scale_stride;
   float k_scale, v_scale;
   int num_page_ids;  // page_indices' entries the plan reads (prefetch_plan; a graph keeps its capture's)
-  int packed_from;   // the packed entry point's first packed own item (CtaCoords), the last records
+  int packed_from;   // the packed entry point's first packed own item (CtaCoords), the last records;
+                     // -1: a CUDA graph's grid, a CTA per record and KV head (each record says if it packs)
 };
 
 // Per-CTA factors of one KV head: logits = (q . k_stored) * score, out = (p . v_stored) * value.
@@ -53,9 +54,11 @@ struct HeadScales {
 struct CtaCoords {
   int work, kv_head, row_tile;
   // The packed entry point's grid (decode/tc.cuh's attend_packed), heads first: the items before
-  // a.packed_from a CTA a KV head, then the packed own items a CTA for each `pack` heads.
+  // a.packed_from a CTA a KV head, then the packed own items a CTA for each `pack` heads. A graph's
+  // grid (packed_from < 0) gives every item a CTA a KV head.
   FJ_INLINE CtaCoords(const Args& a, int pack) {
-    const int heads = a.num_qo_heads / cfg::GROUP_SIZE, plain = a.packed_from * heads, x = blockIdx.x;
+    const int heads = a.num_qo_heads / cfg::GROUP_SIZE, x = blockIdx.x;
+    const int plain = a.packed_from < 0 ? gridDim.x : a.packed_from * heads;
     const int packed = x - plain, per_item = heads / pack;
     work = packed < 0 ? x / heads : a.packed_from + packed / per_item;
     kv_head = packed < 0 ? x - work * heads : packed % per_item * pack;
@@ -171,13 +174,14 @@ struct RowSinks {
 // V. The first wave pulls the records and the page table (up to PREFETCH_PAGE_IDS ids) into L2 for
 // them, kept there while the K/V stream passes (evict_last): each thread of the grid prefetches at
 // most a few of their 128-byte lines, and nothing waits on them.
-// PACK: the packed entry point's grid (CtaCoords), whose packed own items take a CTA for PACK heads.
+// PACK: the packed entry point's grid (CtaCoords), whose packed own items take a CTA for PACK heads
+// (in an eager plan's grid; a graph's has a CTA per record and head).
 enum : int { PREFETCH_PAGE_IDS = 1 << 18 };
 template <int PACK = 1>
 FJ_INLINE void prefetch_plan(const Args& a) {
   const int heads = a.num_qo_heads / cfg::GROUP_SIZE;
-  const int records = PACK > 1 ? a.packed_from + (gridDim.x - a.packed_from * heads) / (heads / PACK)
-                               : cfg::HEADS_FIRST ? gridDim.x / heads : gridDim.x;
+  const int records = PACK > 1 && a.packed_from >= 0 ? a.packed_from + (gridDim.x - a.packed_from * heads) / (heads / PACK)
+                     : cfg::HEADS_FIRST ? gridDim.x / heads : gridDim.x;
   const int record_lines = ceil_div(records * WorkItem::RECORD_INT4S * 16, 128);
   const int id_lines = ceil_div(min(a.num_page_ids, (int)PREFETCH_PAGE_IDS) * 4, 128);
   const int threads = gridDim.x * gridDim.y * gridDim.z * blockDim.x;

@@ -181,7 +181,8 @@ def test_fp8_cache_falls_back_and_stays_exact(engine, cache):
 def test_cuda_graph_replay_with_shared_page_tables(engine, cache, share):
     """CUDA-graph mode plans per request by default (the GPU planner's kernel), and with
     share_prefixes=True on the host with the shared kernel, which batches without sharing take too:
-    replays after each re-plan stay exact."""
+    replays after each re-plan stay exact. The shared kernel's graph launches its packed entry
+    point, and short own items replay packed 4 KV heads a CTA."""
     k, v = cache
     rng = random.Random(9)
     decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=32, max_num_pages=POOL)
@@ -194,16 +195,23 @@ def test_cuda_graph_replay_with_shared_page_tables(engine, cache, share):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         decoder.run(q_static, (k, v), out=out_static)
+    packed_records = 0
     for pattern in ("samples", "two_levels", "none", "many_prompts", "full"):
         lists, last = sharing_batch(pattern, rng)
         t = tables(lists, last)
         decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=share)
+        plan = decoder.current_plan
+        assert (plan.decode_args.packed_from == -1) == (share is True)
+        if share:
+            records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
+            packed_records += int(((records[:, 11] & RECORD_HEADS) > 1).sum())
         n = len(lists)
         q_static.copy_(torch.randn(q_static.shape, generator=torch.Generator().manual_seed(n)).bfloat16())
         out_static.fill_(float("nan"))
         graph.replay()
         ref, _ = decode_reference(q_static[:n], k, v, *t, mask="causal")
         assert_exact(out_static[:n], None, ref, None, BF16, pattern)
+    assert (packed_records > 0) == (share is True)
 
 
 def test_replanning_between_sharing_and_not_reuses_the_decoder(engine, cache):

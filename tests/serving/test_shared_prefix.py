@@ -310,6 +310,37 @@ def test_a_plan_with_packed_own_items_launches_the_packed_entry_point(planner, n
     assert not decoder.spec.shared_prefix and decoder.current_plan.decode_launch.function == DECODE_FN
 
 
+def attended_heads(grid_x: int, kv_heads: int, pack: int, packed_from: int, record_heads) -> list:
+    """(record, KV head) of every head a CTA of the packed entry point attends, as
+    worklist/kernel_core.cuh's CtaCoords(a, pack) maps blockIdx.x and decode/tc.cuh's
+    attend_records picks a packed record's heads (or exits: a graph's CTAs past a pack's first)."""
+    seen = []
+    for x in range(grid_x):
+        plain = grid_x if packed_from < 0 else packed_from * kv_heads
+        if x < plain:
+            work, kv_head = x // kv_heads, x % kv_heads
+        else:
+            per_item = kv_heads // pack
+            work, kv_head = packed_from + (x - plain) // per_item, (x - plain) % per_item * pack
+        packed = record_heads[work] > 1 if packed_from < 0 else work >= packed_from
+        if packed and kv_head % pack:
+            continue
+        seen += [(work, kv_head + g) for g in range(pack if packed else 1)]
+    return seen
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_the_packed_entry_points_grid_attends_every_record_head_once(graph):
+    """An eager plan's packed grid and a graph's grid of a CTA per record and head (packed_from -1)
+    both attend each head of each record exactly once, packed records 4 heads a CTA."""
+    record_heads = np.array([1, 1, 1, 4, 4, 4, 4])
+    records, kv_heads, pack = len(record_heads), 8, 4
+    packed = int((record_heads > 1).sum())
+    grid_x = records * kv_heads if graph else (records - packed) * kv_heads + packed * kv_heads // pack
+    seen = attended_heads(grid_x, kv_heads, pack, -1 if graph else records - packed, record_heads)
+    assert sorted(seen) == [(w, h) for w in range(records) for h in range(kv_heads)]
+
+
 def test_most_random_patterns_share():
     shared = 0
     for seed in range(12):
@@ -510,11 +541,13 @@ def check_graph_plan(decoder, lists, last, q_len: int, causal: bool, capacity):
 def test_a_cuda_graph_decoder_asked_to_share_plans_every_batch_with_the_shared_kernel(planner, native, causal):
     """share_prefixes=True in CUDA-graph mode: the shared kernel and the capacity of the first plan
     (built for 2 query tokens) serve batches that share and batches that do not (each request alone
-    in the shared format), of 1 or 2 query tokens."""
+    in the shared format), of 1 or 2 query tokens. The graph's launch is fixed: the packed entry
+    point over a CTA for each record's KV head (packed_from -1), which short own items share 4 heads
+    a CTA as in eager plans."""
     library = native_library() if native else None
     if native and library is None:
         pytest.skip("no C compiler: the numpy planner is the only one")
-    decoder, capacity, shared_seen = graph_decoder(planner, library), None, 0
+    decoder, capacity, shared_seen, packed_seen = graph_decoder(planner, library), None, 0, 0
     for seed in range(8):
         rng = random.Random(seed)
         lists, last = random_tree(rng, rng.randint(1, GRAPH_BATCH))
@@ -526,9 +559,13 @@ def test_a_cuda_graph_decoder_asked_to_share_plans_every_batch_with_the_shared_k
         capacity = capacity or decoder.current_plan.capacity
         records = check_graph_plan(decoder, lists, last, q_len, causal, capacity)
         shared_seen += bool((records[:, 7] < 0).any())
-        # the graph's launch is fixed: no own item takes several heads, the plain entry point runs
-        assert (records[:, 11] == 1).all() and decoder.current_plan.decode_launch.function == DECODE_FN
-    assert 0 < shared_seen < 8
+        heads, short = records[:, 11], records[:, 2] - records[:, 1] <= HEAD_PACK_MAX_TILES * decoder.kernel.tiling.tile_tokens
+        assert (heads == np.where((records[:, 7] >= 0) & short, 4, 1)).all()
+        packed_seen += bool((heads == 4).any())
+        launch = decoder.current_plan.decode_launch
+        assert launch.function == PACKED_FN and decoder.current_plan.decode_args.packed_from == -1
+        assert launch.grid == (capacity.work * 8, 1, 1)
+    assert 0 < shared_seen < 8 and packed_seen > 0
 
 
 def _samples_of_one_prompt():

@@ -86,6 +86,11 @@ class DecodeTiling:
         """The decode entry point of a plan with packed own items (own_head_pack > 1), else None."""
         return "flashjit_decode_packed" if self.own_head_pack > 1 else None
 
+    def head_pack(self, kv_heads: int) -> int:
+        """KV heads one CTA of a short own item attends in a model of kv_heads: own_head_pack where
+        it divides them (a CTA's heads are one pack's), else 1."""
+        return self.own_head_pack if kv_heads % self.own_head_pack == 0 else 1
+
     @property
     def merge_threads(self) -> int:
         return self.merge_lanes * self.merge_split_lanes
