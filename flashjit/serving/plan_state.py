@@ -19,6 +19,7 @@ from ..jit.launch import PreparedLaunch
 from ..small_arrays import largest
 from .buffers import Capacity, PlanBuffers
 from .plan_setup import Setup
+from .shared_decode import own_head_pack
 from ..worklist.split import WorkPlan, item_counts
 from ..worklist.tables import Tables
 
@@ -174,11 +175,11 @@ def prepare_launches(setup: Setup, buffers: PlanBuffers, work: WorkPlan, decode_
     cap, tiling, loaded = buffers.capacity, kernel.tiling, setup.loaded
     # Packed own items run in the entry point that reads them. An eager plan gives them a grid of
     # their own, whose CTAs that entry maps from where they start (packed_from). A graph's grid is
-    # fixed at capture, a CTA for each record's KV head: where its kernel packs, it launches the
-    # packed entry with packed_from -1, which reads from each record whether it is packed, and a
-    # packed record's CTAs other than the first of each pack exit.
+    # fixed at capture, a CTA for each record's KV head: where its plans pack (own_head_pack), it
+    # launches the packed entry with packed_from -1, which reads from each record whether it is
+    # packed, and a packed record's CTAs other than the first of each pack exit.
     if graph:
-        packs = tiling.head_pack(setup.num_kv_heads) > 1
+        packs = own_head_pack(tiling, setup.num_kv_heads, graph=True) > 1
         decode_grid, packed_from = tiling.grid(cap.work, setup.num_kv_heads), -1 if packs else cap.work
     else:
         packs = work.packed_items > 0

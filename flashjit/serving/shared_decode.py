@@ -26,6 +26,17 @@ from ..worklist.spans import MAX_LEVELS, SharedSpans, find_shared_spans
 
 SHARING_MASKS = ("none", "causal")
 
+# Whether CUDA-graph plans pack short own items as eager plans do, their decode launch the packed
+# entry point captured over a CTA for each record and KV head (plan_state.prepare_launches). Off:
+# that path has passed the CPU tests but not yet run on a GPU.
+GRAPHS_PACK = False
+
+
+def own_head_pack(tiling, kv_heads: int, graph: bool) -> int:
+    """KV heads one CTA of a short own item attends in a plan of this tiling: tiling.head_pack, in
+    a CUDA-graph plan only where GRAPHS_PACK."""
+    return tiling.head_pack(kv_heads) if GRAPHS_PACK or not graph else 1
+
 
 def kernel_may_share(setup, rule, check_page_ids: bool, tensor_cores) -> bool:
     """The conditions on the plan's kernel and split arguments (the module docstring's);
@@ -74,7 +85,7 @@ def shared_work(shared_setup, tables, spans, host_planner=None, chunk_tokens: in
     reference)."""
     tiling, loaded, kv_heads = shared_setup.kernel.tiling, shared_setup.loaded, shared_setup.num_kv_heads
     sizes = dict(group_size=shared_setup.spec.group_size, row_tiles=tiling.row_tiles,
-                 row_warps=tiling.shared_row_warps, head_pack=tiling.head_pack(kv_heads),
+                 row_warps=tiling.shared_row_warps, head_pack=own_head_pack(tiling, kv_heads, not eager),
                  merge_waits=eager and tiling.waiting_merge,
                  ctas_per_item=kv_heads * tiling.row_tiles,
                  max_ctas=loaded.num_sms * loaded.ctas_per_sm, granularity=tiling.tile_tokens,

@@ -177,12 +177,13 @@ def test_fp8_cache_falls_back_and_stays_exact(engine, cache):
     assert_exact(out, None, ref, None, tolerance(torch.bfloat16, torch.float8_e4m3fn), decoder.spec.name)
 
 
-@pytest.mark.parametrize("share", [None, True])
-def test_cuda_graph_replay_with_shared_page_tables(engine, cache, share):
+@pytest.mark.parametrize("share, graphs_pack", [(None, False), (True, False), (True, True)])
+def test_cuda_graph_replay_with_shared_page_tables(engine, cache, share, graphs_pack, monkeypatch):
     """CUDA-graph mode plans per request by default (the GPU planner's kernel), and with
     share_prefixes=True on the host with the shared kernel, which batches without sharing take too:
-    replays after each re-plan stay exact. The shared kernel's graph launches its packed entry
-    point, and short own items replay packed 4 KV heads a CTA."""
+    replays after each re-plan stay exact. Where graphs pack (shared_decode.GRAPHS_PACK), the shared
+    kernel's graph launches its packed entry point, and short own items replay packed 4 KV heads a CTA."""
+    monkeypatch.setattr(shared_decode, "GRAPHS_PACK", graphs_pack)
     k, v = cache
     rng = random.Random(9)
     decoder = flashjit.BatchDecode(engine, use_cuda_graph=True, max_batch_size=32, max_num_pages=POOL)
@@ -201,7 +202,7 @@ def test_cuda_graph_replay_with_shared_page_tables(engine, cache, share):
         t = tables(lists, last)
         decoder.plan(*t, HEADS, KV_HEADS, DIM, PAGE, mask="causal", share_prefixes=share)
         plan = decoder.current_plan
-        assert (plan.decode_args.packed_from == -1) == (share is True)
+        assert (plan.decode_args.packed_from == -1) == graphs_pack
         if share:
             records = item_records(plan.buffers.host, plan.buffers.starts)[:decoder.work.num_work]
             packed_records += int(((records[:, 11] & RECORD_HEADS) > 1).sum())
@@ -211,7 +212,7 @@ def test_cuda_graph_replay_with_shared_page_tables(engine, cache, share):
         graph.replay()
         ref, _ = decode_reference(q_static[:n], k, v, *t, mask="causal")
         assert_exact(out_static[:n], None, ref, None, BF16, pattern)
-    assert (packed_records > 0) == (share is True)
+    assert (packed_records > 0) == graphs_pack
 
 
 def test_replanning_between_sharing_and_not_reuses_the_decoder(engine, cache):

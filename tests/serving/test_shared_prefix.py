@@ -538,12 +538,16 @@ def check_graph_plan(decoder, lists, last, q_len: int, causal: bool, capacity):
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-def test_a_cuda_graph_decoder_asked_to_share_plans_every_batch_with_the_shared_kernel(planner, native, causal):
+@pytest.mark.parametrize("graphs_pack", [False, True])
+def test_a_cuda_graph_decoder_asked_to_share_plans_every_batch_with_the_shared_kernel(planner, native, causal,
+                                                                                   graphs_pack, monkeypatch):
     """share_prefixes=True in CUDA-graph mode: the shared kernel and the capacity of the first plan
     (built for 2 query tokens) serve batches that share and batches that do not (each request alone
-    in the shared format), of 1 or 2 query tokens. The graph's launch is fixed: the packed entry
-    point over a CTA for each record's KV head (packed_from -1), which short own items share 4 heads
-    a CTA as in eager plans."""
+    in the shared format), of 1 or 2 query tokens. The graph's launch is fixed: where graphs pack
+    (shared_decode.GRAPHS_PACK), the packed entry point over a CTA for each record's KV head
+    (packed_from -1), which short own items share 4 heads a CTA as in eager plans; else the plain
+    entry point, every record a CTA a head."""
+    monkeypatch.setattr(shared_decode, "GRAPHS_PACK", graphs_pack)
     library = native_library() if native else None
     if native and library is None:
         pytest.skip("no C compiler: the numpy planner is the only one")
@@ -560,12 +564,12 @@ def test_a_cuda_graph_decoder_asked_to_share_plans_every_batch_with_the_shared_k
         records = check_graph_plan(decoder, lists, last, q_len, causal, capacity)
         shared_seen += bool((records[:, 7] < 0).any())
         heads, short = records[:, 11], records[:, 2] - records[:, 1] <= HEAD_PACK_MAX_TILES * decoder.kernel.tiling.tile_tokens
-        assert (heads == np.where((records[:, 7] >= 0) & short, 4, 1)).all()
+        assert (heads == np.where((records[:, 7] >= 0) & short & graphs_pack, 4, 1)).all()
         packed_seen += bool((heads == 4).any())
-        launch = decoder.current_plan.decode_launch
-        assert launch.function == PACKED_FN and decoder.current_plan.decode_args.packed_from == -1
-        assert launch.grid == (capacity.work * 8, 1, 1)
-    assert 0 < shared_seen < 8 and packed_seen > 0
+        launch, packed_from = decoder.current_plan.decode_launch, decoder.current_plan.decode_args.packed_from
+        assert launch.function == (PACKED_FN if graphs_pack else DECODE_FN)
+        assert packed_from == (-1 if graphs_pack else capacity.work) and launch.grid == (capacity.work * 8, 1, 1)
+    assert 0 < shared_seen < 8 and (packed_seen > 0) == graphs_pack
 
 
 def _samples_of_one_prompt():
