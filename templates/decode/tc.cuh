@@ -107,22 +107,32 @@ FJ_INLINE void slice_barrier(int slice) {
 // record's share field (such a kernel's tiling shares no tiles, serving/shared_plan.py); else its
 // grid position. slots: an own item's request's partial slots. merge_role: where the plan merges in
 // this kernel (merge_when_written, not flashjit_merge), the record's part: FJ_MERGE_COUNTS or
-// FJ_MERGE_WAITS. heads: the KV heads one CTA of the record attends (cfg::OWN_HEAD_PACK or 1).
+// FJ_MERGE_WAITS.
 struct PlanPart {
-  int members, slot, slots, merge_role, heads;
+  int members, slot, slots, merge_role;
 
   FJ_INLINE PlanPart(const Args& a, int w) {
-    members = 0, slot = w, slots = 0, merge_role = 0, heads = 1;
+    members = 0, slot = w, slots = 0, merge_role = 0;
     if constexpr (cfg::SHARED_PREFIX) {
       slots = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 1).w;
       const int4 tail = __ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2);
       members = slots < 0 ? -slots : 0;
       slot = tail.x;
       merge_role = cfg::WAITING_MERGE ? tail.w & MERGE_ROLES : 0;
-      heads = tail.w & ~MERGE_ROLES;
     }
   }
 };
+
+// Whether record w is a packed own item, whose CTA attends HEAD_PACK KV heads (attend_packed): an
+// eager plan's grid holds them from a.packed_from on, a CTA for each HEAD_PACK heads; a graph's
+// (packed_from < 0) gives every record a CTA a head, and the record's last field (past the merge
+// roles) names its heads.
+template <int HEAD_PACK>
+FJ_INLINE bool packed_record(const Args& a, int w) {
+  if constexpr (HEAD_PACK == 1) return false;
+  return a.packed_from < 0 ? (__ldg(a.work_items + WorkItem::RECORD_INT4S * w + 2).w & ~MERGE_ROLES) > 1
+                           : w >= a.packed_from;
+}
 
 // Once the CTA's partials are written, where the plan merges in this kernel (a shared record
 // counts in its members; a request's only item, direct, writes the output and merges nothing). A
@@ -436,15 +446,13 @@ FJ_INLINE void attend_records(const Args& a, const MaskParams& unbound, const Va
   const int k_first = SPLIT_SCORES ? col_part * QSTEPS : 0;  // the warp's first k-step of S
   const int quad = lane / 4, pair = (lane % 4) * 2;  // MMA fragment coordinates
 
-  // packed: an own item whose last field names HEAD_PACK heads (attend_packed): its CTA attends
-  // HEAD_PACK heads from a multiple of HEAD_PACK, warp g head kv_head + g. An eager plan's grid
-  // holds them from a.packed_from on, a CTA for each HEAD_PACK heads; a graph's (packed_from < 0)
-  // a CTA for each head, of which those not first in their pack have nothing to do.
-  const PlanPart part(a, w);
-  const bool packed = HEAD_PACK > 1 && (a.packed_from < 0 ? part.heads > 1 : w >= a.packed_from);
+  // packed: the CTA attends HEAD_PACK heads from a multiple of HEAD_PACK, warp g head kv_head + g;
+  // in a graph's grid a packed record's other CTAs have nothing to do.
+  const bool packed = packed_record<HEAD_PACK>(a, w);
   if (packed && cta.kv_head % HEAD_PACK != 0) return;
   const int kv_head = packed ? cta.kv_head + tid / 32 : cta.kv_head;  // the head this warp attends
   const HeadScales scales(a, kv_head);
+  const PlanPart part(a, w);
   // The CTA's first row: a shared record's rows by warp hold ROW_WARPS tiles of 16 per row tile.
   const bool rows_by_warp = ROWS_BY_WARP && part.members > 0;
   const int first_row = rows_by_warp ? (cta.row_tile * ROW_WARPS + tid / 32) * M : cta.row_tile * M;
