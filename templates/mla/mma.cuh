@@ -103,6 +103,14 @@ FJ_INLINE constexpr int operand_offset(int row, int chunk) {
   return row * ROW_BYTES + swizzled(row, chunk) * 16;
 }
 
+// The address of that chunk in a buffer at base (the row's start added first, as the mma.sync
+// kernel's stores have always computed it).
+template <int ROWS_IN>
+FJ_INLINE unsigned char* operand_at(unsigned char* base, int row, int chunk) {
+  if constexpr (cfg::WGMMA) return base + operand_offset<ROWS_IN>(row, chunk);
+  return base + row * ROW_BYTES + swizzled(row, chunk) * 16;
+}
+
 // Copies one stage of latent rows from the paged cache: TPK threads per row, each CPT chunks of it
 // (16-byte columns TPK apart, so the TPK threads read consecutive bytes), KPP rows per pass. One
 // page-table read per thread and pass, resolved a stage ahead (locate) of the copies (issue).
@@ -193,7 +201,8 @@ FJ_INLINE void load_q(const Args& a, const WorkItem& item, int row_tile, unsigne
   cp_async_commit();
 }
 
-// fp8 latents of one stage (as stored) to the 16-bit tile the MMAs read (swizzled like a 16-bit stage).
+// fp8 latents of one stage (as stored) to the 16-bit tile the MMAs read, each chunk where a 16-bit
+// stage's copies put it (operand_offset: ldmatrix's swizzled rows, or wgmma's blocks).
 // A template, so that 16-bit specializations, which never call it, never instantiate Fp8<kv_t>.
 template <typename Stored>
 FJ_INLINE void convert(const unsigned char* stored, unsigned char* tile, int tid) {
@@ -212,8 +221,8 @@ FJ_INLINE void convert(const unsigned char* stored, unsigned char* tile, int tid
         h[e] = Mma<mma_t>::pack(lo, hi);
       }
     }
-    *reinterpret_cast<uint4*>(tile + key * ROW_BYTES + swizzled(key, 2 * c) * 16) = make_uint4(h[0], h[1], h[2], h[3]);
-    *reinterpret_cast<uint4*>(tile + key * ROW_BYTES + swizzled(key, 2 * c + 1) * 16) = make_uint4(h[4], h[5], h[6], h[7]);
+    *reinterpret_cast<uint4*>(operand_at<TILE>(tile, key, 2 * c)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(operand_at<TILE>(tile, key, 2 * c + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
   }
 }
 

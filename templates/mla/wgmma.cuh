@@ -1,6 +1,6 @@
 //! needs: common/prelude.cuh worklist/kernel_core.cuh common/scoring.cuh common/mma.cuh mla/mma.cuh
 // Multi-head latent attention decode on Hopper's warpgroup MMAs (wgmma, sm_90a): the kernel for
-// 16-bit latents whose request fills 64-row tiles (flashjit.jit.mla_tiling.uses_wgmma). One CTA per
+// requests whose heads fill 64-row tiles (flashjit.kernels.mla.tiling.uses_wgmma). One CTA per
 // (work item, 64 query rows), two warpgroups of 128 threads; each stage holds TILE = 64 latent rows.
 //
 //   S = Q K^T   warpgroup 0: 36 MMAs of 64 x 64 x 16, Q and K read from shared memory, where both
@@ -17,6 +17,11 @@
 // Each tile starts when its copies are in (each copying thread waits for its own, fenced to the
 // async proxy that wgmma reads through) at a CTA barrier, and ends at another, after which its
 // stage takes the tile after next; warpgroup 1 waits for P on a named barrier.
+// fp8 latents (flashjit.kernels.mla.tiling.WGMMA_FP8) land as stored; once a tile's copies are in,
+// all threads convert it (mla/mma.cuh's convert, exact) into one 16-bit stage laid out as a 16-bit
+// tile's copies would be, fence those writes to the async proxy, and the MMAs read that stage. It
+// is free again once the tile's MMAs are done (the tile's last barrier); a stored stage once its
+// tile is converted, so the copies of tile t + 1 still run beside tile t's MMAs.
 // Outputs, partials, the fused merge and empty rows as in mla/mma.cuh's attend.
 //
 // Expects mla/mma.cuh (Args, LatentCopies, load_q, operand_offset), common/scoring.cuh and the
@@ -28,10 +33,10 @@ constexpr int SWIZZLE_ATOM = WGMMA_SWIZZLE_ATOM;   // the 128-byte swizzle's rep
 constexpr int Q_BLOCK = M * 128, KV_BLOCK = TILE * 128;  // bytes of one 64-column block of Q, of a stage
 constexpr int WG_THREADS = 128, HALF = LATENT / 2;  // a warpgroup, and its share of O's columns
 constexpr int S_REGS = TILE / 2, O_REGS = HALF / 2;
-static_assert(cfg::WGMMA && M == 64 && TILE == 64 && NT == 2 * WG_THREADS && !FP8 && STAGES == 2,
-              "the wgmma kernel: 64 rows, 64 keys a stage, two warpgroups, 16-bit latents, two stages");
-static_assert(cfg::RING_ALIGN == SWIZZLE_ATOM && STAGE_BYTES % SWIZZLE_ATOM == 0 && cfg::Q_BYTES % SWIZZLE_ATOM == 0,
-              "every operand block starts on a swizzle atom");
+static_assert(cfg::WGMMA && M == 64 && TILE == 64 && NT == 2 * WG_THREADS && STAGES == 2,
+              "the wgmma kernel: 64 rows, 64 keys a stage, two warpgroups, two stages");
+static_assert(cfg::RING_ALIGN == SWIZZLE_ATOM && STAGE_BYTES % SWIZZLE_ATOM == 0 && cfg::Q_BYTES % SWIZZLE_ATOM == 0 &&
+              cfg::CONVERT_BYTES % SWIZZLE_ATOM == 0, "every operand block starts on a swizzle atom");
 static_assert(cfg::P_PITCH == 128 && QK % 64 == 0 && LATENT == 512, "P rows of 64 keys; 64-column blocks");
 
 FJ_INLINE void barrier_arrive(int id, int threads) {
@@ -62,7 +67,8 @@ FJ_INLINE void stage_scores_wgmma(float (&s)[S_REGS], u32 q_at, u32 kv_at) {
 FJ_INLINE void attend_wgmma(const Args& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* ring = decode::aligned_ring(smem_raw);
-  unsigned char* q_smem = ring + cfg::RING_BYTES;
+  unsigned char* converted = ring + cfg::RING_BYTES;  // fp8: the 16-bit stage the MMAs read
+  unsigned char* q_smem = converted + cfg::CONVERT_BYTES;
   unsigned char* p_smem = q_smem + cfg::Q_BYTES;
   __shared__ float rescale_rows[M], row_sum[M], row_max[M];
 
@@ -75,9 +81,10 @@ FJ_INLINE void attend_wgmma(const Args& a) {
   const int first_row = (warp % 4) * 16 + quad;  // this thread's accumulator rows: first_row and first_row + 8
   const int p_row = (warp % 4) * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), p_sub = lane >> 4;  // ldmatrix's lanes
 
-  const float value_scale = kv_scale(a.ckv_scale, a.ckv_scale_ptr, 0, 0) * Kv<kv_t>::UNIT;
+  const float ckv_scale = kv_scale(a.ckv_scale, a.ckv_scale_ptr, 0, 0);
+  const float value_scale = ckv_scale * Kv<kv_t>::UNIT;
   const float score_scale = a.sm_scale_log2 * value_scale;
-  load_q(a, item, row_tile, q_smem, 1.f, tid);
+  load_q(a, item, row_tile, q_smem, FP8 ? kv_scale(a.kpe_scale, a.kpe_scale_ptr, 0, 0) / ckv_scale : 1.f, tid);
 
   QueryRow rows[2];
 #pragma unroll
@@ -91,6 +98,7 @@ FJ_INLINE void attend_wgmma(const Args& a) {
   for (int i = 0; i < O_REGS; ++i) o[i] = 0.f;
 
   const u32 ring_at = (u32)__cvta_generic_to_shared(ring), q_at = (u32)__cvta_generic_to_shared(q_smem);
+  const u32 converted_at = (u32)__cvta_generic_to_shared(converted);
   LatentCopies<WG_THREADS> copies(a, ring, tid - WG_THREADS, item);  // warpgroup 1's
   const int num_tiles = ceil_div(item.v_end - item.v_begin, TILE);
   if (group == 1 && num_tiles > 0) {
@@ -101,9 +109,13 @@ FJ_INLINE void attend_wgmma(const Args& a) {
   cp_async_commit();
   for (int t = 0; t < num_tiles; ++t) {
     cp_async_wait<0>();  // this thread's copies of tile t (and of Q)
-    fence_async_proxy();
+    if constexpr (FP8) {
+      __syncthreads();  // every thread's copies of tile t
+      convert<kv_t>(ring + (t % STAGES) * STAGE_BYTES, converted, tid);
+    }
+    fence_async_proxy();  // the copies (16-bit) or the converted tile, and Q, to wgmma's proxy
     __syncthreads();
-    const u32 kv_at = ring_at + (t % STAGES) * STAGE_BYTES;
+    const u32 kv_at = FP8 ? converted_at : ring_at + (t % STAGES) * STAGE_BYTES;
     float rescale[2];
     u32 pa[TILE / 16][4];  // P as the A fragments of the 16-key steps
     if (group == 0) {

@@ -7,9 +7,9 @@ shapes (16, 32 and 64 rows per CTA, one and several row tiles, the wgmma kernel)
 576-wide cache, tensor scales, the LSE, empty and too-short requests (rows that see no key), a
 CUDA-graph replay after a re-plan, and the full grid (GRID) of heads {16, 32, 64, 128} x query
 tokens {1, 2, 4} x bf16/e4m3 latents x pages {1, 16, 64}, eager (split and unsplit) and in CUDA
-graphs replayed after re-plans. Every row (query token x head) is judged on its own
-(flashjit.serving.exactness); with fp8 latents the reference takes Q's RoPE part as the kernel
-rounds it (rounded_pe). No output may be NaN.
+graphs replayed after re-plans; fp8 latents on the warpgroup kernel (tiling.WGMMA_FP8) likewise.
+Every row (query token x head) is judged on its own (flashjit.serving.exactness); with fp8 latents
+the reference takes Q's RoPE part as the kernel rounds it (rounded_pe). No output may be NaN.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import flashjit
+from flashjit.kernels.mla import tiling as mla_tiling_module
 from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.mla.tiling import mla_tiling
 from flashjit.serving.batch_mla import BatchDecodeMLA
 from flashjit.serving.mla_reference import mla_reference
 from flashjit.serving.quantize import quantize_latent
@@ -137,6 +139,10 @@ def plan_and_run(engine, batch, heads, page_size, kv, split, caches, scales, **r
 
 @pytest.mark.parametrize("heads, q_len, kv, page_size, split, queries", CASES)
 def test_against_reference(engine, heads, q_len, kv, page_size, split, queries, seed):
+    check_case(engine, heads, q_len, kv, page_size, split, queries, seed)
+
+
+def check_case(engine, heads, q_len, kv, page_size, split, queries, seed):
     kv_lens = [700, 1, 0, 333, 129, 1024] if split else [700, 1, 0, 333, 64]
     batch = make_batch(kv_lens, [q_len] * len(kv_lens), heads, page_size, seed, DTYPES[queries])
     caches, scales, reference_caches = latent_caches(batch, kv)
@@ -223,6 +229,10 @@ def test_eager_grid(engine, heads, q_len, kv, page_size):
     """Every head count, query length, cache type and page size, each request in one work item and
     split (chunks of 128), against the reference: rows that see no key (a request of one key or
     none under several query tokens) included."""
+    check_eager(engine, heads, q_len, kv, page_size)
+
+
+def check_eager(engine, heads, q_len, kv, page_size):
     kv_lens = [700, 1, 0, 333, 129, 1024]
     batch = make_batch(kv_lens, [q_len] * len(kv_lens), heads, page_size, 7 * heads + 3 * q_len + page_size)
     caches, scales, reference_caches = latent_caches(batch, kv)
@@ -238,6 +248,10 @@ def test_graph_grid(engine, heads, q_len, kv, page_size):
     """Every head count, query length, cache type and page size in a CUDA graph replayed after a
     re-plan for each batch: unsplit, skewed (its long request splits) and one request alone. One
     576-wide cache, fp8 with one scale in a tensor (read at launch, so each batch has its own)."""
+    check_graph_replays(engine, heads, q_len, kv, page_size)
+
+
+def check_graph_replays(engine, heads, q_len, kv, page_size):
     batches = [make_batch(lens, q_lens, heads, page_size, heads + q_len + i) for i, (lens, q_lens) in enumerate(
         [([300, 45, 0, 7], [q_len] * 4), ([5000, 20, 64, 1], [q_len, 1, q_len, 1]), ([1500], [q_len])])]
     rows, pages = max(b["q_nope"].shape[0] for b in batches), max(b["cache"].shape[0] for b in batches)
@@ -278,6 +292,41 @@ def test_graph_grid(engine, heads, q_len, kv, page_size):
                                          batch["indices"], batch["last"], qo_indptr=batch["qo"], sm_scale=SM_SCALE)
         where = f"{decoder.spec.name}: replay, {batch['last'].numel()} requests"
         check(out[:tokens], lse[:tokens], ref_out, ref_lse, where)
+
+
+@pytest.fixture(scope="module")
+def wgmma_fp8_cache(tmp_path_factory):
+    """The kernel cache of the WGMMA_FP8 tests: the setting is not in the kernels' index keys, so
+    kernels built under it must not share a cache with those built without it."""
+    return tmp_path_factory.mktemp("wgmma-fp8")
+
+
+@pytest.fixture
+def wgmma_fp8_engine(monkeypatch, wgmma_fp8_cache):
+    """An engine whose fp8 specs of 64-row tiles take the warpgroup kernel (mla.tiling.WGMMA_FP8, off
+    by default until these tests pass and benchmarks/mla.py has timed it)."""
+    monkeypatch.setattr(mla_tiling_module, "WGMMA_FP8", True)
+    return flashjit.Engine(cache_dir=wgmma_fp8_cache)
+
+
+WGMMA_FP8_CASES = [case for case in CASES if case[2] in FP8 and case[0] * case[1] >= 64]
+
+
+@pytest.mark.parametrize("heads, q_len, kv, page_size, split, queries", WGMMA_FP8_CASES)
+def test_fp8_latents_on_the_warpgroup_kernel(wgmma_fp8_engine, heads, q_len, kv, page_size, split, queries, seed):
+    spec = MLASpec(num_heads=heads, dtype=queries, kv_dtype=kv, page_size=page_size, max_q_len=q_len, arch=arch())
+    assert mla_tiling(spec).wgmma
+    check_case(wgmma_fp8_engine, heads, q_len, kv, page_size, split, queries, seed)
+
+
+@pytest.mark.parametrize("heads, q_len, page_size", [(128, 1, 64), (64, 2, 16), (128, 4, 1)])
+def test_fp8_warpgroup_kernel_eager_and_in_graphs(wgmma_fp8_engine, heads, q_len, page_size):
+    """The grid's checks on the warpgroup kernel with e4m3 latents: split and unsplit, and CUDA-graph
+    replays after re-plans."""
+    assert mla_tiling(MLASpec(num_heads=heads, kv_dtype="e4m3", page_size=page_size, max_q_len=q_len,
+                              arch=arch())).wgmma
+    check_eager(wgmma_fp8_engine, heads, q_len, "e4m3", page_size)
+    check_graph_replays(wgmma_fp8_engine, heads, q_len, "e4m3", page_size)
 
 
 def test_empty_batch_returns_without_launch(engine):

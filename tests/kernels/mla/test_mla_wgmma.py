@@ -16,6 +16,7 @@ import pytest
 
 from flashjit.jit.compile import compile_source
 from flashjit.kernels.mla.spec import MLASpec
+from flashjit.kernels.mla import tiling as mla_tiling_module
 from flashjit.kernels.mla.tiling import SWIZZLE_ATOM, WGMMA_ROWS, mla_tiling, uses_wgmma
 from flashjit.jit.render import render
 from flashjit.jit.arch import dynamic_shared_limit
@@ -60,6 +61,34 @@ def test_render_and_compile_for_sm90a():
     assert "Potential Performance Loss" not in compiled.log  # no MMA serialized by the compiler
     half = render(MLASpec(num_heads=64, dtype="f16", arch="sm_90"))
     assert "m64n256k16.f32.f16.f16" in half
+
+
+@pytest.mark.parametrize("fields", [{"num_heads": 128, "kv_dtype": "e4m3"}, {"num_heads": 64, "kv_dtype": "e5m2"},
+                                    {"num_heads": 32, "max_q_len": 2, "kv_dtype": "e4m3", "dtype": "f16"}])
+def test_fp8_latents_take_the_wgmma_kernel_where_switched_on(monkeypatch, fields):
+    spec = MLASpec(arch="sm_90", **fields)
+    assert not mla_tiling(spec).wgmma and spec.compile_arch == "sm_90"  # WGMMA_FP8 is off by default
+    monkeypatch.setattr(mla_tiling_module, "WGMMA_FP8", True)
+    tiling = mla_tiling(spec)
+    assert uses_wgmma(spec) and tiling.wgmma and spec.compile_arch == "sm_90a"
+    assert (tiling.rows, tiling.threads, tiling.tile_tokens, tiling.stages) == (WGMMA_ROWS, 256, 64, 2)
+    # Two stages as stored, one converted to 16-bit for the MMAs, each a whole number of swizzle atoms.
+    assert (tiling.ring_bytes, tiling.convert_bytes) == (2 * 64 * QK, 64 * QK * 2)
+    assert tiling.convert_bytes % SWIZZLE_ATOM == 0 and tiling.ring_bytes % SWIZZLE_ATOM == 0
+    assert tiling.smem_bytes <= dynamic_shared_limit(spec.arch)
+    assert not mla_tiling(MLASpec(arch="sm_80", **fields)).wgmma  # Hopper only
+
+
+def test_fp8_wgmma_render_and_compile(monkeypatch):
+    monkeypatch.setattr(mla_tiling_module, "WGMMA_FP8", True)
+    spec = MLASpec(num_heads=128, kv_dtype="e4m3", arch="sm_90")
+    source = render(spec)
+    assert "constexpr bool WGMMA = true;" in source and f"constexpr int CONVERT_BYTES = {64 * QK * 2};" in source
+    assert "mla::attend_wgmma(args);" in source and "cvt.rn.f16x2.e4m3x2" in source
+    compiled = compile_source(source, spec.compile_arch, spec.name, extra_options=("--ptxas-options=-v",))
+    spills = [line for line in compiled.log.splitlines() if "spill stores" in line]
+    assert spills and all(" 0 bytes spill stores" in line for line in spills)
+    assert "Potential Performance Loss" not in compiled.log
 
 
 def test_engine_compiles_wgmma_specs_for_sm90a(engine, fake_nvrtc):
