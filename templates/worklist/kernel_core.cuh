@@ -250,6 +250,76 @@ FJ_INLINE void combine_partials4(const float* lse_0, const float* o_0, i64 item_
              sum > 0.f ? m + log2_approx(sum) : FJ_NEG_INF);
 }
 
+// combine_partials4's steps, for combine_cells (which the decode kernels do not call, so their
+// code stays as measured): MERGE_CHUNK partials (base-2 LSEs and values) folded into a row's
+// running state (m, sum, acc) by the online-softmax rule, zero weights skipped.
+FJ_INLINE void fold_partials(float& m, float& sum, float (&acc)[4], const float (&part_lse)[cfg::MERGE_CHUNK],
+                             const float4 (&part)[cfg::MERGE_CHUNK]) {
+  constexpr int MERGE_CHUNK = cfg::MERGE_CHUNK;
+  float m_new = m;
+#pragma unroll
+  for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[j]);
+  if (m_new == FJ_NEG_INF) return;  // nothing with weight yet
+  const float rescale = exp2_approx(m - m_new);  // 0 while m is -inf
+  sum *= rescale;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) acc[c] *= rescale;
+#pragma unroll
+  for (int j = 0; j < MERGE_CHUNK; ++j) {
+    const float weight = exp2_approx(part_lse[j] - m_new);
+    if (weight > 0.f) {
+      acc[0] += weight * part[j].x; acc[1] += weight * part[j].y; acc[2] += weight * part[j].z; acc[3] += weight * part[j].w;
+      sum += weight;
+    }
+  }
+  m = m_new;
+}
+
+// Partial `i` (LSE and 4 values) of a cell whose first partial is at (lse_0, o_0), partials
+// item_stride rows apart; -inf and zeros where it is not real. Through L2 (__ldcg): L1 is not
+// coherent across CTAs.
+FJ_INLINE void load_partial(const float* lse_0, const float* o_0, i64 item_stride, int i, bool real, float& part_lse,
+                            float4& part) {
+  part_lse = real ? __ldcg(lse_0 + i * item_stride) : FJ_NEG_INF;
+  part = real ? __ldcg(reinterpret_cast<const float4*>(o_0 + i * item_stride * cfg::HEAD_DIM))
+              : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// One output row's 4 columns and where its partials start; live: the row is the item's.
+struct MergeCell {
+  const float *lse_0, *o_0;
+  int token, qo_head, col;
+  bool live;
+};
+
+// combine_partials4 for CELLS cells at once: each chunk's loads for all of them are in flight
+// together, CELLS times as many a thread (for a merge of many cells a thread, the MLA kernels').
+template <int CELLS>
+FJ_INLINE void combine_cells(const MergeCell (&cells)[CELLS], i64 item_stride, int splits, out_t* out, i64 out_stride,
+                             float* lse, int num_qo_heads) {
+  constexpr int MERGE_CHUNK = cfg::MERGE_CHUNK;
+  float m[CELLS], sum[CELLS], acc[CELLS][4];
+#pragma unroll
+  for (int k = 0; k < CELLS; ++k) m[k] = FJ_NEG_INF, sum[k] = 0.f, acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.f;
+  for (int i0 = 0; i0 < splits; i0 += MERGE_CHUNK) {
+    float part_lse[CELLS][MERGE_CHUNK];
+    float4 part[CELLS][MERGE_CHUNK];
+#pragma unroll
+    for (int k = 0; k < CELLS; ++k)
+#pragma unroll
+      for (int j = 0; j < MERGE_CHUNK; ++j)
+        load_partial(cells[k].lse_0, cells[k].o_0, item_stride, i0 + j, cells[k].live && i0 + j < splits,
+                     part_lse[k][j], part[k][j]);
+#pragma unroll
+    for (int k = 0; k < CELLS; ++k) fold_partials(m[k], sum[k], acc[k], part_lse[k], part[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < CELLS; ++k)
+    if (cells[k].live)
+      store_out4(out, out_stride, lse, num_qo_heads, cells[k].token, cells[k].qo_head, cells[k].col, acc[k],
+                 sum[k] > 0.f ? 1.f / sum[k] : 0.f, sum[k] > 0.f ? m[k] + log2_approx(sum[k]) : FJ_NEG_INF);
+}
+
 // The split-KV merge fused into the decode kernel (cfg::FUSED_MERGE), for a CTA of a split request
 // whose threads have written its ROWS rows' partials. Each such CTA counts itself in at its group's
 // counter (request, KV head, row tile); the last to arrive combines the group's partials into the
@@ -259,10 +329,12 @@ FJ_INLINE void combine_partials4(const float* lse_0, const float* o_0, i64 item_
 // combine_partials4's chunked reads. (A pass for the maximum LSE, then one whose value loads wait
 // on each weight, would cost a round trip per partial.)
 //
+// CELLS > 1 combines that many of a thread's cells at once (combine_cells).
+//
 // Not inlined: its code in the kernel body would cost registers in the main loop, where the
 // 16-bit head_dim 256 kernel has none to spare. It takes scalars, as a reference to the
 // kernel's parameters (or a struct by value) would go through local memory.
-template <int ROWS, int THREADS>
+template <int ROWS, int THREADS, int CELLS = 1>
 __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, int* merge_counters,
                                                     int* tile_counters, const float* tmp_o, const float* tmp_lse, out_t* out,
                                                     i64 out_stride, float* lse, int num_qo_heads, int request,
@@ -286,14 +358,31 @@ __device__ __noinline__ void merge_partials_if_last(const int* req_work_indptr, 
   if (!last) return;
   __threadfence();
   const i64 item_stride = (i64)cfg::MAX_Q_LEN * num_qo_heads;  // between two work items' partials
-  for (int cell = tid; cell < ROWS * COLS4; cell += THREADS) {
-    const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
-    const int row = row_tile * ROWS + row_in, q_tok = row / cfg::GROUP_SIZE;
-    if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
-    const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
-    const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
-    combine_partials4(lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, item_stride, splits, out, out_stride, lse,
-                      num_qo_heads, q_begin + q_tok, qo_head, col);
+  if constexpr (CELLS == 1) {
+    for (int cell = tid; cell < ROWS * COLS4; cell += THREADS) {
+      const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
+      const int row = row_tile * ROWS + row_in, q_tok = row / cfg::GROUP_SIZE;
+      if (row >= ROWS_TOTAL || q_tok >= q_len) continue;
+      const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+      const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
+      combine_partials4(lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, item_stride, splits, out, out_stride, lse,
+                        num_qo_heads, q_begin + q_tok, qo_head, col);
+    }
+  } else {
+    const auto cell_at = [&](int cell) {  // the tile's cell `cell`: a row and 4 of its columns
+      const int row_in = cell / COLS4, col = (cell % COLS4) * 4;
+      const int row = row_tile * ROWS + row_in, q_tok = row / cfg::GROUP_SIZE;
+      const int qo_head = kv_head * cfg::GROUP_SIZE + row % cfg::GROUP_SIZE;
+      const float* lse_0 = tmp_lse + first_item * item_stride + (i64)q_tok * num_qo_heads + qo_head;
+      return MergeCell{lse_0, tmp_o + (lse_0 - tmp_lse) * D + col, q_begin + q_tok, qo_head, col,
+                       cell < ROWS * COLS4 && row < ROWS_TOTAL && q_tok < q_len};
+    };
+    for (int first = tid; first < ROWS * COLS4; first += CELLS * THREADS) {
+      MergeCell cells[CELLS];
+#pragma unroll
+      for (int k = 0; k < CELLS; ++k) cells[k] = cell_at(first + k * THREADS);
+      combine_cells(cells, item_stride, splits, out, out_stride, lse, num_qo_heads);
+    }
   }
 }
 

@@ -7,12 +7,15 @@ shapes (16, 32 and 64 rows per CTA, one and several row tiles, the wgmma kernel)
 576-wide cache, tensor scales, the LSE, empty and too-short requests (rows that see no key), a
 CUDA-graph replay after a re-plan, and the full grid (GRID) of heads {16, 32, 64, 128} x query
 tokens {1, 2, 4} x bf16/e4m3 latents x pages {1, 16, 64}, eager (split and unsplit) and in CUDA
-graphs replayed after re-plans; fp8 latents on the warpgroup kernel (tiling.WGMMA_FP8) likewise.
+graphs replayed after re-plans; fp8 latents on the warpgroup kernel (tiling.WGMMA_FP8) and the
+merge of several cells at once (MLATuning.merge_cells) likewise.
 Every row (query token x head) is judged on its own (flashjit.serving.exactness); with fp8 latents
 the reference takes Q's RoPE part as the kernel rounds it (rounded_pe). No output may be NaN.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -327,6 +330,20 @@ def test_fp8_warpgroup_kernel_eager_and_in_graphs(wgmma_fp8_engine, heads, q_len
                               arch=arch())).wgmma
     check_eager(wgmma_fp8_engine, heads, q_len, "e4m3", page_size)
     check_graph_replays(wgmma_fp8_engine, heads, q_len, "e4m3", page_size)
+
+
+@pytest.mark.parametrize("heads, q_len, kv, page_size", [(128, 1, "bf16", 64), (16, 2, "e4m3", 16), (64, 4, "bf16", 1)])
+def test_the_merge_of_several_cells_at_once(monkeypatch, tmp_path, heads, q_len, kv, page_size):
+    """The fused merge combining 4 cells a thread at once (MLATuning.merge_cells, 1 by default until
+    timed), split and unsplit and in graph replays, over a cache of its own (the table is not in
+    the kernels' index keys)."""
+    table = dataclasses.replace(mla_tiling_module.MLA_TUNING, merge_cells=4, merge_chunk=4)
+    monkeypatch.setattr(mla_tiling_module, "MLA_TUNING", table)
+    engine = flashjit.Engine(cache_dir=tmp_path)
+    assert mla_tiling(MLASpec(num_heads=heads, kv_dtype=kv, page_size=page_size, max_q_len=q_len,
+                              arch=arch())).merge_cells == 4
+    check_eager(engine, heads, q_len, kv, page_size)
+    check_graph_replays(engine, heads, q_len, kv, page_size)
 
 
 def test_empty_batch_returns_without_launch(engine):

@@ -59,6 +59,7 @@ class MLATiling:
     p_pitch: int         # bytes per row of P (tile_tokens 16-bit values and a pad)
     smem_bytes: int      # dynamic shared memory, with the slack to align the ring
     merge_chunk: int     # partials the fused merge loads at once
+    merge_cells: int     # cells (a row's 4 columns) a thread of the fused merge combines at once
     l2_prefetch: int     # bytes the L2 fetches around each 16-byte copy
     wgmma: bool = False  # the warpgroup kernel (mla/wgmma.cuh, sm_90a): 64 rows, two warpgroups
     fused_merge: bool = True   # split requests merge in the decode kernel (worklist/kernel_core.cuh)
@@ -112,6 +113,9 @@ class MLATuningRow:
 class MLATuning:
     rows: tuple[MLATuningRow, ...]
     merge_chunk: int = 8
+    # 1 until more has been timed on a GPU: the last CTA of a 64-row tile merges 32 cells a thread,
+    # each a round trip to L2 after the one before; several at once keep more loads in flight.
+    merge_cells: int = 1
     l2_prefetch: int = 128
 
     def row(self, fp8: bool, rows: int, wgmma: bool = False, arch: str | None = None) -> MLATuningRow:
@@ -185,7 +189,7 @@ def _tiling(spec: MLASpec, table: MLATuning, rows: int) -> MLATiling:
     return MLATiling(rows=rows, warps=row.warps, tile_tokens=row.tile_tokens, stages=row.stages,
                      row_tiles=-(-total // rows), min_ctas=row.min_ctas, q_bytes=q_bytes, ring_bytes=ring_bytes,
                      convert_bytes=convert_bytes, p_pitch=p_pitch, smem_bytes=smem, merge_chunk=table.merge_chunk,
-                     l2_prefetch=table.l2_prefetch)
+                     merge_cells=table.merge_cells, l2_prefetch=table.l2_prefetch)
 
 
 def _wgmma_tiling(spec: MLASpec, table: MLATuning) -> MLATiling:
@@ -199,6 +203,5 @@ def _wgmma_tiling(spec: MLASpec, table: MLATuning) -> MLATiling:
     return MLATiling(rows=WGMMA_ROWS, warps=row.warps, tile_tokens=row.tile_tokens, stages=row.stages,
                      row_tiles=-(-spec.num_heads * spec.max_q_len // WGMMA_ROWS), min_ctas=row.min_ctas,
                      q_bytes=q_bytes, ring_bytes=ring_bytes, convert_bytes=convert_bytes, p_pitch=p_pitch,
-                     smem_bytes=smem,
-                     merge_chunk=table.merge_chunk, l2_prefetch=table.l2_prefetch, wgmma=True,
-                     ring_align=SWIZZLE_ATOM)
+                     smem_bytes=smem, merge_chunk=table.merge_chunk, merge_cells=table.merge_cells,
+                     l2_prefetch=table.l2_prefetch, wgmma=True, ring_align=SWIZZLE_ATOM)

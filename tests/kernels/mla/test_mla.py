@@ -5,6 +5,7 @@ against a float64 computation from scratch, fp8 latents, and the HuggingFace con
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import math
 
@@ -25,6 +26,7 @@ from flashjit.kernels.decode.spec import DecodeSpec
 from flashjit.kernels.mla.tiling import MLA_TUNING, cta_rows, mla_tiling
 from flashjit.jit.arch import dynamic_shared_limit
 from flashjit.jit.render import render
+from flashjit.masks.registry import masks
 from flashjit.worklist.host import HostPlanner, item_records
 from flashjit.serving.mla_reference import mla_reference
 from flashjit.serving.quantize import quantize_latent
@@ -119,8 +121,6 @@ def test_tuning_rows_cover_every_shape():
 
 def test_a_row_tuned_for_one_arch_serves_that_arch_only():
     """A new GPU's constants are a row keyed by its arch: its specs take it, other archs keep theirs."""
-    import dataclasses
-
     tuned = dataclasses.replace(MLA_TUNING.row(False, 16), arch="sm_100", stages=4)
     table = dataclasses.replace(MLA_TUNING, rows=MLA_TUNING.rows + (tuned,))
     assert table.row(False, 16, arch="sm_100") is tuned and table.row(False, 16, arch="sm_90").stages == 2
@@ -155,6 +155,20 @@ def test_nvrtc_compiles_without_spills(spec):
     assert compiled.cubin[:4] == b"\x7fELF" and b"flashjit_mla" in compiled.cubin
     assert b"flashjit_plan" in compiled.cubin  # every module carries the GPU planner (kernel.Kernel loads it)
     assert "0 bytes spill stores" in compiled.log
+
+
+@pytest.mark.parametrize("spec", [MLASpec(num_heads=128, arch="sm_90"), MLASpec(num_heads=16, arch="sm_90")],
+                         ids=lambda s: s.name)
+def test_the_merge_of_several_cells_at_once_compiles_without_spills(spec):
+    """merge_cells > 1 (MLATuning: the last CTA's cells combined several at once), on the warpgroup
+    and the mma.sync kernel."""
+    tiling = mla_tiling(spec, dataclasses.replace(MLA_TUNING, merge_cells=4, merge_chunk=4))
+    source = render(spec, masks.get(spec.mask), tiling)
+    assert "constexpr int MERGE_CELLS = 4;" in source and "merge_partials_if_last<M, NT, cfg::MERGE_CELLS>" in source
+    assert "constexpr int MERGE_CELLS = 1;" in render(spec)  # the default: one cell at a time
+    compiled = compile_source(source, spec.compile_arch, spec.name, extra_options=("--ptxas-options=-v",))
+    spills = [line for line in compiled.log.splitlines() if "spill stores" in line]
+    assert spills and all(" 0 bytes spill stores" in line for line in spills)
 
 
 def test_abi_struct_mismatch_fails_the_compile(monkeypatch):
