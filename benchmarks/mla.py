@@ -2,7 +2,7 @@
 (flashinfer.mla.BatchMLAPagedAttentionWrapper) and FlashMLA (flash_mla), where they import.
 
     python -m benchmarks.mla [--rows PATTERN] [--iters N] [--no-graph] [--json out.json]
-    python -m benchmarks.mla --sweep [--rows PATTERN]   # flashjit under other MLA tilings (warps, tile, stages)
+    python -m benchmarks.mla --sweep [--rows PATTERN]   # flashjit under other MLA tilings and settings
 
 Method as benchmarks/decode.py: random inputs, shuffled pages (page size 64, the size FlashMLA
 requires), the L2 flushed before every timed call, CUDA events around the call alone, the median of
@@ -244,6 +244,8 @@ SWEEP = {(False, 16): [(4, 64, 2, 1), (8, 64, 2, 1), (4, 32, 3, 1)],   # 16 warp
          (False, 64): [(8, 64, 2, 1), (8, 32, 2, 1)],
          (True, 16): [(4, 32, 2, 2), (4, 64, 2, 1), (8, 64, 3, 1)],
          (True, 64): [(8, 64, 2, 1), (8, 32, 3, 1)]}
+# Settings of the whole table timed against it as it is: the fused merge's cells a thread at once.
+SETTINGS = {"cells4": {"merge_cells": 4, "merge_chunk": 4}}
 
 
 def tuned_engine(table):
@@ -252,6 +254,7 @@ def tuned_engine(table):
 
     import flashjit
     from flashjit.jit.compile import compile_source
+    from flashjit.jit.arch import WGMMA_COMPILE_ARCH
     from flashjit.kernels.worklist_kernel import Kernel
     from flashjit.kernels.mla.tiling import mla_tiling
     from flashjit.jit.render import render
@@ -260,32 +263,50 @@ def tuned_engine(table):
     class TunedEngine(flashjit.Engine):
         def get_kernel(self, spec):
             tiling, mask = mla_tiling(spec, table), masks.get(spec.mask)
-            cubin = compile_source(render(spec, mask, tiling), spec.compile_arch, spec.name).cubin
+            arch = WGMMA_COMPILE_ARCH if tiling.wgmma else spec.arch  # the table may move a spec to wgmma
+            cubin = compile_source(render(spec, mask, tiling), arch, spec.name).cubin
             return Kernel(spec, tiling, mask, cubin, f"{spec.name}+tuned")
 
     return TunedEngine(cache_dir=tempfile.mkdtemp())
+
+
+def sweep_variants(spec) -> list[tuple[str, object]]:
+    """(label, MLATuning) for each variant --sweep times a spec under: the table as it is first, then
+    SWEEP's tilings of its mma.sync shape, then SETTINGS, and fp8 latents on the warpgroup kernel
+    where the spec's rows fill its tiles."""
+    import dataclasses
+
+    from flashjit.kernels.mla.tiling import MLA_TUNING, cta_rows, uses_wgmma
+
+    fp8, rows_per_cta, wgmma = spec.kv_is_fp8, cta_rows(spec.num_heads * spec.max_q_len), uses_wgmma(spec)
+    current = MLA_TUNING.row(fp8, rows_per_cta, wgmma)
+    tilings = [(current.warps, current.tile_tokens, current.stages, current.min_ctas)] + (
+        [] if wgmma else SWEEP.get((fp8, rows_per_cta), []))
+    variants = [(f"{'wgmma ' if wgmma else ''}w{warps}t{tile}s{stages}m{min_ctas}",
+                 MLA_TUNING.with_rows(fp8=fp8, rows=rows_per_cta, wgmma=wgmma, warps=warps, tile_tokens=tile,
+                                      stages=stages, min_ctas=min_ctas))
+                for warps, tile, stages, min_ctas in dict.fromkeys(tilings)]
+    variants += [(label, dataclasses.replace(MLA_TUNING, **changes)) for label, changes in SETTINGS.items()]
+    on_wgmma = dataclasses.replace(MLA_TUNING, wgmma_fp8=True)
+    if fp8 and not wgmma and uses_wgmma(spec, on_wgmma):
+        variants.append(("wgmma fp8", on_wgmma))
+    return variants
 
 
 def sweep(torch, rows, iters: int):
     from benchmarks.measure import row_problem
     from benchmarks.timing import Timer
     from flashjit.kernels.mla.spec import MLASpec
-    from flashjit.kernels.mla.tiling import MLA_TUNING, cta_rows, mla_tiling, uses_wgmma
+    from flashjit.kernels.mla.tiling import cta_rows, mla_tiling
 
     timer = Timer(torch, iters)
     for row in rows:
-        x, fp8, rows_per_cta = build(torch, row), row.kv == "e4m3", cta_rows(row.heads * row.q_len)
+        x = build(torch, row)
         ref = reference(torch, row, x)
         spec = MLASpec(num_heads=row.heads, kv_dtype=row.kv, page_size=PAGE_SIZE, max_q_len=row.q_len)
-        wgmma = uses_wgmma(spec)  # its one shape: the table's row alone
-        current = MLA_TUNING.row(fp8, rows_per_cta, wgmma)
-        variants = [(current.warps, current.tile_tokens, current.stages, current.min_ctas)] + (
-            [] if wgmma else SWEEP.get((fp8, rows_per_cta), []))
+        rows_per_cta = cta_rows(row.heads * row.q_len)
         cells = []
-        for warps, tile, stages, min_ctas in dict.fromkeys(variants):
-            table = MLA_TUNING.with_rows(fp8=fp8, rows=rows_per_cta, wgmma=wgmma, warps=warps, tile_tokens=tile,
-                                         stages=stages, min_ctas=min_ctas)
-            label = f"{'wgmma ' if wgmma else ''}w{warps}t{tile}s{stages}m{min_ctas}"
+        for label, table in sweep_variants(spec):
             if mla_tiling(spec, table).rows != rows_per_cta:  # fewer rows a CTA: this one's memory does not fit
                 cells.append(f"{label} (no fit)")
                 continue

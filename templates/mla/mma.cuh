@@ -257,9 +257,9 @@ FJ_INLINE void store_row(const Args& a, const WorkItem& item, int w, int tok, in
 // A split item's CTA, its partials written: the last of its request's row tile merges them.
 FJ_INLINE void merge_if_split(const Args& a, const WorkItem& item, int row_tile, int tid) {
   if (!item.direct)
-    decode::merge_partials_if_last<M, NT, cfg::MERGE_CELLS>(a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse,
-                                          a.out, a.out_stride, a.lse, a.num_heads, item.request, item.q_begin,
-                                          item.q_len, 0, row_tile, tid);
+    decode::merge_partials_if_last<M, NT, cfg::MERGE_CELLS>(
+        a.req_work_indptr, a.merge_counters, a.tile_counters, a.tmp_o, a.tmp_lse, a.out, a.out_stride, a.lse,
+        a.num_heads, item.request, item.q_begin, item.q_len, 0, row_tile, tid);
 }
 
 // S = Q K^T over this warp's KW keys of a stage (kv): s[n][0..1] row quad, s[n][2..3] row quad + 8,

@@ -17,11 +17,11 @@
 // Each tile starts when its copies are in (each copying thread waits for its own, fenced to the
 // async proxy that wgmma reads through) at a CTA barrier, and ends at another, after which its
 // stage takes the tile after next; warpgroup 1 waits for P on a named barrier.
-// fp8 latents (flashjit.kernels.mla.tiling.WGMMA_FP8) land as stored; once a tile's copies are in,
-// all threads convert it (mla/mma.cuh's convert, exact) into one 16-bit stage laid out as a 16-bit
-// tile's copies would be, fence those writes to the async proxy, and the MMAs read that stage. It
-// is free again once the tile's MMAs are done (the tile's last barrier); a stored stage once its
-// tile is converted, so the copies of tile t + 1 still run beside tile t's MMAs.
+// fp8 latents (MLATuning.wgmma_fp8, flashjit/kernels/mla/tiling.py) land as stored; once a tile's
+// copies are in, all threads convert it (mla/mma.cuh's convert, exact) into one 16-bit stage laid
+// out as a 16-bit tile's copies would be, fence those writes to the async proxy, and the MMAs read
+// that stage. It is free again once the tile's MMAs are done (the tile's last barrier); a stored
+// stage once its tile is converted, so the copies of tile t + 1 still run beside tile t's MMAs.
 // Outputs, partials, the fused merge and empty rows as in mla/mma.cuh's attend.
 //
 // Expects mla/mma.cuh (Args, LatentCopies, load_q, operand_offset), common/scoring.cuh and the

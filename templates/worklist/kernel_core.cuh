@@ -209,50 +209,9 @@ FJ_INLINE void store_out4(out_t* out, i64 out_stride, float* lse, int num_qo_hea
   if (lse != nullptr && col == 0) lse[(i64)token * num_qo_heads + qo_head] = lse2 * FJ_LN2;
 }
 
-// One output row's 4 columns (token, qo_head, col) from `splits` partials, lse_0 and o_0 the first
-// one's LSE and columns and each next item_stride rows on: MERGE_CHUNK partials at a time, LSEs and
-// values together with no load behind another (one L2 round trip per chunk), the chunks combined by
+// MERGE_CHUNK partials (base-2 LSEs and values) folded into a row's running state (m, sum, acc) by
 // the online-softmax rule. Partials with zero weight (empty or fully masked splits) are skipped, so
-// an unwritten one cannot leak NaN. The loads go through L2 (__ldcg): L1 is not coherent across CTAs.
-FJ_INLINE void combine_partials4(const float* lse_0, const float* o_0, i64 item_stride, int splits, out_t* out,
-                                 i64 out_stride, float* lse, int num_qo_heads, int token, int qo_head, int col) {
-  constexpr int D = cfg::HEAD_DIM, MERGE_CHUNK = cfg::MERGE_CHUNK;
-  float m = FJ_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int i0 = 0; i0 < splits; i0 += MERGE_CHUNK) {
-    float part_lse[MERGE_CHUNK];
-    float4 part[MERGE_CHUNK];
-#pragma unroll
-    for (int j = 0; j < MERGE_CHUNK; ++j) {
-      const bool real = i0 + j < splits;
-      part_lse[j] = real ? __ldcg(lse_0 + (i0 + j) * item_stride) : FJ_NEG_INF;
-      part[j] = real ? __ldcg(reinterpret_cast<const float4*>(o_0 + (i0 + j) * item_stride * D))
-                     : make_float4(0.f, 0.f, 0.f, 0.f);
-    }
-    float m_new = m;
-#pragma unroll
-    for (int j = 0; j < MERGE_CHUNK; ++j) m_new = fmaxf(m_new, part_lse[j]);
-    if (m_new == FJ_NEG_INF) continue;  // nothing with weight yet
-    const float rescale = exp2_approx(m - m_new);  // 0 while m is -inf
-    sum *= rescale;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[c] *= rescale;
-#pragma unroll
-    for (int j = 0; j < MERGE_CHUNK; ++j) {
-      const float weight = exp2_approx(part_lse[j] - m_new);
-      if (weight > 0.f) {
-        acc[0] += weight * part[j].x; acc[1] += weight * part[j].y; acc[2] += weight * part[j].z; acc[3] += weight * part[j].w;
-        sum += weight;
-      }
-    }
-    m = m_new;
-  }
-  store_out4(out, out_stride, lse, num_qo_heads, token, qo_head, col, acc, sum > 0.f ? 1.f / sum : 0.f,
-             sum > 0.f ? m + log2_approx(sum) : FJ_NEG_INF);
-}
-
-// combine_partials4's steps, for combine_cells (which the decode kernels do not call, so their
-// code stays as measured): MERGE_CHUNK partials (base-2 LSEs and values) folded into a row's
-// running state (m, sum, acc) by the online-softmax rule, zero weights skipped.
+// an unwritten one cannot leak NaN.
 FJ_INLINE void fold_partials(float& m, float& sum, float (&acc)[4], const float (&part_lse)[cfg::MERGE_CHUNK],
                              const float4 (&part)[cfg::MERGE_CHUNK]) {
   constexpr int MERGE_CHUNK = cfg::MERGE_CHUNK;
@@ -273,6 +232,30 @@ FJ_INLINE void fold_partials(float& m, float& sum, float (&acc)[4], const float 
     }
   }
   m = m_new;
+}
+
+// One output row's 4 columns (token, qo_head, col) from `splits` partials, lse_0 and o_0 the first
+// one's LSE and columns and each next item_stride rows on: MERGE_CHUNK partials at a time, LSEs and
+// values together with no load behind another (one L2 round trip per chunk), the chunks folded in.
+// The loads go through L2 (__ldcg): L1 is not coherent across CTAs.
+FJ_INLINE void combine_partials4(const float* lse_0, const float* o_0, i64 item_stride, int splits, out_t* out,
+                                 i64 out_stride, float* lse, int num_qo_heads, int token, int qo_head, int col) {
+  constexpr int D = cfg::HEAD_DIM, MERGE_CHUNK = cfg::MERGE_CHUNK;
+  float m = FJ_NEG_INF, sum = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int i0 = 0; i0 < splits; i0 += MERGE_CHUNK) {
+    float part_lse[MERGE_CHUNK];
+    float4 part[MERGE_CHUNK];
+#pragma unroll
+    for (int j = 0; j < MERGE_CHUNK; ++j) {
+      const bool real = i0 + j < splits;
+      part_lse[j] = real ? __ldcg(lse_0 + (i0 + j) * item_stride) : FJ_NEG_INF;
+      part[j] = real ? __ldcg(reinterpret_cast<const float4*>(o_0 + (i0 + j) * item_stride * D))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    fold_partials(m, sum, acc, part_lse, part);
+  }
+  store_out4(out, out_stride, lse, num_qo_heads, token, qo_head, col, acc, sum > 0.f ? 1.f / sum : 0.f,
+             sum > 0.f ? m + log2_approx(sum) : FJ_NEG_INF);
 }
 
 // Partial `i` (LSE and 4 values) of a cell whose first partial is at (lse_0, o_0), partials

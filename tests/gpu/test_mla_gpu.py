@@ -7,7 +7,7 @@ shapes (16, 32 and 64 rows per CTA, one and several row tiles, the wgmma kernel)
 576-wide cache, tensor scales, the LSE, empty and too-short requests (rows that see no key), a
 CUDA-graph replay after a re-plan, and the full grid (GRID) of heads {16, 32, 64, 128} x query
 tokens {1, 2, 4} x bf16/e4m3 latents x pages {1, 16, 64}, eager (split and unsplit) and in CUDA
-graphs replayed after re-plans; fp8 latents on the warpgroup kernel (tiling.WGMMA_FP8) and the
+graphs replayed after re-plans; fp8 latents on the warpgroup kernel (MLATuning.wgmma_fp8) and the
 merge of several cells at once (MLATuning.merge_cells) likewise.
 Every row (query token x head) is judged on its own (flashjit.serving.exactness); with fp8 latents
 the reference takes Q's RoPE part as the kernel rounds it (rounded_pe). No output may be NaN.
@@ -299,17 +299,22 @@ def check_graph_replays(engine, heads, q_len, kv, page_size):
 
 @pytest.fixture(scope="module")
 def wgmma_fp8_cache(tmp_path_factory):
-    """The kernel cache of the WGMMA_FP8 tests: the setting is not in the kernels' index keys, so
+    """The kernel cache of the wgmma_fp8 tests: the table is not in the kernels' index keys, so
     kernels built under it must not share a cache with those built without it."""
     return tmp_path_factory.mktemp("wgmma-fp8")
 
 
+def engine_under(monkeypatch, cache_dir, **settings):
+    """An engine whose MLA kernels take MLA_TUNING with settings (off by default until these tests
+    pass and benchmarks/mla.py --sweep has timed them), over a cache of its own."""
+    monkeypatch.setattr(mla_tiling_module, "MLA_TUNING", dataclasses.replace(mla_tiling_module.MLA_TUNING, **settings))
+    return flashjit.Engine(cache_dir=cache_dir)
+
+
 @pytest.fixture
 def wgmma_fp8_engine(monkeypatch, wgmma_fp8_cache):
-    """An engine whose fp8 specs of 64-row tiles take the warpgroup kernel (mla.tiling.WGMMA_FP8, off
-    by default until these tests pass and benchmarks/mla.py has timed it)."""
-    monkeypatch.setattr(mla_tiling_module, "WGMMA_FP8", True)
-    return flashjit.Engine(cache_dir=wgmma_fp8_cache)
+    """fp8 specs of 64-row tiles on the warpgroup kernel."""
+    return engine_under(monkeypatch, wgmma_fp8_cache, wgmma_fp8=True)
 
 
 WGMMA_FP8_CASES = [case for case in CASES if case[2] in FP8 and case[0] * case[1] >= 64]
@@ -335,11 +340,8 @@ def test_fp8_warpgroup_kernel_eager_and_in_graphs(wgmma_fp8_engine, heads, q_len
 @pytest.mark.parametrize("heads, q_len, kv, page_size", [(128, 1, "bf16", 64), (16, 2, "e4m3", 16), (64, 4, "bf16", 1)])
 def test_the_merge_of_several_cells_at_once(monkeypatch, tmp_path, heads, q_len, kv, page_size):
     """The fused merge combining 4 cells a thread at once (MLATuning.merge_cells, 1 by default until
-    timed), split and unsplit and in graph replays, over a cache of its own (the table is not in
-    the kernels' index keys)."""
-    table = dataclasses.replace(mla_tiling_module.MLA_TUNING, merge_cells=4, merge_chunk=4)
-    monkeypatch.setattr(mla_tiling_module, "MLA_TUNING", table)
-    engine = flashjit.Engine(cache_dir=tmp_path)
+    timed), split and unsplit and in graph replays."""
+    engine = engine_under(monkeypatch, tmp_path, merge_cells=4, merge_chunk=4)
     assert mla_tiling(MLASpec(num_heads=heads, kv_dtype=kv, page_size=page_size, max_q_len=q_len,
                               arch=arch())).merge_cells == 4
     check_eager(engine, heads, q_len, kv, page_size)

@@ -31,17 +31,12 @@ RING_ALIGN = 128
 WGMMA_ROWS = 64        # a warpgroup MMA's M
 
 
-# fp8 latents on the warpgroup kernel too (each stage converted to 16-bit in shared memory, in the
-# layout its MMAs read): off until the GPU tests and benchmarks/mla.py have run it, so fp8 specs
-# take the mma.sync kernel. The setting is not part of a kernel's index key: a cache built under
-# the other one must not serve a process that flips it (tests flip it over a cache of their own).
-WGMMA_FP8 = False
-
-
-def uses_wgmma(spec: MLASpec) -> bool:
-    """The warpgroup kernel: Hopper, 16-bit latents (fp8 ones too where WGMMA_FP8 is set), and a
-    request whose heads x query tokens fill 64-row tiles (128 heads, or 64; 32 with two query tokens)."""
-    return (has_wgmma(spec.arch) and (WGMMA_FP8 or not spec.kv_is_fp8)
+def uses_wgmma(spec: MLASpec, table: MLATuning | None = None) -> bool:
+    """The warpgroup kernel: Hopper, 16-bit latents (fp8 ones too where the table's wgmma_fp8 is
+    set), and a request whose heads x query tokens fill 64-row tiles (128 heads, or 64; 32 with two
+    query tokens). table: MLA_TUNING when None."""
+    table = MLA_TUNING if table is None else table
+    return (has_wgmma(spec.arch) and (table.wgmma_fp8 or not spec.kv_is_fp8)
             and spec.num_heads * spec.max_q_len >= WGMMA_ROWS)
 
 
@@ -117,6 +112,11 @@ class MLATuning:
     # each a round trip to L2 after the one before; several at once keep more loads in flight.
     merge_cells: int = 1
     l2_prefetch: int = 128
+    # fp8 latents on the warpgroup kernel too (each stage converted to 16-bit in shared memory, in
+    # the layout its MMAs read): off until the GPU tests and benchmarks/mla.py have run it, so fp8
+    # specs take the mma.sync kernel. Neither this table's settings nor its rows are part of a
+    # kernel's index key: kernels built under another table need a cache of their own.
+    wgmma_fp8: bool = False
 
     def row(self, fp8: bool, rows: int, wgmma: bool = False, arch: str | None = None) -> MLATuningRow:
         """The row tuned for arch, else the row for every arch (arch None)."""
@@ -168,7 +168,7 @@ def mla_tiling(spec: MLASpec, table: MLATuning | None = None) -> MLATiling:
     else cta_rows' rows a CTA, or half as many (down to 16) while its shared memory is more than the
     spec's arch gives a block."""
     table = MLA_TUNING if table is None else table
-    if uses_wgmma(spec):
+    if uses_wgmma(spec, table):
         return _wgmma_tiling(spec, table)
     rows = cta_rows(spec.num_heads * spec.max_q_len)
     tiling = _tiling(spec, table, rows)

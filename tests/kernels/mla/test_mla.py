@@ -399,6 +399,14 @@ def test_benchmark_rows_and_sweep_variants():
             assert (t.rows, t.warps, t.tile_tokens) == (rows, warps, tile)
             assert t.warps % t.m_tiles == 0 and (t.tile_tokens // t.key_slices) % 8 == 0
             assert t.smem_bytes <= dynamic_shared_limit("sm_90")
+    fp8_128 = MLASpec(num_heads=128, kv_dtype="e4m3", arch="sm_90")
+    variants = dict(bench.sweep_variants(fp8_128))
+    first = next(iter(variants))
+    assert first == "w8t32s4m1" and mla_tiling(fp8_128, variants[first]) == mla_tiling(fp8_128)  # the table as it is
+    assert mla_tiling(fp8_128, variants["wgmma fp8"]).wgmma and not mla_tiling(fp8_128).wgmma
+    assert mla_tiling(fp8_128, variants["cells4"]).merge_cells == 4
+    assert "wgmma fp8" not in dict(bench.sweep_variants(MLASpec(num_heads=16, kv_dtype="e4m3", arch="sm_90")))
+    assert next(iter(dict(bench.sweep_variants(MLASpec(num_heads=128, arch="sm_90"))))).startswith("wgmma ")
     entry = {"row": "b2 L100 h16", "floor_us": 10.0, "gemm_tflops": 4.0,
              "impls": {"flashjit": {"us": 12.5, "gbs": 1.0, "tflops": 2.0}, "flashinfer": {"error": "ImportError: x"},
                        "flashjit graph": {"us": 12.0, "gbs": 1.0, "tflops": 2.1}}}

@@ -11,6 +11,8 @@ warpgroup 1's by ldmatrix from shared memory) is checked against the MMA's A fra
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -67,8 +69,10 @@ def test_render_and_compile_for_sm90a():
                                     {"num_heads": 32, "max_q_len": 2, "kv_dtype": "e4m3", "dtype": "f16"}])
 def test_fp8_latents_take_the_wgmma_kernel_where_switched_on(monkeypatch, fields):
     spec = MLASpec(arch="sm_90", **fields)
-    assert not mla_tiling(spec).wgmma and spec.compile_arch == "sm_90"  # WGMMA_FP8 is off by default
-    monkeypatch.setattr(mla_tiling_module, "WGMMA_FP8", True)
+    assert not mla_tiling(spec).wgmma and spec.compile_arch == "sm_90"  # MLATuning.wgmma_fp8 is off by default
+    table = dataclasses.replace(mla_tiling_module.MLA_TUNING, wgmma_fp8=True)
+    assert uses_wgmma(spec, table) and mla_tiling(spec, table).wgmma  # a table of a sweep's
+    monkeypatch.setattr(mla_tiling_module, "MLA_TUNING", table)  # the default table
     tiling = mla_tiling(spec)
     assert uses_wgmma(spec) and tiling.wgmma and spec.compile_arch == "sm_90a"
     assert (tiling.rows, tiling.threads, tiling.tile_tokens, tiling.stages) == (WGMMA_ROWS, 256, 64, 2)
@@ -80,7 +84,7 @@ def test_fp8_latents_take_the_wgmma_kernel_where_switched_on(monkeypatch, fields
 
 
 def test_fp8_wgmma_render_and_compile(monkeypatch):
-    monkeypatch.setattr(mla_tiling_module, "WGMMA_FP8", True)
+    monkeypatch.setattr(mla_tiling_module, "MLA_TUNING", dataclasses.replace(mla_tiling_module.MLA_TUNING, wgmma_fp8=True))
     spec = MLASpec(num_heads=128, kv_dtype="e4m3", arch="sm_90")
     source = render(spec)
     assert "constexpr bool WGMMA = true;" in source and f"constexpr int CONVERT_BYTES = {64 * QK * 2};" in source
