@@ -11,9 +11,9 @@ Layout under the root:  v{SCHEMA}/entries/<key>/{kernel.cubin, source.cu, meta.j
                         v{SCHEMA}/host/<name>-<key>.so     (C host helpers: host_library.py)
                         v{SCHEMA}/CACHEDIR.TAG             (the marker: this folder is a flashjit cache)
 The index lets a fresh process find a kernel without rendering it or loading NVRTC (~100 ms);
-its key (keys.index_key) hashes the spec, every template file's contents, the flashjit version
-and the installed compiler's, so editing a template or upgrading misses it and falls back to the
-full key.
+its key (keys.index_key) hashes the spec, its tiling, every template file's contents, the flashjit
+version and the installed compiler's, so editing a template or a tuning table, or upgrading, misses
+it and falls back to the full key.
 meta.json is written last and holds the cubin's SHA-256: an entry without it, or whose cubin does
 not match it, is a miss and is rebuilt. Locks only stop two processes compiling the same key;
 correctness never depends on them, and flock-based locks die with their process. An unusable root degrades to memory only,

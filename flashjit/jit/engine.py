@@ -29,7 +29,7 @@ from ..masks.variants import variants
 from .artifact import obtain
 from .cache import KernelCache
 from .compile import CompiledKernel, compile_options, compile_source, compiler_fingerprint, nvrtc_version
-from .family import make_kernel, mask_of, source_of, variant_of
+from .family import make_kernel, mask_of, source_of, tiling_of, variant_of
 from .keys import cache_key, index_key, portable_key
 from .render import templates_digest
 
@@ -171,7 +171,7 @@ def _spec_key(spec, mask, variant=None) -> str:
     variant: the spec's VariantDef (default: the one registered under spec.variant)."""
     variant = variant_of(spec) if variant is None else variant
     return index_key(spec, mask, templates_digest(mask, variant), __version__, compile_options(spec.compile_arch),
-                     compiler_fingerprint(), variant)
+                     compiler_fingerprint(), variant, tiling_of(spec))
 
 
 def _entry_key(spec, source: str) -> str:

@@ -21,7 +21,7 @@ cache_key(source, arch, options, nvrtc_version, flashjit_version): a cache entry
   * nvrtc_version: another NVRTC may emit other (faster, or fixed) code for the same source, so a
     host that may compile builds its own.
 
-index_key(spec, mask, templates_digest, flashjit_version, options, compiler_fingerprint, variant):
+index_key(spec, mask, templates_digest, flashjit_version, options, compiler_fingerprint, variant, tiling):
 the spec -> entry key shortcut, which finds an entry without rendering or loading NVRTC.
   * spec (its repr): every field shapes the source; the class name in the repr keeps the specs of
     two families apart.
@@ -35,6 +35,10 @@ the spec -> entry key shortcut, which finds an entry without rendering or loadin
   * flashjit_version and options: as for the portable key.
   * compiler_fingerprint: the installed CuPy/NVRTC versions, standing in for nvrtc_version, so a
     compiler upgrade misses and falls back to the entry key.
+  * tiling (its repr): the launch shape and tuned constants the family computes in Python from its
+    tables (kernels/*/tiling.py), which the templates digest does not see and the launch reads
+    beside the cubin: a retuned table (or one of its settings) misses rather than pairing an old
+    cubin with a new grid, block or shared-memory size.
   A miss costs only a render and a lookup by entry key: the index may err towards missing.
 
 library_key(source, cc, cflags): a host helper library (``<cache>/v1/host/<name>-<key>.so``).
@@ -70,11 +74,11 @@ def cache_key(source: str, arch: str, options, nvrtc_version, flashjit_version: 
 
 
 def index_key(spec, mask, templates_digest: str, flashjit_version: str, options, compiler_fingerprint: str,
-              variant) -> str:
+              variant, tiling) -> str:
     mask_parts = () if mask is None else (mask.name, mask.template, mask.params)
     variant_parts = () if variant is None else (variant.name, variant.template, variant.params)
     text = repr((spec, *mask_parts, templates_digest, flashjit_version, tuple(options), compiler_fingerprint,
-                 *variant_parts))
+                 *variant_parts, tiling))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -297,24 +297,18 @@ def check_graph_replays(engine, heads, q_len, kv, page_size):
         check(out[:tokens], lse[:tokens], ref_out, ref_lse, where)
 
 
-@pytest.fixture(scope="module")
-def wgmma_fp8_cache(tmp_path_factory):
-    """The kernel cache of the wgmma_fp8 tests: the table is not in the kernels' index keys, so
-    kernels built under it must not share a cache with those built without it."""
-    return tmp_path_factory.mktemp("wgmma-fp8")
-
-
-def engine_under(monkeypatch, cache_dir, **settings):
+def engine_under(monkeypatch, **settings):
     """An engine whose MLA kernels take MLA_TUNING with settings (off by default until these tests
-    pass and benchmarks/mla.py --sweep has timed them), over a cache of its own."""
+    pass and benchmarks/mla.py --sweep has timed them). The tiling is part of the kernels' index
+    keys, so they share the run's cache with the default table's."""
     monkeypatch.setattr(mla_tiling_module, "MLA_TUNING", dataclasses.replace(mla_tiling_module.MLA_TUNING, **settings))
-    return flashjit.Engine(cache_dir=cache_dir)
+    return flashjit.Engine()
 
 
 @pytest.fixture
-def wgmma_fp8_engine(monkeypatch, wgmma_fp8_cache):
+def wgmma_fp8_engine(monkeypatch):
     """fp8 specs of 64-row tiles on the warpgroup kernel."""
-    return engine_under(monkeypatch, wgmma_fp8_cache, wgmma_fp8=True)
+    return engine_under(monkeypatch, wgmma_fp8=True)
 
 
 WGMMA_FP8_CASES = [case for case in CASES if case[2] in FP8 and case[0] * case[1] >= 64]
@@ -338,10 +332,10 @@ def test_fp8_warpgroup_kernel_eager_and_in_graphs(wgmma_fp8_engine, heads, q_len
 
 
 @pytest.mark.parametrize("heads, q_len, kv, page_size", [(128, 1, "bf16", 64), (16, 2, "e4m3", 16), (64, 4, "bf16", 1)])
-def test_the_merge_of_several_cells_at_once(monkeypatch, tmp_path, heads, q_len, kv, page_size):
+def test_the_merge_of_several_cells_at_once(monkeypatch, heads, q_len, kv, page_size):
     """The fused merge combining 4 cells a thread at once (MLATuning.merge_cells, 1 by default until
     timed), split and unsplit and in graph replays."""
-    engine = engine_under(monkeypatch, tmp_path, merge_cells=4, merge_chunk=4)
+    engine = engine_under(monkeypatch, merge_cells=4, merge_chunk=4)
     assert mla_tiling(MLASpec(num_heads=heads, kv_dtype=kv, page_size=page_size, max_q_len=q_len,
                               arch=arch())).merge_cells == 4
     check_eager(engine, heads, q_len, kv, page_size)

@@ -33,9 +33,28 @@ def test_index_key_is_pinned(monkeypatch):
     monkeypatch.setattr(engine_module, "templates_digest", lambda mask, variant=None: "d" * 64)
     monkeypatch.setattr(engine_module, "compiler_fingerprint", lambda: "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86")
     monkeypatch.setattr(engine_module, "__version__", "0.1.0")
+    monkeypatch.setattr(engine_module, "tiling_of", lambda spec: "t")  # a tuning change must not move the pin
     spec = DecodeSpec(64, mask="sliding_window", arch="sm_90", tensor_cores=False)
     assert engine_module._spec_key(spec, masks.get("sliding_window")) == \
-        "1432223ef6e3b91377682a126439e64fa1b3b0639f8cbbdf980b5233d448214c"
+        "bb783028d33216a03bb182a85e7036424f4d8b11ae0b851b84a98c132da0b900"
+
+
+def test_a_retuned_table_misses_the_index(monkeypatch):
+    """The index key holds the spec's tiling: a kernel cached under one tuning table is not paired
+    with another table's launch shape (the templates, and so the templates digest, are the same)."""
+    import dataclasses
+
+    from flashjit.kernels.mla import tiling as mla_tiling
+    from flashjit.kernels.mla.spec import MLASpec
+
+    spec = MLASpec(num_heads=128, kv_dtype="e4m3", arch="sm_90")
+    mask = engine_module.mask_of(spec)
+    before = engine_module._spec_key(spec, mask)
+    assert engine_module._spec_key(spec, mask) == before  # deterministic
+    for setting in ({"merge_cells": 4}, {"wgmma_fp8": True}):
+        with monkeypatch.context() as patch:
+            patch.setattr(mla_tiling, "MLA_TUNING", dataclasses.replace(mla_tiling.MLA_TUNING, **setting))
+            assert engine_module._spec_key(spec, mask) != before, setting
 
 
 def test_host_library_key_is_pinned(monkeypatch):
@@ -63,8 +82,8 @@ def test_keys_module_computes_the_same_keys(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     spec = DecodeSpec(64, mask="sliding_window", arch="sm_90", tensor_cores=False)
     assert keys.index_key(spec, masks.get("sliding_window"), "d" * 64, "0.1.0", OPTIONS,
-                          "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86", variants.get("none")) == \
-        "1432223ef6e3b91377682a126439e64fa1b3b0639f8cbbdf980b5233d448214c"
+                          "cupy-cuda12x=13.6.0;nvidia-cuda-nvrtc-cu12=12.9.86", variants.get("none"), "t") == \
+        "bb783028d33216a03bb182a85e7036424f4d8b11ae0b851b84a98c132da0b900"
     assert keys.library_key(b"int a;", ["/usr/bin/gcc", "-m64"], CFLAGS) == \
         "155e40931c9badbba94583e09c33e41e"
 

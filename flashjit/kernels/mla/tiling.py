@@ -114,8 +114,7 @@ class MLATuning:
     l2_prefetch: int = 128
     # fp8 latents on the warpgroup kernel too (each stage converted to 16-bit in shared memory, in
     # the layout its MMAs read): off until the GPU tests and benchmarks/mla.py have run it, so fp8
-    # specs take the mma.sync kernel. Neither this table's settings nor its rows are part of a
-    # kernel's index key: kernels built under another table need a cache of their own.
+    # specs take the mma.sync kernel.
     wgmma_fp8: bool = False
 
     def row(self, fp8: bool, rows: int, wgmma: bool = False, arch: str | None = None) -> MLATuningRow:
